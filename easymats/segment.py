@@ -1,0 +1,349 @@
+"""Reading telemetry segments: the agent's side of the contract (docs/segment.md).
+
+Every way a segment file can be wrong ends in one exception, :class:`SegmentError`, whose
+``kind`` says what is wrong and whose message says what to do. The reader never maps the file
+(a file truncated under a mapping would kill the reader with SIGBUS); it reads with ``pread``
+between two reads of the seqlock word and retries a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import stat
+import struct
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from . import layout as L
+from . import procinfo
+
+ENV_DIR = "EASYMATS_SEGMENT_DIR"
+MAX_ENTRIES = 65536
+MAX_FILE_BYTES = 64 << 20
+
+
+def segment_dir() -> str:
+    """The segment directory: $EASYMATS_SEGMENT_DIR, else /dev/shm/easymats-<uid>."""
+    return os.environ.get(ENV_DIR) or f"/dev/shm/easymats-{os.geteuid()}"
+
+
+class SegmentError(Exception):
+    """A segment that cannot be read. ``kind`` is one of KINDS; the message names the fix."""
+
+    KINDS = (
+        "not_found", "empty", "truncated", "bad_magic", "byte_order", "future_version",
+        "bad_layout", "symlink", "not_regular", "bad_owner", "bad_mode", "bad_directory",
+        "dead_pid", "pid_reused", "busy", "io",
+    )
+
+    def __init__(self, kind: str, path: str, message: str):
+        assert kind in self.KINDS, kind
+        self.kind = kind
+        self.path = path
+        super().__init__(f"{path}: {message}")
+
+
+class SegmentBusy(SegmentError):
+    """The writer kept publishing through every retry; try again at the next sample."""
+
+    def __init__(self, path: str, retries: int):
+        super().__init__("busy", path, f"segment busy: a publish was in progress on each of {retries} "
+                         "reads; the sample is skipped (the next one will retry)")
+
+
+def check_directory(path: str) -> None:
+    """The directory must be a real directory owned by us (or root) and not group/world-writable."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise SegmentError("not_found", path, "segment directory does not exist; no HiSparse "
+                           f"process has published here (set {ENV_DIR} if the runtime uses another)") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise SegmentError("bad_directory", path, "segment directory is a symbolic link; remove it "
+                           "(the writer recreates it with mode 0700)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise SegmentError("bad_directory", path, "segment directory is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SegmentError("bad_directory", path, f"segment directory is owned by uid {st.st_uid}, "
+                           f"not by you (uid {os.geteuid()}); run easymats as that user")
+    if st.st_mode & 0o022:
+        raise SegmentError("bad_directory", path, f"segment directory mode is {stat.S_IMODE(st.st_mode):04o}: "
+                           "group or world can write it; chmod 700 it")
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]  # per bucket, not cumulative; the last is the +Inf bucket
+    sum: float
+
+    @property
+    def count(self) -> float:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, float]]:
+        out, acc = [], 0.0
+        for bound, c in zip(self.bounds + (float("inf"),), self.counts):
+            acc += c
+            out.append((bound, acc))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    name: str
+    type: str  # counter | gauge | histogram | info
+    unit: str
+    labels: dict[str, str]
+    value: float | Histogram
+
+
+@dataclass(slots=True)
+class Snapshot:
+    path: str
+    pid: int
+    name: str
+    labels: dict[str, str]
+    start_ticks: int
+    created_unix_ns: int
+    heartbeat_unix_ns: int
+    heartbeat_mono_ns: int
+    seq: int
+    layout_generation: int
+    series: list[Series] = field(default_factory=list)
+    retries: int = 0
+
+    def get(self, name: str, **labels: str) -> float | Histogram | None:
+        for s in self.series:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    type: str
+    unit: str
+    labels: dict[str, str]
+    slot: int  # index of the first f64 in the values area
+    buckets: int
+
+
+class SegmentReader:
+    """Reads one segment file repeatedly. Open once, call :meth:`read` per sample."""
+
+    def __init__(self, path: str, *, max_retries: int = 64, check_writer: bool = True,
+                 proc_root: str = procinfo.PROC_ROOT):
+        self.path = path
+        self.max_retries = max_retries
+        self.proc_root = proc_root
+        self._fd = -1
+        self._layout: tuple[int, list[_Entry]] | None = None
+        self._open()
+        if check_writer:
+            self.check_writer()
+
+    # -- opening and validation ----------------------------------------------------------------
+    def _open(self) -> None:
+        path = self.path
+        check_directory(os.path.dirname(os.path.abspath(path)))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise SegmentError("not_found", path, "no such segment; the process may have exited") from None
+        except OSError as exc:
+            if os.path.islink(path):
+                raise SegmentError("symlink", path, "segment is a symbolic link; refusing to follow it "
+                                   "(remove it: segments are regular files)") from None
+            raise SegmentError("io", path, f"cannot open segment: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError("not_regular", path, "segment is not a regular file")
+            if st.st_uid not in (os.geteuid(), 0) and os.geteuid() != 0:
+                raise SegmentError("bad_owner", path, f"segment is owned by uid {st.st_uid}, not by you "
+                                   f"(uid {os.geteuid()}); run easymats as the runtime's user")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise SegmentError("bad_mode", path, f"segment mode is {stat.S_IMODE(st.st_mode):04o}; "
+                                   "segments must be 0600 (owner only): the writer is not a conforming one")
+        except SegmentError:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SegmentReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        try:
+            data = os.pread(self._fd, size, offset)
+        except OSError as exc:
+            raise SegmentError("io", self.path, f"read failed: {exc.strerror}") from None
+        if len(data) != size:
+            if offset == 0 and not data:
+                raise SegmentError("empty", self.path, "segment is empty: the writer has not "
+                                   "initialised it (or crashed while creating it); remove it")
+            raise SegmentError("truncated", self.path, f"segment truncated: needed {size} bytes at offset "
+                               f"{offset}, file has {offset + len(data)}")
+        return data
+
+    def _header(self) -> tuple:
+        raw = self._pread(L.HEADER_SIZE, 0)
+        if raw[:8] != L.SEGMENT_MAGIC:
+            raise SegmentError("bad_magic", self.path, f"not an easymats segment (magic {raw[:8]!r})")
+        h = L.HEADER_STRUCT.unpack_from(raw)
+        (_, major, minor, bom, hdr_size, entry_size, pid, start, boot, seq, hb_unix, hb_mono, gen,
+         count, capacity, table_off, values_off, values_used, values_cap, name, labels, created) = h
+        if bom != L.BYTE_ORDER_MARK:
+            raise SegmentError("byte_order", self.path, f"byte-order mark {bom:#x}: segment was written "
+                               "big-endian or is corrupt; version 1 segments are little-endian")
+        if major != L.MAJOR:
+            raise SegmentError("future_version", self.path, f"segment version {major}.{minor}; this easymats "
+                               f"reads {L.MAJOR}.x: upgrade easymats" if major > L.MAJOR else
+                               f"segment version {major}.{minor} is not supported")
+        if hdr_size < L.HEADER_SIZE or hdr_size > 65536 or entry_size != L.ENTRY_SIZE:
+            raise SegmentError("bad_layout", self.path, f"header size {hdr_size} / entry size {entry_size} "
+                               f"out of range (expected >= {L.HEADER_SIZE} / {L.ENTRY_SIZE})")
+        if not (0 <= count <= capacity <= MAX_ENTRIES):
+            raise SegmentError("bad_layout", self.path, f"entry count {count} / capacity {capacity} out of range")
+        table_end = table_off + capacity * L.ENTRY_SIZE
+        if table_off < hdr_size or table_off % 8 or values_off < table_end or values_off % 8:
+            raise SegmentError("bad_layout", self.path, f"entry table at {table_off} / values at {values_off} "
+                               "overlap the header or each other")
+        if values_used > values_cap or values_used % 8 or values_off + values_cap > MAX_FILE_BYTES:
+            raise SegmentError("bad_layout", self.path, f"values area {values_used}/{values_cap} bytes out of range")
+        if pid <= 0:
+            raise SegmentError("bad_layout", self.path, f"writer pid {pid} is not a pid")
+        return h
+
+    def check_writer(self) -> None:
+        """Raise SegmentError(dead_pid | pid_reused) unless the writing process is still alive."""
+        h = self._header()
+        pid, start, boot = h[6], h[7], h[8]
+        if boot != bytes(16) and boot != procinfo.boot_id(self.proc_root):
+            raise SegmentError("dead_pid", self.path, f"segment of pid {pid} is from an earlier boot; "
+                               "it is stale: remove it (easymats ls --clean)")
+        now_start = procinfo.start_ticks(pid, self.proc_root)
+        if now_start is None:
+            raise SegmentError("dead_pid", self.path, f"writer pid {pid} is not running: the segment is "
+                               "stale (the process crashed); remove it (easymats ls --clean)")
+        if start and now_start != start:
+            raise SegmentError("pid_reused", self.path, f"pid {pid} now belongs to another process (start "
+                               f"time {now_start} != {start}): the segment is stale; remove it")
+
+    def _entries(self, h: tuple) -> list[_Entry]:
+        gen, count, table_off, values_used = h[12], h[13], h[15], h[17]
+        if self._layout is not None and self._layout[0] == gen and len(self._layout[1]) == count:
+            return self._layout[1]
+        raw = self._pread(count * L.ENTRY_SIZE, table_off) if count else b""
+        entries: list[_Entry] = []
+        slots_total = values_used // 8
+        values_off = h[16]
+        for i in range(count):
+            type_code, _, buckets, _, value_off, name_b, labels_b, unit_b = L.ENTRY_STRUCT.unpack_from(
+                raw, i * L.ENTRY_SIZE)
+            where = f"entry {i}"
+            if type_code not in L.TYPE_NAMES:
+                raise SegmentError("bad_layout", self.path, f"{where}: unknown type code {type_code}")
+            if buckets > L.MAX_BUCKETS or (buckets and type_code != L.TYPE_HISTOGRAM):
+                raise SegmentError("bad_layout", self.path, f"{where}: bucket count {buckets} out of range")
+            rel = value_off - values_off
+            n_slots = L.value_slots(type_code, buckets)
+            if rel < 0 or rel % 8 or rel // 8 + n_slots > slots_total:
+                raise SegmentError("bad_layout", self.path, f"{where}: value offset {value_off} lies outside "
+                                   "the values area")
+            try:
+                name = L.decode_text(name_b)
+                unit = L.decode_text(unit_b)
+                labels = L.decode_labels(labels_b)
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise SegmentError("bad_layout", self.path, f"{where}: undecodable name or labels ({exc})") from None
+            if not L.METRIC_NAME_RE.match(name):
+                raise SegmentError("bad_layout", self.path, f"{where}: {name!r} is not a metric name")
+            entries.append(_Entry(name, L.TYPE_NAMES[type_code], unit, labels, rel // 8, buckets))
+        self._layout = (gen, entries)
+        return entries
+
+    def read(self) -> Snapshot:
+        """One consistent snapshot; SegmentBusy after ``max_retries`` torn reads."""
+        if self._fd < 0:
+            raise SegmentError("io", self.path, "reader is closed")
+        for attempt in range(self.max_retries + 1):
+            h = self._header()
+            seq = h[9]
+            if seq & 1:
+                continue
+            entries = self._entries(h)
+            values_used = h[17]
+            raw = self._pread(values_used, h[16]) if values_used else b""
+            seq2 = L.U64.unpack(self._pread(8, L.OFF_SEQ))[0]
+            if seq2 != seq:
+                continue
+            values = struct.unpack(f"<{values_used // 8}d", raw)
+            series = []
+            for e in entries:
+                if e.type == "histogram":
+                    b = e.buckets
+                    v: float | Histogram = Histogram(values[e.slot:e.slot + b], values[e.slot + b:e.slot + 2 * b + 1],
+                                                     values[e.slot + 2 * b + 1])
+                else:
+                    v = values[e.slot]
+                series.append(Series(e.name, e.type, e.unit, e.labels, v))
+            try:
+                name = L.decode_text(h[19])
+                labels = L.decode_labels(h[20])
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise SegmentError("bad_layout", self.path, f"undecodable segment name or labels ({exc})") from None
+            return Snapshot(path=self.path, pid=h[6], name=name, labels=labels, start_ticks=h[7],
+                            created_unix_ns=h[21], heartbeat_unix_ns=h[10], heartbeat_mono_ns=h[11],
+                            seq=seq, layout_generation=h[12], series=series, retries=attempt)
+        raise SegmentBusy(self.path, self.max_retries)
+
+
+def read_segment(path: str, *, check_writer: bool = True) -> Snapshot:
+    """Open, read one snapshot and close."""
+    with SegmentReader(path, check_writer=check_writer) as r:
+        return r.read()
+
+
+def segment_paths(directory: str | None = None) -> list[str]:
+    """Every ``*.seg`` file in the segment directory (no validation)."""
+    d = directory or segment_dir()
+    return sorted(glob.glob(os.path.join(glob.escape(d), "*.seg")))
+
+
+def pid_of_path(path: str) -> int | None:
+    """The pid a segment file name claims: ``<pid>.seg`` or ``<pid>.<n>.seg``."""
+    base = os.path.basename(path)
+    head = base.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def segments_for_pid(pid: int, directory: str | None = None) -> list[str]:
+    return [p for p in segment_paths(directory) if pid_of_path(p) == pid]
+
+
+def control_path(segment_path: str) -> str:
+    """The control file paired with a segment: same stem, ``.ctl``."""
+    return segment_path[:-4] + ".ctl" if segment_path.endswith(".seg") else segment_path + ".ctl"
+
+
+def iter_snapshots(paths: list[str]) -> Iterator[tuple[str, Snapshot | SegmentError]]:
+    for p in paths:
+        try:
+            yield p, read_segment(p)
+        except SegmentError as exc:
+            yield p, exc

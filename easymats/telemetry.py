@@ -1,0 +1,509 @@
+"""The telemetry writer: what a runtime uses to publish its counters (docs/segment.md).
+
+    from easymats import telemetry
+    seg = telemetry.open_segment(name="decode-0", labels={"model": "llama-8b"})
+    seg.counter("hisparse_hot_buffer_hits_total").inc(5)
+    seg.gauge("hisparse_kv_blocks", state="active").set(12)
+    seg.histogram("hisparse_quant_block_relative_error").observe(0.01)
+    seg.publish()                 # one consistent snapshot under the seqlock
+    req = seg.poll_control()      # None, or a ControlRequest(id, action, reason); then seg.ack(req)
+    seg.close()                   # removes the segment and control file
+
+Updates (``inc``, ``set``, ``observe``) touch only Python objects; ``publish`` copies every value
+into the shared segment in one write under a seqlock. The writer never breaks its host program:
+if the segment cannot be created it warns once and carries on as a no-op publisher.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import mmap
+import os
+import stat
+import struct
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Mapping
+
+from . import catalogue
+from . import layout as L
+from . import procinfo
+from .segment import ENV_DIR, control_path, segment_dir
+
+__all__ = ["open_segment", "Segment", "Counter", "Gauge", "Histogram", "ControlRequest",
+           "ControlFile", "TelemetryWarning"]
+
+DEFAULT_CAPACITY = 512
+DEFAULT_VALUE_SLOTS = 8192
+
+
+class TelemetryWarning(RuntimeWarning):
+    """The segment could not be created or written; metrics keep working in memory only."""
+
+
+class Counter:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError(f"a counter only goes up; got inc({amount})")
+        self.value += amount
+
+
+class Gauge:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+
+class Histogram:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0.0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = 0
+        for b in self.bounds:  # at most ~15 bounds: a linear scan beats bisect's call overhead
+            if value <= b:
+                break
+            i += 1
+        self.counts[i] += 1.0
+        self.sum += value
+
+    def observe_many(self, values) -> None:
+        for v in values:
+            self.observe(float(v))
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRequest:
+    id: int
+    action: str
+    reason: str
+    requester: str
+    requested_unix_ns: int
+
+
+def _write_at(mm: mmap.mmap, offset: int, data: bytes) -> None:
+    mm[offset:offset + len(data)] = data
+
+
+class Segment:
+    """A process's telemetry segment. Create with :func:`open_segment`."""
+
+    def __init__(self, name: str, labels: Mapping[str, str] | None, directory: str | None,
+                 capacity: int, value_slots: int):
+        self.name = name
+        self.labels = dict(labels or {})
+        self.path: str | None = None
+        self.control: ControlFile | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._series: dict[tuple, object] = {}
+        self._order: list[tuple[str, object]] = []  # (type, metric) in value-slot order
+        self._capacity = capacity
+        self._slots_capacity = value_slots
+        self._slots_used = 0
+        self._mm: mmap.mmap | None = None
+        self._fd = -1
+        self._seq = 0
+        self._generation = 0
+        self._pack: struct.Struct | None = None
+        self._warned = False
+        self._next_control_poll = 0.0
+        name_b = name.encode("utf-8")
+        if len(name_b) > L.NAME_FIELD or not name:
+            raise ValueError(f"segment name {name!r} must be 1..{L.NAME_FIELD} bytes of UTF-8")
+        self._labels_raw = L.encode_labels({k: str(v) for k, v in self.labels.items()}, L.LABELS_FIELD)
+        try:
+            self._create(directory or segment_dir())
+        except OSError as exc:
+            self._disable(f"cannot create telemetry segment in {directory or segment_dir()}: "
+                          f"{exc.strerror or exc}; metrics stay in memory only (set {ENV_DIR} to a "
+                          "writable tmpfs directory to publish)")
+
+    # -- creation ------------------------------------------------------------------------------
+    def _create(self, directory: str) -> None:
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(directory)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise OSError(0, f"{directory} is not a real directory")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise OSError(0, f"{directory} must be owned by uid {os.geteuid()} with mode 0700 "
+                          f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+        pid = self._pid
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for n in range(64):
+            path = os.path.join(directory, f"{pid}.seg" if n == 0 else f"{pid}.{n}.seg")
+            try:
+                fd = os.open(path, flags, 0o600)
+                break
+            except FileExistsError:
+                if _stale_own_file(path):
+                    try:
+                        os.unlink(path)
+                        os.unlink(control_path(path))
+                    except FileNotFoundError:
+                        pass
+                    fd = os.open(path, flags, 0o600)
+                    break
+        else:
+            raise OSError(0, f"64 segments already open for pid {pid}")
+        try:
+            os.fchmod(fd, 0o600)
+            values_off = L.HEADER_SIZE + self._capacity * L.ENTRY_SIZE
+            size = values_off + self._slots_capacity * 8
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        now = time.time_ns()
+        header = L.HEADER_STRUCT.pack(
+            L.SEGMENT_MAGIC, L.MAJOR, L.MINOR, L.BYTE_ORDER_MARK, L.HEADER_SIZE, L.ENTRY_SIZE, pid,
+            procinfo.start_ticks(pid) or 0, procinfo.boot_id(), 0, now, time.monotonic_ns(), 0,
+            0, self._capacity, L.HEADER_SIZE, values_off, 0, self._slots_capacity * 8,
+            self.name.encode("utf-8"), self._labels_raw, now)
+        _write_at(mm, 0, header)
+        self._mm, self._fd, self.path = mm, fd, path
+        self._values_off = values_off
+        self.control = ControlFile.create(control_path(path))
+        _LIVE.add(self)
+
+    def _disable(self, why: str) -> None:
+        if not self._warned:
+            warnings.warn(why, TelemetryWarning, stacklevel=3)
+            self._warned = True
+        self._teardown(unlink=True)
+
+    @property
+    def enabled(self) -> bool:
+        """True while the segment is published to shared memory."""
+        return self._mm is not None
+
+    # -- series --------------------------------------------------------------------------------
+    def _series_for(self, name: str, type_: str, labels: dict[str, str]):
+        key = (name, tuple(sorted(labels.items())))
+        metric = self._series.get(key)
+        if metric is not None:
+            return metric
+        spec = catalogue.get(name)
+        if spec.type != type_:
+            raise catalogue.UnknownMetricError(f"metric {name} is a {spec.type} in the catalogue, "
+                                               f"not a {type_}: use seg.{spec.type}({name!r}, ...)")
+        labels = {k: str(v) for k, v in labels.items()}
+        catalogue.check_labels(spec, labels)
+        if type_ == catalogue.HISTOGRAM:
+            metric = Histogram(spec.buckets)
+        elif type_ == catalogue.COUNTER:
+            metric = Counter()
+        else:
+            metric = Gauge()
+        with self._lock:
+            self._add_entry(spec, labels, metric)
+            self._series[key] = metric
+        return metric
+
+    def _add_entry(self, spec: catalogue.MetricSpec, labels: dict[str, str], metric: object) -> None:
+        type_code = L.TYPE_CODES[spec.type]
+        n_buckets = len(spec.buckets) if spec.type == catalogue.HISTOGRAM else 0
+        slots = L.value_slots(type_code, n_buckets)
+        index = len(self._order)
+        if index >= self._capacity or self._slots_used + slots > self._slots_capacity:
+            raise RuntimeError(f"telemetry segment is full ({self._capacity} series); open it with a "
+                               "larger capacity: telemetry.open_segment(..., capacity=N)")
+        slot = self._slots_used
+        self._order.append((spec.type, metric))
+        self._slots_used += slots
+        self._pack = None
+        if self._mm is None:
+            return
+        entry = L.ENTRY_STRUCT.pack(type_code, 0, n_buckets, 0, self._values_off + slot * 8,
+                                    spec.name.encode(), L.encode_labels(labels, L.ENTRY_LABELS_FIELD),
+                                    spec.unit.encode())
+        mm = self._mm
+        self._begin()
+        _write_at(mm, L.HEADER_SIZE + index * L.ENTRY_SIZE, entry)
+        if n_buckets:
+            _write_at(mm, self._values_off + slot * 8, struct.pack(f"<{n_buckets}d", *spec.buckets))
+        self._generation += 1
+        _write_at(mm, L.OFF_LAYOUT_GENERATION, L.U64.pack(self._generation))
+        _write_at(mm, L.OFF_ENTRY_COUNT, L.U32.pack(index + 1))
+        _write_at(mm, L.OFF_VALUES_USED, L.U64.pack(self._slots_used * 8))
+        self._end()
+
+    def counter(self, name: str, **labels: str) -> Counter:
+        return self._series_for(name, catalogue.COUNTER, labels)
+
+    def gauge(self, name: str, **labels: str) -> Gauge:
+        return self._series_for(name, catalogue.GAUGE, labels)
+
+    def histogram(self, name: str, **labels: str) -> Histogram:
+        return self._series_for(name, catalogue.HISTOGRAM, labels)
+
+    def info(self, name: str, **labels: str) -> None:
+        """Set an info metric (value 1) with these labels."""
+        self._series_for(name, catalogue.INFO, labels).set(1.0)
+
+    # -- publishing ----------------------------------------------------------------------------
+    def _begin(self) -> None:
+        self._seq += 1  # odd: a write is in progress
+        _write_at(self._mm, L.OFF_SEQ, L.U64.pack(self._seq))
+
+    def _end(self) -> None:
+        self._seq += 1
+        _write_at(self._mm, L.OFF_SEQ, L.U64.pack(self._seq))
+
+    def publish(self) -> None:
+        """Copy every value into the segment as one consistent snapshot and beat the heartbeat."""
+        mm = self._mm
+        if mm is None or os.getpid() != self._pid:
+            return
+        with self._lock:
+            vals: list[float] = []
+            append, extend = vals.append, vals.extend
+            for type_, m in self._order:
+                if type_ == "histogram":
+                    extend(m.bounds)
+                    extend(m.counts)
+                    append(m.sum)
+                else:
+                    append(m.value)
+            if self._pack is None:
+                self._pack = struct.Struct(f"<{len(vals)}d")
+            try:
+                self._begin()
+                # One slice assignment per area: a reader never sees a half-written double.
+                self._pack.pack_into(mm, self._values_off, *vals)
+                mm[L.OFF_HEARTBEAT_UNIX_NS:L.OFF_HEARTBEAT_MONO_NS + 8] = struct.pack(
+                    "<QQ", time.time_ns(), time.monotonic_ns())
+                self._end()
+            except (ValueError, OSError, BufferError) as exc:  # closed map, full tmpfs (SIGBUS aside)
+                self._disable(f"telemetry segment {self.path} could not be written ({exc}); "
+                              "metrics stay in memory only")
+
+    # -- control -------------------------------------------------------------------------------
+    def poll_control(self, min_interval_s: float = 0.0) -> ControlRequest | None:
+        """The pending control request, if any. Cheap; ``min_interval_s`` rate-limits the reads."""
+        if self.control is None or os.getpid() != self._pid:
+            return None
+        if min_interval_s:
+            now = time.monotonic()
+            if now < self._next_control_poll:
+                return None
+            self._next_control_poll = now + min_interval_s
+        return self.control.pending()
+
+    def ack(self, request: ControlRequest, status: int = 0) -> None:
+        if self.control is not None:
+            self.control.ack(request, status)
+
+    # -- teardown ------------------------------------------------------------------------------
+    def _teardown(self, unlink: bool) -> None:
+        mm, fd, path = self._mm, self._fd, self.path
+        self._mm, self._fd = None, -1
+        if self.control is not None:
+            self.control.close(unlink=unlink)
+            self.control = None
+        if mm is not None:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                pass
+        if fd >= 0:
+            os.close(fd)
+        if unlink and path and os.getpid() == self._pid:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        _LIVE.discard(self)
+
+    def close(self) -> None:
+        """Publish a last time, then remove the segment and its control file."""
+        if self._mm is not None:
+            self.publish()
+        self._teardown(unlink=True)
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ControlFile:
+    """The control file beside a segment: the agent writes requests, the runtime acknowledges.
+
+    Requests coalesce: the runtime sees the latest request id and acknowledging it covers every
+    earlier one. Writers (agents) serialise on ``flock``; the runtime reads without locking.
+    """
+
+    def __init__(self, path: str, fd: int):
+        self.path = path
+        self._fd = fd
+
+    @classmethod
+    def create(cls, path: str) -> "ControlFile":
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            os.unlink(path)
+            fd = os.open(path, flags, 0o600)
+        os.fchmod(fd, 0o600)
+        record = L.CONTROL_STRUCT.pack(L.CONTROL_MAGIC, L.MAJOR, L.MINOR, L.BYTE_ORDER_MARK, 0, 0, 0, 0,
+                                       b"", b"", b"", 0)
+        os.pwrite(fd, record.ljust(L.CONTROL_SIZE, b"\x00"), 0)
+        return cls(path, fd)
+
+    @classmethod
+    def open_existing(cls, path: str) -> "ControlFile":
+        """Open a runtime's control file for writing requests (the agent's side)."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        ok = (stat.S_ISREG(st.st_mode) and st.st_size >= L.CONTROL_SIZE
+              and os.pread(fd, 8, 0) == L.CONTROL_MAGIC and not stat.S_IMODE(st.st_mode) & 0o077)
+        if not ok:
+            os.close(fd)
+            raise ValueError(f"{path} is not an easymats control file (0600, magic {L.CONTROL_MAGIC!r})")
+        return cls(path, fd)
+
+    def _read(self) -> tuple:
+        raw = os.pread(self._fd, L.CONTROL_STRUCT.size, 0)
+        if len(raw) < L.CONTROL_STRUCT.size or raw[:8] != L.CONTROL_MAGIC:
+            raise ValueError(f"control file {self.path} is truncated or corrupt")
+        return L.CONTROL_STRUCT.unpack(raw)
+
+    def pending(self) -> ControlRequest | None:
+        try:
+            (_, _, _, _, req_seq, ack_seq, req_ns, _, action, reason, requester, _) = self._read()
+        except (ValueError, OSError):
+            return None
+        if req_seq <= ack_seq:
+            return None
+        return ControlRequest(req_seq, L.decode_text(action), L.decode_text(reason),
+                              L.decode_text(requester), req_ns)
+
+    def ack(self, request: ControlRequest, status: int = 0) -> None:
+        os.pwrite(self._fd, struct.pack("<Q", time.time_ns()), L.CTL_OFF_ACK_UNIX_NS)
+        os.pwrite(self._fd, struct.pack("<Q", status), L.CTL_OFF_ACK_STATUS)
+        os.pwrite(self._fd, struct.pack("<Q", request.id), L.CTL_OFF_ACK_SEQ)
+
+    def request(self, action: str, reason: str = "", requester: str = "") -> int:
+        """Write a request (agent side); returns its id. The id is written last."""
+        with _Flock(self._fd):
+            fields = self._read()
+            req_id = max(fields[4], fields[5]) + 1
+            body = struct.pack("<Q", time.time_ns())
+            os.pwrite(self._fd, body, L.CTL_OFF_REQUEST_UNIX_NS)
+            os.pwrite(self._fd, _field(action, L.CTL_ACTION_FIELD), L.CTL_OFF_ACTION)
+            os.pwrite(self._fd, _field(reason, L.CTL_REASON_FIELD), L.CTL_OFF_REASON)
+            os.pwrite(self._fd, _field(requester, L.CTL_REQUESTER_FIELD), L.CTL_OFF_REQUESTER)
+            os.pwrite(self._fd, struct.pack("<Q", req_id), L.CTL_OFF_REQUEST_SEQ)
+        return req_id
+
+    def acked(self) -> tuple[int, int, int]:
+        """(ack id, ack unix ns, ack status) as last written by the runtime."""
+        f = self._read()
+        return f[5], f[7], f[11]
+
+    def close(self, unlink: bool = False) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _field(text: str, size: int) -> bytes:
+    raw = text.encode("utf-8")[:size]
+    while raw:  # never cut a multi-byte character in half
+        try:
+            raw.decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            raw = raw[:-1]
+    return raw.ljust(size, b"\x00")
+
+
+class _Flock:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def _stale_own_file(path: str) -> bool:
+    """A file named with our pid that a previous process with the same pid left behind."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(L.HEADER_STRUCT.size)
+        h = L.HEADER_STRUCT.unpack(raw)
+        return h[6] != os.getpid() or h[7] != (procinfo.start_ticks(os.getpid()) or 0)
+    except (OSError, struct.error):
+        return True
+
+
+_LIVE: "weakref.WeakSet[Segment]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for seg in list(_LIVE):
+        try:
+            seg.close()
+        except Exception:  # never fail the host program's exit
+            pass
+
+
+def _after_fork_in_child() -> None:
+    # The child inherits the parent's mapping: it must never publish into the parent's segment.
+    for seg in list(_LIVE):
+        seg._mm = None
+        seg.control = None
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def open_segment(name: str, labels: Mapping[str, str] | None = None, *, directory: str | None = None,
+                 capacity: int = DEFAULT_CAPACITY, value_slots: int = DEFAULT_VALUE_SLOTS) -> Segment:
+    """Create this process's telemetry segment in the segment directory.
+
+    ``name`` is the target name the agent exports (e.g. "decode-0"); ``labels`` are constant
+    labels describing the process. Never raises for I/O problems: see :class:`TelemetryWarning`.
+    """
+    return Segment(name, labels, directory, capacity, value_slots)
