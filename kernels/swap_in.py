@@ -1,0 +1,82 @@
+"""Swap-in: copy host-pool rows into hot-buffer slots, optionally dequantizing on the way.
+
+On CUDA the source is pinned host memory read by the kernel over UVA (no cudaMemcpy per row).
+swap_in:          src (R, W), dst (S, W), src_rows / dst_rows (M,): dst[dst_rows[i]] = src[src_rows[i]].
+swap_in_dequant:  packed (R, P) uint8 rows of `bits`-bit codes (one row = one token's D values,
+                  P = ceil(D * bits / 8)), scale / zero (R // rows_per_block,) fp32;
+                  dst (S, D) float: dst[dst_rows[i]] = code * scale[blk] + zero[blk],
+                  blk = src_rows[i] // rows_per_block.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check, kernel_module, use_triton
+from .quant import SUPPORTED_BITS, packed_width, unpack_codes
+
+
+def _check_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    check(src_rows.dim() == 1 and dst_rows.dim() == 1 and src_rows.shape == dst_rows.shape,
+          f"src_rows and dst_rows must be (M,) of one length, got {tuple(src_rows.shape)} and {tuple(dst_rows.shape)}")
+    check(src_rows.dtype in INDEX_DTYPES and dst_rows.dtype in INDEX_DTYPES,
+          f"row indices must be int64 (or int32), got {src_rows.dtype} and {dst_rows.dtype}")
+
+
+def _device_path(src: torch.Tensor, dst: torch.Tensor, *index: torch.Tensor) -> bool:
+    """Triton only when the source is device memory or pinned host memory the GPU can read."""
+    if dst.is_cuda and not src.is_cuda and not src.is_pinned():
+        return False          # pageable host memory is not mapped for the GPU: copy through torch
+    return use_triton(src, dst, *index)
+
+
+def reference_swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    rows = src.index_select(0, src_rows.to(src.device).long())
+    dst.index_copy_(0, dst_rows.to(dst.device).long(), rows.to(dst.device, dst.dtype))
+
+
+def reference_swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                              rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor,
+                              dst_rows: torch.Tensor) -> None:
+    d = dst.shape[1]
+    idx = src_rows.to(packed.device).long()
+    codes = unpack_codes(packed.index_select(0, idx), bits, d).float()        # (M, D)
+    blk = idx // rows_per_block
+    x = codes * scale.to(packed.device).float()[blk, None] + zero.to(packed.device).float()[blk, None]
+    dst.index_copy_(0, dst_rows.to(dst.device).long(), x.to(dst.device, dst.dtype))
+
+
+def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] in place. src (R, W) (pinned host on CUDA), dst (S, W)."""
+    check(src.dim() == 2 and dst.dim() == 2, f"src and dst must be 2-D (rows, W), got {tuple(src.shape)} and {tuple(dst.shape)}")
+    check(src.shape[1] == dst.shape[1], f"row widths differ: src W={src.shape[1]}, dst W={dst.shape[1]}")
+    check(src.dtype == dst.dtype, f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")
+    _check_rows(src_rows, dst_rows)
+    if src_rows.numel() == 0:
+        return
+    if _device_path(src, dst, src_rows, dst_rows):
+        kernel_module("_swap_in_triton").swap_in(src, src_rows, dst, dst_rows)
+        return
+    reference_swap_in(src, src_rows, dst, dst_rows)
+
+
+def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Fused swap-in and dequantization of quantized host rows into dst (S, D) float, in place."""
+    check(bits in SUPPORTED_BITS, f"bits={bits} unsupported; use one of {SUPPORTED_BITS}")
+    check(packed.dim() == 2 and packed.dtype == torch.uint8, f"packed must be (R, P) uint8, got {tuple(packed.shape)} {packed.dtype}")
+    check(dst.dim() == 2 and dst.dtype in FLOAT_DTYPES, f"dst must be (S, D) float, got {tuple(dst.shape)} {dst.dtype}")
+    d = dst.shape[1]
+    check(packed.shape[1] == packed_width(d, bits),
+          f"packed rows hold {packed.shape[1]} bytes but D={d} at {bits} bits needs {packed_width(d, bits)}")
+    check(isinstance(rows_per_block, int) and rows_per_block > 0, f"rows_per_block must be a positive int, got {rows_per_block!r}")
+    nblk = packed.shape[0] // rows_per_block
+    check(scale.dim() == 1 and scale.shape == zero.shape and scale.shape[0] >= nblk,
+          f"scale and zero must be ({nblk},) (one per block of {rows_per_block} rows), got {tuple(scale.shape)} and {tuple(zero.shape)}")
+    _check_rows(src_rows, dst_rows)
+    if src_rows.numel() == 0:
+        return
+    if _device_path(packed, dst, src_rows, dst_rows) and (scale.is_cuda or scale.is_pinned() or not dst.is_cuda):
+        kernel_module("_swap_in_triton").swap_in_dequant(packed, scale, zero, bits, rows_per_block,
+                                                         src_rows, dst, dst_rows)
+        return
+    reference_swap_in_dequant(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows)

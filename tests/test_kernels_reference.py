@@ -1,0 +1,214 @@
+"""The plain-PyTorch references and the dispatchers' input checks (CPU, no Triton needed)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hi_sparse.kernels import (block_bounds, block_scores, dequantize_blocks, pack_codes, packed_width,
+                               quantize_blocks, reference_sparse_decode_attention, sparse_decode_attention,
+                               swap_in, swap_in_dequant, unpack_codes)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------- attention
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (8, 2, 60), (6, 1, 64)], ids=["mha-d16", "gqa4-d60", "mqa-d64"])
+def test_attention_with_every_slot_equals_dense_sdpa(hq, hkv, d):
+    torch.manual_seed(0)
+    B, S = 2, 37
+    q = torch.randn(B, hq, d, dtype=torch.float64)
+    k = torch.randn(B, hkv, S, d, dtype=torch.float64)
+    v = torch.randn(B, hkv, S, d, dtype=torch.float64)
+    slots = torch.randperm(S).repeat(B, hkv, 1)           # every slot once, in any order
+    out = sparse_decode_attention(q.float(), k.float(), v.float(), slots.to(torch.int32))
+    kk = k.repeat_interleave(hq // hkv, dim=1)
+    vv = v.repeat_interleave(hq // hkv, dim=1)
+    dense = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kk, vv)[:, :, 0]
+    assert out.dtype == torch.float32
+    assert _rel(out, dense) < 1e-5
+
+
+def test_attention_ignores_padding_and_empty_rows_give_zeros():
+    torch.manual_seed(1)
+    B, Hq, Hkv, S, D = 2, 4, 2, 16, 8
+    q, k, v = torch.randn(B, Hq, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    sel = torch.tensor([3, 7, 11])
+    slots = torch.full((B, Hkv, 6), -1, dtype=torch.int64)
+    slots[:, :, 1:4] = sel
+    slots[1, 1] = -1                                       # sequence 1, kv head 1: nothing selected
+    out = sparse_decode_attention(q, k, v, slots)
+    compact = sparse_decode_attention(q, k, v, sel.repeat(B, Hkv, 1))
+    assert torch.allclose(out[0], compact[0], atol=1e-6)
+    assert torch.allclose(out[1, :2], compact[1, :2], atol=1e-6)
+    assert torch.equal(out[1, 2:], torch.zeros(2, D))
+
+
+def test_attention_scale_and_low_precision_dtype():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 32), torch.randn(1, 1, 8, 32), torch.randn(1, 1, 8, 32)
+    slots = torch.arange(8).view(1, 1, 8)
+    a = sparse_decode_attention(q, k, v, slots, scale=0.5)
+    b = sparse_decode_attention(q * 0.5 / 32 ** -0.5, k, v, slots)
+    assert torch.allclose(a, b, atol=1e-5)
+    half = reference_sparse_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), slots)
+    upcast = sparse_decode_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), slots)
+    assert half.dtype == torch.bfloat16 and _rel(half.float(), upcast) < 1e-2
+
+
+@pytest.mark.parametrize("case,match", [
+    (lambda q, k, s: (q[0], k, k, s), "q must be"),
+    (lambda q, k, s: (q[:, :3], k, k, s), "multiple of Hkv"),
+    (lambda q, k, s: (q, k, k, s.float()), "int32 or int64"),
+    (lambda q, k, s: (q, k, k.half(), s), "share a dtype"),
+    (lambda q, k, s: (q, k, k, s + 100), r"slots must lie in"),
+    (lambda q, k, s: (q.int(), k.int(), k.int(), s), "unsupported"),
+], ids=["q-rank", "gqa", "slot-dtype", "mixed-dtype", "slot-range", "int-q"])
+def test_attention_rejects_bad_input_with_clear_message(case, match):
+    q, k = torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8)
+    s = torch.zeros(1, 2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=match):
+        sparse_decode_attention(*case(q, k, s))
+
+
+# ---------------------------------------------------------------- quantization
+def test_pack_codes_bit_order_is_little_endian():
+    assert pack_codes(torch.tensor([1, 2]), 4).tolist() == [0x21]
+    # 5-bit codes 0b10101, 0b00011: stream bits 10101 11000 (LSB first) -> byte0 = 0b01110101, byte1 = 0b00
+    assert pack_codes(torch.tensor([0b10101, 0b00011]), 5).tolist() == [0b01110101, 0b00]
+    assert pack_codes(torch.tensor([0xAB, 0x01]), 8).tolist() == [0xAB, 0x01]
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("d", [60, 64, 7])
+def test_pack_unpack_round_trip(bits, d):
+    q = torch.randint(0, 1 << bits, (3, 5, d))
+    packed = pack_codes(q, bits)
+    assert packed.shape == (3, 5, packed_width(d, bits)) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits, d), q)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_quantize_error_is_within_half_a_step(bits):
+    torch.manual_seed(bits)
+    x = torch.randn(4, 63, 60) * torch.tensor([0.1, 1.0, 10.0, 100.0])[:, None, None]
+    packed, scale, zero = quantize_blocks(x, bits)
+    assert packed.shape == (4, 63, packed_width(60, bits))
+    assert torch.allclose(zero, x.amin(dim=(1, 2)))
+    assert torch.allclose(scale, (x.amax(dim=(1, 2)) - zero) / ((1 << bits) - 1))
+    x_hat = dequantize_blocks(packed, scale, zero, bits, 60)
+    err = (x_hat - x).abs().amax(dim=(1, 2))
+    assert bool((err <= scale * 0.5 * (1 + 1e-4) + 1e-6).all()), (err, scale)
+    assert dequantize_blocks(packed, scale, zero, bits, 60, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_quantize_constant_block_is_exact():
+    x = torch.full((2, 4, 8), 3.25)
+    packed, scale, zero = quantize_blocks(x, 4)
+    assert torch.equal(scale, torch.zeros(2))
+    assert torch.equal(dequantize_blocks(packed, scale, zero, 4, 8), x)
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"bits=3 unsupported"):
+        quantize_blocks(torch.randn(1, 2, 4), 3)
+    with pytest.raises(ValueError, match=r"\(N, T, D\)"):
+        quantize_blocks(torch.randn(2, 4), 4)
+    packed, scale, zero = quantize_blocks(torch.randn(1, 2, 4), 4)
+    with pytest.raises(ValueError, match="needs 3"):
+        dequantize_blocks(packed, scale, zero, 6, 4)
+
+
+# ---------------------------------------------------------------- bounds and scores
+def test_block_bounds_cover_each_block_including_partial_last():
+    torch.manual_seed(3)
+    k = torch.randn(2, 63, 60)
+    kmin, kmax = block_bounds(k, 16)
+    assert kmin.shape == kmax.shape == (2, 4, 60)
+    for b in range(4):
+        blk = k[:, b * 16:(b + 1) * 16]
+        assert torch.equal(kmin[:, b], blk.amin(1)) and torch.equal(kmax[:, b], blk.amax(1))
+
+
+def test_block_scores_match_elementwise_definition_and_bound_q_dot_k():
+    torch.manual_seed(4)
+    hkv, g, length, d, bs = 2, 3, 50, 60, 8
+    k, q = torch.randn(hkv, length, d), torch.randn(hkv, g, d)
+    kmin, kmax = block_bounds(k, bs)
+    s = block_scores(q, kmin, kmax)
+    assert s.shape == (hkv, kmin.shape[1]) and s.dtype == torch.float32
+    direct = torch.maximum(q[:, :, None] * kmin[:, None], q[:, :, None] * kmax[:, None]).sum(-1).amax(1)
+    assert torch.allclose(s, direct, atol=1e-4)
+    true = (q @ k.transpose(1, 2))                        # (Hkv, G, L)
+    for b in range(kmin.shape[1]):
+        assert bool((true[:, :, b * bs:(b + 1) * bs].amax(dim=(1, 2)) <= s[:, b] + 1e-4).all())
+    batched = block_scores(q.expand(3, -1, -1, -1), kmin.expand(3, -1, -1, -1), kmax.expand(3, -1, -1, -1))
+    assert batched.shape == (3, hkv, kmin.shape[1]) and torch.allclose(batched[2], s)
+
+
+def test_bounds_reject_bad_input():
+    with pytest.raises(ValueError, match="block_size"):
+        block_bounds(torch.randn(1, 4, 2), 0)
+    with pytest.raises(ValueError, match="must be"):
+        block_scores(torch.randn(2, 1, 4), torch.randn(2, 3, 5), torch.randn(2, 3, 5))
+
+
+# ---------------------------------------------------------------- swap-in
+def test_swap_in_copies_rows_in_place():
+    src = torch.randn(10, 12)
+    dst = torch.full((6, 12), float("nan"))
+    swap_in(src, torch.tensor([9, 0, 4]), dst, torch.tensor([5, 1, 2]))
+    assert torch.equal(dst[[5, 1, 2]], src[[9, 0, 4]])
+    assert bool(dst[[0, 3, 4]].isnan().all())
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_swap_in_dequant_equals_dequantize_blocks(bits):
+    torch.manual_seed(5)
+    n, t, d = 3, 8, 60
+    x = torch.randn(n, t, d)
+    packed, scale, zero = quantize_blocks(x, bits)
+    ref = dequantize_blocks(packed, scale, zero, bits, d).reshape(n * t, d)
+    dst = torch.full((5, d), float("nan"))
+    rows = torch.tensor([23, 0, 9, 16])
+    swap_in_dequant(packed.reshape(n * t, -1), scale, zero, bits, t, rows, dst, torch.tensor([4, 0, 1, 2]))
+    assert torch.equal(dst[[4, 0, 1, 2]], ref[rows])
+    assert bool(dst[3].isnan().all())
+
+
+def test_swap_in_rejects_bad_input():
+    with pytest.raises(ValueError, match="row widths differ"):
+        swap_in(torch.randn(3, 4), torch.tensor([0]), torch.randn(3, 5), torch.tensor([0]))
+    with pytest.raises(ValueError, match="one length"):
+        swap_in(torch.randn(3, 4), torch.tensor([0, 1]), torch.randn(3, 4), torch.tensor([0]))
+    with pytest.raises(ValueError, match="uint8"):
+        swap_in_dequant(torch.zeros(4, 2), torch.ones(1), torch.zeros(1), 4, 4, torch.tensor([0]),
+                        torch.zeros(2, 4), torch.tensor([0]))
+
+
+# ---------------------------------------------------------------- dispatch
+def test_cpu_tensors_use_the_reference_and_never_load_triton_kernels():
+    code = (
+        "import sys, torch\n"
+        "from hi_sparse.kernels import sparse_decode_attention, quantize_blocks\n"
+        "sparse_decode_attention(torch.randn(1,2,8), torch.randn(1,1,4,8), torch.randn(1,1,4,8), torch.zeros(1,1,2,dtype=torch.long))\n"
+        "quantize_blocks(torch.randn(1,2,8), 4)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('hi_sparse.kernels._') and m.endswith('_triton')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_package_imports_and_runs_without_triton_installed():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"   # makes `import triton` raise ImportError
+        "import torch, os\n"
+        "os.environ['HISPARSE_FORCE_TRITON'] = '1'\n"
+        "from hi_sparse.kernels import block_bounds\n"
+        "kmin, kmax = block_bounds(torch.randn(1, 5, 4), 2)\n"
+        "print(tuple(kmin.shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "(1, 3, 4)"
