@@ -1,0 +1,406 @@
+"""The easymats agent: attach to processes, sample them on a fixed schedule, fan the samples out.
+
+Threads, and why each exists:
+
+- the **sampler** reads every target's segment on a drift-free monotonic schedule (tick k runs at
+  start + k * interval; a late tick is measured as lag and missed ticks are skipped, never
+  bunched), writes the log lines and keeps peaks; segment reads are bounded preads on tmpfs, so
+  a dead or busy target cannot hold the others up;
+- the **NVML** thread reads GPUs at ``nvml_interval`` (per-process utilization costs ~1.4 ms per
+  device), so a slow driver call never delays a sample;
+- the **HTTP** thread (prometheus_client's server) renders /metrics from the latest samples;
+- the caller's thread runs :meth:`Agent.run`: the live view or summary lines, and signals.
+
+Use from the CLI (``easymats --pid ...``) or as a library::
+
+    agent = Agent(pids=[1234], interval=0.1, output="run.log", listen=("127.0.0.1", 0))
+    agent.start()          # or agent.run() to block until the targets are gone
+    ...; agent.stop(); agent.wait()
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Iterable, TextIO
+
+from . import procinfo
+from .exporter import AgentCollector, LagHistogram, make_registry, serve
+from .liveview import LiveView
+from .logwriter import LogWriter
+from .nvml import Nvml, NvmlSnapshot
+from .procmetrics import descendants, owner_of
+from .segment import SegmentError, control_path, pid_of_path, segment_dir, segment_paths
+from .targets import Target
+
+DISCOVERY_INTERVAL_S = 1.0
+PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
+
+
+class AgentError(Exception):
+    """A problem the user caused and can fix; the message is one line naming the fix."""
+
+
+class Agent:
+    def __init__(self, pids: Iterable[int], *, children: bool = False, interval: float = 0.1,
+                 output: str | None = None, max_bytes: int = 100 << 20, backups: int = 5,
+                 listen: tuple[str, int] | None = None, nvml_interval: float = 1.0,
+                 duration: float | None = None, keep_serving: bool = False, view: str = "auto",
+                 peak_window: float = 15.0, directory: str | None = None,
+                 argv: Iterable[str] = (), out: TextIO | None = None, err: TextIO | None = None,
+                 nvml: Nvml | None = None):
+        self.pids = list(dict.fromkeys(int(p) for p in pids))
+        self.children = children
+        self.interval = interval
+        self.output = output
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.listen = listen
+        self.nvml_interval = nvml_interval
+        self.duration = duration
+        self.keep_serving = keep_serving
+        self.view = view  # auto | table | line | none
+        self.peak_window = peak_window
+        self.directory = directory or segment_dir()
+        self.argv = list(argv)
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.nvml = nvml or Nvml()
+
+        self.lag = LagHistogram()
+        self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu,
+                                        peak_window)
+        self.registry = make_registry(self.collector)  # the webhook may register its own collector
+        self.log: LogWriter | None = None
+        self.port: int | None = None
+        self.started_mono: float | None = None
+        self.first_sample_mono: float | None = None
+        self.ticks = 0
+        self._targets: list[Target] = []  # replaced whole, never mutated in place
+        self._gpu: NvmlSnapshot | None = None
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._server = None
+        self._opened = False
+        self._closed = False
+        self._rejected: set[tuple[str, int]] = set()  # (path, inode) of segments not ours
+        self._warned: set[str] = set()
+        self._next_discovery = 0.0
+        self._next_process = 0.0
+
+    # -- public ------------------------------------------------------------------------------------
+    @property
+    def targets(self) -> list[Target]:
+        return self._targets
+
+    def resolve_target(self, name: str) -> str | None:
+        """Control-file path of the live target declared as ``name`` (or with that pid)."""
+        for tg in self._targets:
+            if tg.gone or not tg.path:
+                continue
+            if tg.name == name or str(tg.pid) == str(name).strip():
+                return control_path(tg.path)
+        return None
+
+    def open(self) -> None:
+        """Check the PIDs, attach, open the log and the HTTP server. AgentError on user mistakes."""
+        if self._opened:
+            return
+        self.started_mono = time.monotonic()
+        for pid in self.pids:
+            self._check_pid(pid)
+        if self.output:
+            try:
+                self.log = LogWriter(self.output, interval_s=self.interval, max_bytes=self.max_bytes,
+                                     backups=self.backups, argv=self.argv)
+            except OSError as exc:
+                raise AgentError(f"cannot write the log {self.output}: {exc.strerror or exc}; "
+                                 "choose another --output") from None
+        self._event("agent_start", detail=f"pids={','.join(map(str, self.pids))} "
+                    f"interval={self.interval:g} dir={self.directory}")
+        self._discover(initial=True)
+        if self.listen is not None:
+            host, port = self.listen
+            try:
+                self._server, _ = serve(self.registry, host, port)
+            except OSError as exc:
+                self._close_log()
+                if exc.errno == errno.EADDRINUSE:
+                    raise AgentError(f"port {port} on {host} is already in use (another easymats?): "
+                                     "choose another with --listen HOST:PORT, or --listen none") from None
+                raise AgentError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                                 "fix --listen") from None
+            self.port = self._server.server_port
+        self._opened = True
+
+    def start(self) -> None:
+        """Open and start sampling in background threads; returns at once."""
+        self.open()
+        sampler = threading.Thread(target=self._sampler_loop, name="easymats-sampler", daemon=True)
+        self._threads.append(sampler)
+        sampler.start()
+        if self.nvml_interval > 0:
+            t = threading.Thread(target=self._nvml_loop, name="easymats-nvml", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the sampler has finished (stopped, duration over, or every target gone)."""
+        if self._threads:
+            self._threads[0].join(timeout)
+            if self._threads[0].is_alive():
+                return False
+        self.close()
+        return True
+
+    def run(self) -> int:
+        """Sample until stopped (SIGINT/SIGTERM, --duration, or every target gone); exit status."""
+        restore = self._install_signals()
+        try:
+            self.start()
+            mode = self._view_mode()
+            view = LiveView(colour=mode == "table")
+            period = 0.25 if mode == "table" else 1.0
+            while not self._done.wait(period if mode != "none" else 0.5):
+                if mode == "none":
+                    continue
+                targets = self._targets
+                view.observe(targets, time.monotonic())
+                try:
+                    if mode == "table":
+                        view.draw(self.out, targets)
+                    else:
+                        print(view.summary_line(targets, time.strftime("%H:%M:%S")), file=self.out,
+                              flush=True)
+                except (BrokenPipeError, ValueError):  # the reader of our stdout went away
+                    mode = "none"
+            self.wait()
+        finally:
+            restore()
+        return 0
+
+    def close(self) -> None:
+        """Stop everything and flush the log; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for t in self._threads[1:]:
+            t.join(timeout=2.0)
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self._close_log()
+        for tg in self._targets:
+            tg.close()
+        self.nvml.close()
+
+    # -- checks and discovery ------------------------------------------------------------------------
+    def _check_pid(self, pid: int) -> None:
+        if pid == os.getpid():
+            raise AgentError(f"PID {pid} is easymats itself; give the PID of the HiSparse process")
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            raise AgentError(f"no process with PID {pid} (it may have exited; check with: "
+                             f"ps -p {pid})") from None
+        except PermissionError:
+            raise AgentError(f"permission denied for PID {pid}: it belongs to {owner_of(pid)}; run "
+                             f"easymats as that user (segments are readable only by their owner)") from None
+
+    def _warn(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        print(f"easymats: warning: {message}", file=self.err, flush=True)
+
+    def _watched_pids(self) -> set[int]:
+        pids = set(self.pids)
+        if self.children:
+            for pid in self.pids:
+                pids.update(descendants(pid))
+        return pids
+
+    def _discover(self, initial: bool = False) -> None:
+        """Attach to new segments of watched processes (and, with --keep-serving, to segments
+        declaring the name of a target that went down: a restart)."""
+        watched = self._watched_pids()
+        current = list(self._targets)
+        attached = {tg.path for tg in current if tg.path and not tg.gone}
+        down_names = {tg.name for tg in current if tg.gone}
+        new: list[Target] = []
+        try:
+            paths = segment_paths(self.directory)
+        except OSError:
+            paths = []
+        for path in paths:
+            if path in attached:
+                continue
+            pid = pid_of_path(path)
+            if pid is None:
+                continue
+            try:
+                ino = os.stat(path).st_ino
+            except OSError:
+                continue
+            if (path, ino) in self._rejected:
+                continue
+            if pid not in watched and not (self.keep_serving and down_names):
+                continue
+            try:
+                tg = Target(pid, path, peak_window_s=self.peak_window)
+            except SegmentError as exc:
+                self._rejected.add((path, ino))
+                if pid in watched and exc.kind not in ("dead_pid", "pid_reused", "not_found"):
+                    self._warn(path, str(exc))
+                continue
+            if pid not in watched and tg.name not in down_names:
+                tg.close()
+                self._rejected.add((path, ino))
+                continue
+            new.append(tg)
+        # Watched pids with no segment: sample their process (and GPU) only, and say so once.
+        have_pid = {tg.pid for tg in current + new if not tg.gone and tg.path}
+        placeholders = {tg.pid for tg in current if not tg.gone and not tg.path}
+        for pid in self.pids:
+            if pid not in have_pid and pid not in placeholders and procinfo.pid_exists(pid):
+                if not any(tg.pid == pid for tg in current):
+                    self._warn(f"noseg-{pid}", f"PID {pid} has no telemetry segment in {self.directory} "
+                               "(is it a HiSparse process with telemetry on, and EASYMATS_SEGMENT_DIR "
+                               "the same for both?); sampling its process and GPU metrics only")
+                    new.append(Target(pid, None, peak_window_s=self.peak_window))
+        if not new:
+            return
+        keep = []
+        new_names = {tg.name for tg in new if tg.path}
+        new_pids = {tg.pid for tg in new if tg.path}
+        for tg in current:
+            if not tg.path and tg.pid in new_pids:
+                continue  # the placeholder's process opened its segment: the real target replaces it
+            if tg.gone and tg.name in new_names:
+                tg.close()
+                continue  # replaced by its restart
+            keep.append(tg)
+        for tg in new:
+            if tg.path and tg.name in down_names:
+                self._event("restart", tg, detail=f"{tg.name} is back as pid {tg.pid} ({tg.path})")
+            else:
+                self._event("attach", tg, detail=tg.path or "no segment")
+        self._targets = keep + new
+
+    # -- threads -------------------------------------------------------------------------------------
+    def _sampler_loop(self) -> None:
+        interval = self.interval
+        start = time.monotonic()
+        deadline = start + self.duration if self.duration else None
+        k = 0
+        try:
+            while not self._stop.is_set():
+                scheduled = start + k * interval
+                now = time.monotonic()
+                if now < scheduled:
+                    if self._stop.wait(scheduled - now):
+                        break
+                    now = time.monotonic()
+                lag = now - scheduled
+                self.lag.observe(lag)
+                self._tick(now, lag)
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if not self.keep_serving and self._targets and all(tg.gone for tg in self._targets):
+                    break
+                # Drift-free: the next tick is on the grid; ticks missed while late are skipped.
+                k = max(k + 1, int((time.monotonic() - start) / interval) + 1)
+        except Exception as exc:  # a bug must not leave a silent agent behind
+            print(f"easymats: internal error in the sampler: {type(exc).__name__}: {exc}", file=self.err)
+            raise
+        finally:
+            self._event("agent_stop", detail=f"ticks={self.ticks}")
+            self._stop.set()
+            self._done.set()
+
+    def _tick(self, mono: float, lag: float) -> None:
+        t = time.time()
+        if mono >= self._next_discovery:
+            self._next_discovery = mono + DISCOVERY_INTERVAL_S
+            self._discover()
+        read_process = mono >= self._next_process
+        if read_process:
+            self._next_process = mono + max(PROCESS_INTERVAL_S, self.interval)
+        gpu = self._gpu
+        lines = []
+        downs = []
+        for tg in self._targets:
+            if tg.gone:
+                continue
+            went_down, _ = tg.sample(t)
+            if read_process or tg.process is None:
+                tg.read_process()
+            if gpu is not None:
+                tg.gpu = gpu.for_pid(tg.pid)
+            if self.log is not None:
+                lines.append(tg.log_line(t, lag))
+            if went_down:
+                downs.append(tg)
+        if self.log is not None:
+            self.log.write_lines(lines)
+        for tg in downs:
+            self._event("down", tg, detail=tg.error or "")
+            self._rejected.clear()  # a segment skipped before may be this target's restart
+        self.ticks += 1
+        if self.first_sample_mono is None and self._targets:
+            self.first_sample_mono = time.monotonic()
+
+    def _nvml_loop(self) -> None:
+        if not self.nvml.available():
+            return  # GPU metrics stay absent: no driver here
+        start = time.monotonic()
+        k = 0
+        while not self._stop.is_set():
+            self._gpu = self.nvml.read()
+            k = max(k + 1, int((time.monotonic() - start) / self.nvml_interval) + 1)
+            if self._stop.wait(max(0.0, start + k * self.nvml_interval - time.monotonic())):
+                break
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _event(self, event: str, tg: Target | None = None, detail: str = "") -> None:
+        if self.log is not None:
+            self.log.event(event, target=tg.name if tg else None, pid=tg.pid if tg else None,
+                           detail=detail)
+
+    def _close_log(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+    def _view_mode(self) -> str:
+        if self.view != "auto":
+            return self.view
+        try:
+            return "table" if self.out.isatty() else "line"
+        except (AttributeError, ValueError):
+            return "line"
+
+    def _install_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {}
+
+        def handler(signum: int, frame: object) -> None:
+            self.stop()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+
+        def restore() -> None:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+        return restore

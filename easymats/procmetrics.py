@@ -1,0 +1,54 @@
+"""Process CPU time and resident memory of a target, from psutil."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import psutil
+
+
+class ProcessReading(NamedTuple):
+    cpu_seconds: float  # user + system
+    rss_bytes: int
+
+
+class ProcessProbe:
+    """Reads one process repeatedly. ``read()`` returns None once it is gone or unreadable."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        try:
+            self._proc: psutil.Process | None = psutil.Process(pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            self._proc = None
+
+    def read(self) -> ProcessReading | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        try:
+            with proc.oneshot():
+                cpu = proc.cpu_times()
+                mem = proc.memory_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+        return ProcessReading(cpu.user + cpu.system, mem.rss)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (children, grandchildren ...); [] if it is gone."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def owner_of(pid: int) -> str:
+    """The user name owning ``pid``, for error messages; "another user" if it cannot be read."""
+    try:
+        return psutil.Process(pid).username()
+    except Exception:
+        try:
+            return f"uid {psutil.Process(pid).uids().real}"
+        except Exception:
+            return "another user"
