@@ -1,0 +1,108 @@
+"""HiSparse configuration: one dataclass, validated with messages that name the fix.
+
+Defaults follow DESIGN.md 4 (SGLang HiSparse defaults: top_k 2048, hot buffer 2 x top_k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Union
+
+QUANT_BITS = (4, 5, 6, 8)
+Bits = Union[int, str, None]
+
+
+@dataclass(slots=True)
+class HiSparseConfig:
+    """Every knob of the runtime. Call :meth:`validate` (the engine does) before use."""
+
+    max_seq_len: int = 32768
+    cache_block_size: int = 512          # tokens per KV block (storage and selection granularity)
+    window_size: int = 1024              # most recent tokens always selected
+    global_tokens: int = 16              # anchors pinned per sequence, layer and KV head
+    top_k: int = 2048                    # tokens attended per decode step and KV head
+    device_buffer_tokens: int | None = None   # hot buffer slots per KV head; None -> 2 * top_k
+    kv_dtype: object = None              # torch dtype of stored KV; None -> the engine's dtype
+    host_kv_bits: Bits = None            # None: no quantization; 4/5/6/8 fixed; "auto": seed rule;
+                                         # "budget": error-budget policy
+    quant_error_budget: float = 0.02     # relative error allowed per block by the budget policy
+    metadata_device: str = "cpu"         # where page tables live
+    recalibrate_every: int = 32768       # tokens between scheduled recalibrations
+    recalibrate_topk: int = 32           # tokens labelled as anchors when the probe is refit
+    recalibrate_queries: int = 8         # recent decode queries kept per layer for re-scoring
+    audit_every: int = 16                # decode steps between audits (0 = never)
+    audit_top_m: int = 8                 # true top-m tokens compared against the selection
+    drift_floor: float = 0.5             # audited hit rate below this triggers recalibration
+    drift_window: int = 4                # audits averaged for the drift decision
+    threshold_base: float = 0.5          # probe threshold at 128K context
+    threshold_min: float = 0.05
+    threshold_max: float = 0.95
+    prefetch_blocks: int = 1             # next-ranked blocks loaded ahead per step (0 = off)
+    recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
+    streaming: bool = False              # bounded host pool overwrites unimportant blocks
+    host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
+    telemetry: bool = True
+    publish_interval_s: float = 0.005    # publish at most this often
+    name: str | None = None              # telemetry target name; None -> "hisparse"
+    seed: int = 0                        # audit sampling and probe init
+
+    @property
+    def buffer_tokens(self) -> int:
+        """Hot buffer slots per sequence, layer and KV head."""
+        return self.device_buffer_tokens if self.device_buffer_tokens is not None else 2 * self.top_k
+
+    def validate(self) -> "HiSparseConfig":
+        """Raise ValueError naming the fix for any inconsistent setting; returns self."""
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"HiSparseConfig: {msg}")
+
+        for f in ("max_seq_len", "cache_block_size", "window_size", "top_k"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                 f"{f} must be a positive integer, got {v!r}")
+        need(self.global_tokens >= 0, f"global_tokens must be >= 0, got {self.global_tokens}")
+        need(self.window_size <= self.top_k,
+             f"window_size ({self.window_size}) must be <= top_k ({self.top_k}): raise top_k or "
+             "lower window_size")
+        need(self.window_size + self.global_tokens <= self.top_k,
+             f"window_size + global_tokens ({self.window_size} + {self.global_tokens}) must be <= "
+             f"top_k ({self.top_k}): raise top_k or lower global_tokens")
+        need(self.buffer_tokens >= self.top_k,
+             f"device_buffer_tokens ({self.buffer_tokens}) must be >= top_k ({self.top_k}): every "
+             "selected token needs a hot buffer slot (leave it None for 2 * top_k)")
+        need(self.host_kv_bits in (None, "auto", "budget") + QUANT_BITS,
+             f"host_kv_bits must be None, 4, 5, 6, 8, 'auto' or 'budget', got {self.host_kv_bits!r}")
+        need(0 < self.quant_error_budget < 1,
+             f"quant_error_budget must be in (0, 1), got {self.quant_error_budget}")
+        need(self.metadata_device in ("cpu", "device"),
+             f"metadata_device must be 'cpu' or 'device', got {self.metadata_device!r}")
+        need(self.recalibrate_every >= 1, "recalibrate_every must be >= 1 token")
+        need(self.recalibrate_topk >= 1, "recalibrate_topk must be >= 1")
+        need(self.recalibrate_queries >= 1, "recalibrate_queries must be >= 1")
+        need(self.audit_every >= 0, "audit_every must be >= 0 (0 disables the audit)")
+        need(self.audit_top_m >= 1, "audit_top_m must be >= 1")
+        need(0.0 <= self.drift_floor <= 1.0, f"drift_floor must be in [0, 1], got {self.drift_floor}")
+        need(self.drift_window >= 1, "drift_window must be >= 1")
+        need(0 < self.threshold_min <= self.threshold_max < 1,
+             "need 0 < threshold_min <= threshold_max < 1")
+        need(self.prefetch_blocks >= 0, "prefetch_blocks must be >= 0")
+        need(self.recycle_grace_s >= 0, "recycle_grace_s must be >= 0")
+        need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
+        if self.host_pool_blocks is not None:
+            need(self.host_pool_blocks >= 1, "host_pool_blocks must be >= 1 (or None to grow)")
+        if self.streaming:
+            need(self.host_pool_blocks is not None,
+                 "streaming=True needs a bounded host pool: set host_pool_blocks")
+        return self
+
+    def as_labels(self) -> dict[str, str]:
+        """Values for the hisparse_config_info metric."""
+        return {"window_size": str(self.window_size), "global_tokens": str(self.global_tokens),
+                "block_size": str(self.cache_block_size), "top_k": str(self.top_k),
+                "device_buffer_tokens": str(self.buffer_tokens),
+                "host_kv_bits": "none" if self.host_kv_bits is None else str(self.host_kv_bits)}
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,106 @@
+"""Page table: (sequence, logical block) -> physical block, plus each sequence's token count.
+
+Pure bookkeeping over :class:`~hi_sparse.block_pool.BlockPool`; tensors are built by the caller
+from :meth:`PageTable.block_ids` (``version`` says when a cached tensor is stale). A logical block
+may become a *hole* (``None``) when streaming mode overwrote it: its tokens are gone for good.
+
+    tokens:   |0 ........ bs-1|bs ....... 2bs-1|2bs ... n-1     |
+    logical:  |   block 0     |    block 1     |  block 2 (tail) |
+    physical: |     17        |      4         |      9          |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool, KVBlock
+
+
+@dataclass(slots=True)
+class SequencePages:
+    blocks: list[KVBlock | None] = field(default_factory=list)
+    num_tokens: int = 0
+    version: int = 0
+    generations: tuple[int, ...] = ()  # of each live block when removed (for restore)
+
+
+class PoolExhausted(RuntimeError):
+    """The host pool has no free block for a new token."""
+
+
+class PageTable:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.seqs: dict[int, SequencePages] = {}
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self.seqs:
+            raise RuntimeError(f"bug: sequence {seq_id} already has a page table")
+        self.seqs[seq_id] = SequencePages()
+
+    def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
+        """Blocks to allocate before ``new_tokens`` more tokens fit."""
+        p = self.seqs[seq_id]
+        have = len(p.blocks) * self.block_size
+        short = p.num_tokens + new_tokens - have
+        return max(0, -(-short // self.block_size))
+
+    def extend(self, seq_id: int, new_tokens: int, blocks: list[KVBlock]) -> None:
+        """Record ``new_tokens`` more tokens, appending ``blocks`` (exactly those needed)."""
+        if len(blocks) != self.blocks_needed(seq_id, new_tokens):
+            raise RuntimeError(f"bug: extend of sequence {seq_id} by {new_tokens} tokens got "
+                               f"{len(blocks)} blocks, needs {self.blocks_needed(seq_id, new_tokens)}")
+        p = self.seqs[seq_id]
+        p.blocks.extend(blocks)
+        p.num_tokens += new_tokens
+        p.version += 1
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        """Physical block id per logical block (-1 for a hole)."""
+        return [-1 if b is None else b.block_id for b in self.seqs[seq_id].blocks]
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self.seqs[seq_id].num_tokens
+
+    def punch_hole(self, seq_id: int, logical: int) -> KVBlock:
+        """Detach a logical block (streaming eviction); returns the physical block, still active."""
+        p = self.seqs[seq_id]
+        b = p.blocks[logical]
+        if b is None:
+            raise RuntimeError(f"bug: logical block {logical} of sequence {seq_id} is already a hole")
+        p.blocks[logical] = None
+        p.version += 1
+        return b
+
+    def remove(self, seq_id: int) -> SequencePages:
+        """Forget a sequence and drop its references (blocks enter their grace period)."""
+        p = self.seqs.pop(seq_id)
+        live = [b for b in p.blocks if b is not None]
+        p.generations = tuple(b.generation for b in live)
+        self.pool.free_blocks(live)
+        return p
+
+    def restore(self, seq_id: int, pages: SequencePages) -> bool:
+        """Take back a removed sequence if all its blocks are still pending (reclaim); else False."""
+        live = [b for b in pages.blocks if b is not None]
+        if seq_id in self.seqs or any(b.state != "pending_recycle" or b.generation != g
+                                      for b, g in zip(live, pages.generations)):
+            return False
+        self.pool.touch(live)
+        pages.version += 1
+        self.seqs[seq_id] = pages
+        return True
+
+    def fork(self, src: int, dst: int) -> None:
+        """Share every full block of ``src`` with a new sequence ``dst`` (ref counts +1).
+
+        The partial tail block is not shared: the caller copies it into a fresh block.
+        """
+        p = self.seqs[src]
+        full = p.num_tokens // self.block_size
+        shared = [b for b in p.blocks[:full]]
+        if any(b is None for b in shared):
+            raise ValueError(f"sequence {src} lost blocks to streaming eviction; it cannot be forked")
+        self.pool.touch(shared)
+        self.seqs[dst] = SequencePages(blocks=list(shared), num_tokens=full * self.block_size)
