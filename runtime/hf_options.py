@@ -1,0 +1,82 @@
+"""``enable_hisparse_kv_cache(model, **options)`` options -> a validated HiSparseConfig.
+
+The option names are the seed's (``block_size`` is kept as an alias of ``cache_block_size``);
+any other HiSparseConfig field is accepted under its own name. Every mistake becomes one
+:class:`HiSparseOptionError` naming the option and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+import torch
+
+ALIASES = {"block_size": "cache_block_size"}
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+
+class HiSparseOptionError(ValueError):
+    """An option of enable_hisparse_kv_cache is unknown, mistyped or conflicts with another."""
+
+
+def dtype_name(value: Any) -> str:
+    """``torch.float16`` / ``"fp16"`` / ``"float16"`` -> ``"float16"``; raise on anything else."""
+    text = str(value).removeprefix("torch.").lower()
+    if text not in _DTYPE_NAMES:
+        raise HiSparseOptionError(
+            f"kv_dtype={value!r} is not supported: use torch.float32, torch.float16 or "
+            "torch.bfloat16 (or None for the model's dtype)")
+    return _DTYPE_NAMES[text]
+
+
+def normalise_options(options: dict[str, Any], field_names: set[str]) -> dict[str, Any]:
+    """Resolve aliases and reject unknown names; returns HiSparseConfig keyword arguments."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        target = ALIASES.get(name, name)
+        if target not in field_names:
+            close = difflib.get_close_matches(name, sorted(field_names | set(ALIASES)), n=2)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise HiSparseOptionError(f"unknown HiSparse option {name!r}{hint}")
+        if target in out and out[target] != value:
+            raise HiSparseOptionError(
+                f"block_size={options.get('block_size')!r} and cache_block_size="
+                f"{options.get('cache_block_size')!r} disagree: give only one of them")
+        out[target] = value
+    return out
+
+
+def build_config(config_cls: type, options: dict[str, Any], *, default_name: str) -> Any:
+    """A validated ``config_cls`` (HiSparseConfig) from the user's options.
+
+    ``kv_dtype`` may be a torch dtype or its name ("fp16", "bfloat16"); ``name`` defaults to ``default_name`` so the agent shows the model.
+    """
+    fields = {f.name for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(
+        config_cls) else set(getattr(config_cls, "__annotations__", {}))
+    kwargs = normalise_options(options, fields)
+    for key, value in kwargs.items():
+        if isinstance(value, bool) or key in ("kv_dtype", "host_kv_bits", "metadata_device",
+                                              "name", "streaming", "telemetry"):
+            continue
+        if isinstance(value, float) and value.is_integer():
+            kwargs[key] = int(value)
+    if kwargs.get("kv_dtype") is not None:
+        kwargs["kv_dtype"] = getattr(torch, dtype_name(kwargs["kv_dtype"]))
+    if "name" in fields and not kwargs.get("name"):
+        kwargs["name"] = default_name
+    try:
+        cfg = config_cls(**kwargs)
+        validate = getattr(cfg, "validate", None)
+        if validate is not None:
+            validate()
+    except HiSparseOptionError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise HiSparseOptionError(f"invalid HiSparse options: {exc}") from None
+    return cfg
