@@ -130,5 +130,33 @@ def main() -> None:
         child.wait()
 
 
+# ---- helpers for tests (import tests.helpers_targets or put tests/ on sys.path) ---------------
+
+def start_target(name: str = "decode-0", *, rate: float = 100.0, duration: float = 5.0,
+                 extra: list[str] | None = None, env: dict | None = None,
+                 timeout: float = 10.0) -> tuple[subprocess.Popen, str]:
+    """Start a target process and wait for its segment; returns (process, segment path)."""
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--name", name, "--rate", str(rate),
+                             "--duration", str(duration), *(extra or [])],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("ready "):
+            return proc, line.split()[2]
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"target {name} exited with {proc.returncode} before publishing")
+    proc.kill()
+    raise RuntimeError(f"target {name} did not publish within {timeout} s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 if __name__ == "__main__":
     main()
