@@ -120,8 +120,9 @@ def decode_labels(raw: bytes) -> dict[str, str]:
     return out
 
 
-def decode_text(raw: bytes) -> str:
-    return raw.rstrip(b"\x00").decode("utf-8")
+def decode_text(raw: bytes, errors: str = "strict") -> str:
+    """A NUL-padded UTF-8 field as text; ``errors`` as for bytes.decode."""
+    return raw.rstrip(b"\x00").decode("utf-8", errors)
 
 
 # ---- control file ---------------------------------------------------------------------------
@@ -139,4 +140,4 @@ CTL_REASON_FIELD = 128
 CTL_OFF_REQUESTER = 208
 CTL_REQUESTER_FIELD = 32
 CTL_OFF_ACK_STATUS = 240
-# 248..255 reserved
+CTL_OFF_WRITE_SEQ = 248  # odd while an agent writes a request (a seqlock for the request fields)

@@ -17,6 +17,7 @@ if the segment cannot be created it warns once and carries on as a no-op publish
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import mmap
 import os
@@ -52,7 +53,7 @@ class Counter:
         self.value = 0.0
 
     def inc(self, amount: float = 1.0) -> None:
-        if amount < 0:
+        if amount < 0.0:  # a float literal keeps CPython's float-compare fast path
             raise ValueError(f"a counter only goes up; got inc({amount})")
         self.value += amount
 
@@ -173,10 +174,13 @@ class Segment:
         else:
             raise OSError(0, f"64 segments already open for pid {pid}")
         try:
-            os.fchmod(fd, 0o600)
+            os.fchmod(fd, 0o600)  # the umask may have taken bits away; never adds any
             values_off = L.HEADER_SIZE + self._capacity * L.ENTRY_SIZE
             size = values_off + self._slots_capacity * 8
             os.ftruncate(fd, size)
+            # Reserve every page now: a write through the mapping into a hole of a full tmpfs
+            # raises SIGBUS and kills the host; here it is an ENOSPC we can turn into a warning.
+            _allocate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(fd)
@@ -360,7 +364,9 @@ class ControlFile:
     """The control file beside a segment: the agent writes requests, the runtime acknowledges.
 
     Requests coalesce: the runtime sees the latest request id and acknowledging it covers every
-    earlier one. Writers (agents) serialise on ``flock``; the runtime reads without locking.
+    earlier one. Writers (agents) serialise on ``flock`` and bracket each request with a write
+    sequence word (odd while writing), so the runtime, which never locks, never takes the id of
+    one request with the reason of another.
     """
 
     def __init__(self, path: str, fd: int):
@@ -383,14 +389,20 @@ class ControlFile:
 
     @classmethod
     def open_existing(cls, path: str) -> "ControlFile":
-        """Open a runtime's control file for writing requests (the agent's side)."""
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        """Open a runtime's control file for writing requests (the agent's side).
+
+        Raises OSError if it cannot be opened (FileNotFoundError: the runtime is gone) and
+        ValueError if it is not a control file of ours (wrong magic, size, owner or mode).
+        """
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         st = os.fstat(fd)
-        ok = (stat.S_ISREG(st.st_mode) and st.st_size >= L.CONTROL_SIZE
+        ok = (stat.S_ISREG(st.st_mode) and st.st_size >= L.CONTROL_SIZE and st.st_uid == os.geteuid()
               and os.pread(fd, 8, 0) == L.CONTROL_MAGIC and not stat.S_IMODE(st.st_mode) & 0o077)
         if not ok:
             os.close(fd)
-            raise ValueError(f"{path} is not an easymats control file (0600, magic {L.CONTROL_MAGIC!r})")
+            raise ValueError(f"{path} is not an easymats control file of yours (owner uid {st.st_uid}, "
+                             f"mode {stat.S_IMODE(st.st_mode):04o}, {st.st_size} bytes; expected your "
+                             f"uid, 0600, >= {L.CONTROL_SIZE} bytes, magic {L.CONTROL_MAGIC!r})")
         return cls(path, fd)
 
     def _read(self) -> tuple:
@@ -399,15 +411,32 @@ class ControlFile:
             raise ValueError(f"control file {self.path} is truncated or corrupt")
         return L.CONTROL_STRUCT.unpack(raw)
 
-    def pending(self) -> ControlRequest | None:
-        try:
-            (_, _, _, _, req_seq, ack_seq, req_ns, _, action, reason, requester, _) = self._read()
-        except (ValueError, OSError):
-            return None
-        if req_seq <= ack_seq:
-            return None
-        return ControlRequest(req_seq, L.decode_text(action), L.decode_text(reason),
-                              L.decode_text(requester), req_ns)
+    def _write_seq(self) -> int:
+        raw = os.pread(self._fd, 8, L.CTL_OFF_WRITE_SEQ)
+        if len(raw) != 8:
+            raise ValueError(f"control file {self.path} is truncated")
+        return L.U64.unpack(raw)[0]
+
+    def pending(self, max_retries: int = 8) -> ControlRequest | None:
+        """The latest unacknowledged request, or None (also when the file is unreadable or an
+        agent kept writing through every retry: the next poll sees it)."""
+        for _ in range(max_retries):
+            try:
+                w1 = self._write_seq()
+                if w1 & 1:
+                    os.sched_yield()
+                    continue
+                (_, _, _, _, req_seq, ack_seq, req_ns, _, action, reason, requester, _) = self._read()
+                if self._write_seq() != w1:
+                    continue
+            except (ValueError, OSError):
+                return None
+            if req_seq <= ack_seq:
+                return None
+            return ControlRequest(req_seq, L.decode_text(action, errors="replace"),
+                                  L.decode_text(reason, errors="replace"),
+                                  L.decode_text(requester, errors="replace"), req_ns)
+        return None
 
     def ack(self, request: ControlRequest, status: int = 0) -> None:
         os.pwrite(self._fd, struct.pack("<Q", time.time_ns()), L.CTL_OFF_ACK_UNIX_NS)
@@ -419,12 +448,14 @@ class ControlFile:
         with _Flock(self._fd):
             fields = self._read()
             req_id = max(fields[4], fields[5]) + 1
-            body = struct.pack("<Q", time.time_ns())
-            os.pwrite(self._fd, body, L.CTL_OFF_REQUEST_UNIX_NS)
+            wseq = self._write_seq() | 1  # odd: a request is being written (an odd leftover
+            os.pwrite(self._fd, L.U64.pack(wseq), L.CTL_OFF_WRITE_SEQ)  # of a crash stays odd)
+            os.pwrite(self._fd, struct.pack("<Q", time.time_ns()), L.CTL_OFF_REQUEST_UNIX_NS)
             os.pwrite(self._fd, _field(action, L.CTL_ACTION_FIELD), L.CTL_OFF_ACTION)
             os.pwrite(self._fd, _field(reason, L.CTL_REASON_FIELD), L.CTL_OFF_REASON)
             os.pwrite(self._fd, _field(requester, L.CTL_REQUESTER_FIELD), L.CTL_OFF_REQUESTER)
             os.pwrite(self._fd, struct.pack("<Q", req_id), L.CTL_OFF_REQUEST_SEQ)
+            os.pwrite(self._fd, L.U64.pack(wseq + 1), L.CTL_OFF_WRITE_SEQ)
         return req_id
 
     def acked(self) -> tuple[int, int, int]:
@@ -465,15 +496,37 @@ class _Flock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
-def _stale_own_file(path: str) -> bool:
-    """A file named with our pid that a previous process with the same pid left behind."""
+def _allocate(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes of ``fd`` (ENOSPC/EFBIG now rather than SIGBUS later)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(L.HEADER_STRUCT.size)
-        h = L.HEADER_STRUCT.unpack(raw)
-        return h[6] != os.getpid() or h[7] != (procinfo.start_ticks(os.getpid()) or 0)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        # A file system without fallocate: touch every page with a real write instead.
+        zeros = bytes(mmap.PAGESIZE)
+        for off in range(0, size, mmap.PAGESIZE):
+            os.pwrite(fd, zeros[:min(mmap.PAGESIZE, size - off)], off)
+
+
+def _stale_own_file(path: str) -> bool:
+    """A file named with our pid that an earlier process with the same pid left behind.
+
+    Anything that is not our own live segment (a crashed run's file, garbage, a planted link) is
+    stale and may be replaced; the caller then unlinks the name, which never follows a link.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        h = L.HEADER_STRUCT.unpack(os.pread(fd, L.HEADER_STRUCT.size, 0))
     except (OSError, struct.error):
         return True
+    finally:
+        os.close(fd)
+    me = os.getpid()
+    return h[6] != me or h[7] != (procinfo.start_ticks(me) or 0) or h[8] != procinfo.boot_id()
 
 
 _LIVE: "weakref.WeakSet[Segment]" = weakref.WeakSet()
@@ -489,10 +542,12 @@ def _close_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The child inherits the parent's mapping: it must never publish into the parent's segment.
+    # The child inherits the parent's mapping: it must never publish into the parent's segment
+    # (nor remove it at exit). Its metrics keep working in memory; it may open its own segment.
     for seg in list(_LIVE):
         seg._mm = None
         seg.control = None
+        seg._lock = threading.Lock()  # another thread may have held it at the fork
     _LIVE.clear()
 
 
