@@ -1,0 +1,269 @@
+"""Rates and ratios from the cumulative counters of one target, over a sliding time window.
+
+The runtime exports counters, never ratios (DESIGN 5); like a Prometheus recording rule, a ratio
+here is the increase of its numerator over the increase of its denominator within the window
+(``rate(a[w]) / rate(b[w])``). A counter that goes backwards, or a new pid under the same target
+name, is a restart: the window starts afresh so no rate spans two processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .reader import parse_key, series_key
+
+# Counters a ratio or rate is built from, by the exact key the log uses.
+_COUNTERS = (
+    ("anchor_hits", series_key("hisparse_anchor_hits_total")),
+    ("anchor_lookups", series_key("hisparse_anchor_lookups_total")),
+    ("prefetch_used", series_key("hisparse_prefetch_used_total")),
+    ("prefetch_issued", series_key("hisparse_prefetch_issued_total")),
+    ("hb_hits", series_key("hisparse_hot_buffer_hits_total")),
+    ("hb_lookups", series_key("hisparse_hot_buffer_lookups_total")),
+    ("tokens_used", series_key("hisparse_kv_tokens_used_total")),
+    ("tokens_loaded", series_key("hisparse_kv_tokens_loaded_total")),
+    ("recycles", series_key("hisparse_kv_block_recycles_total")),
+    ("decode_tokens", series_key("hisparse_tokens_total", {"phase": "decode"})),
+)
+_CI = {name: i for i, (name, _) in enumerate(_COUNTERS)}
+_HISTOGRAMS = (
+    ("step", series_key("hisparse_step_duration_seconds")),
+    ("quant_error", series_key("hisparse_quant_block_relative_error")),
+)
+_RECAL = "hisparse_recalibrations_total"
+K_ACTIVE = series_key("hisparse_kv_blocks", {"state": "active"})
+K_FREE = series_key("hisparse_kv_blocks", {"state": "free"})
+K_PENDING = series_key("hisparse_kv_blocks", {"state": "pending_recycle"})
+K_META_DEVICE = series_key("hisparse_kv_memory_bytes", {"kind": "metadata", "tier": "device"})
+K_DATA_DEVICE = series_key("hisparse_kv_memory_bytes", {"kind": "data", "tier": "device"})
+K_CONTEXT = series_key("hisparse_context_tokens")
+
+RATE_WINDOW_S = 10.0
+MIN_SPAN_S = 0.5  # a ratio over less than this is noise
+
+
+@dataclass(frozen=True, slots=True)
+class SeriesSpec:
+    key: str  # also the name of its threshold in easymats.thresholds, where it has one
+    title: str
+    unit: str  # "ratio" (0..1), "per_s", "bytes", "seconds", "blocks", "tokens"
+
+
+# The derived series the report summarises and plots, in display order.
+SERIES = (
+    SeriesSpec("anchor_hit_rate", "Anchor hit rate", "ratio"),
+    SeriesSpec("prefetch_efficiency", "Prefetch efficiency", "ratio"),
+    SeriesSpec("hot_buffer_hit_rate", "Hot buffer hit rate", "ratio"),
+    SeriesSpec("block_density", "Block density", "ratio"),
+    SeriesSpec("block_recycle_rate", "Block recycle rate", "per_s"),
+    SeriesSpec("kv_free_blocks_ratio", "Free blocks / pool size", "ratio"),
+    SeriesSpec("active_blocks", "Active blocks", "blocks"),
+    SeriesSpec("pool_blocks", "Pool size", "blocks"),
+    SeriesSpec("pending_blocks", "Blocks pending recycle", "blocks"),
+    SeriesSpec("device_metadata_bytes", "Device KV metadata", "bytes"),
+    SeriesSpec("device_data_bytes", "Device KV data", "bytes"),
+    SeriesSpec("context_tokens", "Context", "tokens"),
+    SeriesSpec("decode_tokens_per_s", "Decode tokens/s", "per_s"),
+    SeriesSpec("step_p99_seconds", "Step latency p99", "seconds"),
+    SeriesSpec("quant_error_p99", "Quantization error p99", "ratio"),
+    SeriesSpec("sample_lag_p99_seconds", "Sampling lag p99", "seconds"),
+    SeriesSpec("rss_bytes", "Process RSS", "bytes"),
+)
+SPECS = {s.key: s for s in SERIES}
+
+
+@dataclass(slots=True)
+class Restart:
+    t: float
+    old_pid: int | None
+    new_pid: int | None
+    why: str  # "pid" (new pid) or "counter reset"
+
+
+@dataclass(slots=True)
+class Derived:
+    """What one sample adds: derived values (absent = undefined), recalibrations, a restart."""
+
+    t: float
+    pid: int | None
+    up: bool
+    values: dict[str, float] = field(default_factory=dict)
+    recalibrations: dict[str, float] = field(default_factory=dict)  # reason -> count since last sample
+    restart: Restart | None = None
+    anchor_hits: float = 0.0  # increase since the previous sample (same process)
+    anchor_lookups: float = 0.0
+
+
+def _num(v: Any) -> float:
+    t = type(v)
+    return float(v) if t is float or t is int else math.nan
+
+
+def histogram_quantile(q: float, bounds: list[float], counts: list[float]) -> float | None:
+    """Quantile from non-cumulative bucket counts (last = +Inf), interpolating in the bucket."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, acc = q * total, 0.0
+    for i, c in enumerate(counts):
+        if acc + c >= rank and c > 0:
+            if i >= len(bounds):
+                return bounds[-1] if bounds else None  # in +Inf: report the highest finite bound
+            lo = bounds[i - 1] if i > 0 else 0.0
+            return lo + (bounds[i] - lo) * (rank - acc) / c
+        acc += c
+    return bounds[-1] if bounds else None
+
+
+class Deriver:
+    """Feed one target's samples in time order; get a :class:`Derived` per sample."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, min_span_s: float = MIN_SPAN_S):
+        self.window_s = window_s
+        self.min_span_s = min(min_span_s, window_s)
+        self._win: deque[tuple[float, tuple[float, ...], tuple[tuple[float, ...], ...]]] = deque()
+        self._bounds: dict[str, list[float]] = {}
+        self._pid: int | None = None
+        self._recal: dict[str, float] = {}
+        self._lags: deque[tuple[float, float]] = deque()
+        self._lag_p99: tuple[float, float] | None = None  # (computed at t, value): sorted once a second
+        self._recal_keys: tuple[int, list[tuple[str, str]]] = (-1, [])  # (len(metrics), [(key, reason)])
+
+    def _reset(self) -> None:
+        self._win.clear()
+        self._recal = {}
+
+    def feed(self, rec: Mapping[str, Any]) -> Derived:
+        t = float(rec["t"])
+        pid = rec.get("pid") if isinstance(rec.get("pid"), int) else None
+        up = rec.get("up", True) is not False
+        out = Derived(t=t, pid=pid, up=up)
+        if not up:
+            return out  # a down sample carries stale metrics: nothing to derive from it
+        metrics: Mapping[str, Any] = rec.get("metrics") or {}
+        counters = tuple(_num(metrics.get(k)) for _, k in _COUNTERS)
+        hists = []
+        for name, key in _HISTOGRAMS:
+            h = metrics.get(key)
+            if isinstance(h, dict) and isinstance(h.get("counts"), list):
+                self._bounds[name] = [float(b) for b in h.get("bounds", [])]
+                hists.append(tuple(_num(c) for c in h["counts"]))
+            else:
+                hists.append(())
+        if self._recal_keys[0] != len(metrics):  # the series set changes rarely: scan keys only then
+            found = []
+            for key in metrics:
+                if key.startswith(_RECAL):
+                    parsed = parse_key(key)
+                    if parsed and parsed[0] == _RECAL:
+                        found.append((key, parsed[1].get("reason", "")))
+            self._recal_keys = (len(metrics), found)
+        recal: dict[str, float] = {}
+        for key, reason in self._recal_keys[1]:
+            value = _num(metrics.get(key))
+            if not math.isnan(value):
+                recal[reason] = value
+
+        # Restart: a new pid, or any cumulative value going backwards.
+        if self._win:
+            prev = self._win[-1][1]
+            went_back = any(c < p for c, p in zip(counters, prev) if not (math.isnan(c) or math.isnan(p)))
+            went_back = went_back or any(v < self._recal.get(r, 0.0) for r, v in recal.items())
+            if pid is not None and self._pid is not None and pid != self._pid:
+                out.restart = Restart(t, self._pid, pid, "pid")
+            elif went_back:
+                out.restart = Restart(t, self._pid, pid, "counter reset")
+            if out.restart:
+                self._reset()
+        elif pid is not None and self._pid is not None and pid != self._pid:
+            out.restart = Restart(t, self._pid, pid, "pid")
+            self._reset()
+        if pid is not None:
+            self._pid = pid
+
+        if self._recal or self._win:
+            for reason, v in recal.items():
+                d = v - self._recal.get(reason, 0.0)
+                if d > 0:
+                    out.recalibrations[reason] = d
+        self._recal = recal
+        if self._win:
+            prev = self._win[-1][1]
+            for attr, name in (("anchor_hits", "anchor_hits"), ("anchor_lookups", "anchor_lookups")):
+                d = counters[_CI[name]] - prev[_CI[name]]
+                if d > 0:
+                    setattr(out, attr, d)
+
+        self._win.append((t, counters, tuple(hists)))
+        while len(self._win) > 2 and t - self._win[1][0] >= self.window_s:
+            self._win.popleft()
+        t0, c0, h0 = self._win[0]
+        span = t - t0
+        v = out.values
+        if span >= self.min_span_s:
+            def ratio(num: str, den: str) -> float | None:
+                dn = counters[_CI[num]] - c0[_CI[num]]
+                dd = counters[_CI[den]] - c0[_CI[den]]
+                if math.isnan(dn) or math.isnan(dd) or dd <= 0:
+                    return None
+                return max(0.0, min(1.0, dn / dd))
+
+            for key, num, den in (("anchor_hit_rate", "anchor_hits", "anchor_lookups"),
+                                  ("prefetch_efficiency", "prefetch_used", "prefetch_issued"),
+                                  ("hot_buffer_hit_rate", "hb_hits", "hb_lookups"),
+                                  ("block_density", "tokens_used", "tokens_loaded")):
+                r = ratio(num, den)
+                if r is not None:
+                    v[key] = r
+            d_tok = counters[_CI["decode_tokens"]] - c0[_CI["decode_tokens"]]
+            if not math.isnan(d_tok):
+                v["decode_tokens_per_s"] = d_tok / span
+            active = _num(metrics.get(K_ACTIVE))
+            d_rec = counters[_CI["recycles"]] - c0[_CI["recycles"]]
+            if not math.isnan(d_rec) and active > 0:
+                v["block_recycle_rate"] = d_rec / span / active
+            for i, (name, _) in enumerate(_HISTOGRAMS):
+                h, old = hists[i], h0[i]
+                if h and len(old) == len(h):
+                    delta = [a - b for a, b in zip(h, old)]
+                    q = histogram_quantile(0.99, self._bounds[name], delta)
+                    if q is not None:
+                        v["step_p99_seconds" if name == "step" else "quant_error_p99"] = q
+
+        active, free, pending = (_num(metrics.get(k)) for k in (K_ACTIVE, K_FREE, K_PENDING))
+        for key, value in (("active_blocks", active), ("pending_blocks", pending),
+                           ("device_metadata_bytes", _num(metrics.get(K_META_DEVICE))),
+                           ("device_data_bytes", _num(metrics.get(K_DATA_DEVICE))),
+                           ("context_tokens", _num(metrics.get(K_CONTEXT)))):
+            if not math.isnan(value):
+                v[key] = value
+        if not any(math.isnan(x) for x in (active, free, pending)) and active + free + pending > 0:
+            v["pool_blocks"] = active + free + pending
+            v["kv_free_blocks_ratio"] = free / (active + free + pending)
+        lag = _num(rec.get("lag_s"))
+        if not math.isnan(lag):
+            self._lags.append((t, lag))
+            while self._lags and t - self._lags[0][0] >= self.window_s:
+                self._lags.popleft()
+            if t - self._lags[0][0] >= self.min_span_s or len(self._lags) >= 10:
+                if self._lag_p99 is None or t - self._lag_p99[0] >= 1.0 or t < self._lag_p99[0]:
+                    lags = sorted(x for _, x in self._lags)
+                    self._lag_p99 = (t, lags[min(len(lags) - 1, int(0.99 * len(lags)))])
+                v["sample_lag_p99_seconds"] = self._lag_p99[1]
+        proc = rec.get("process")
+        if isinstance(proc, dict) and isinstance(proc.get("rss_bytes"), (int, float)):
+            v["rss_bytes"] = float(proc["rss_bytes"])
+        return out
+
+
+def config_of(metrics: Mapping[str, Any]) -> dict[str, str] | None:
+    """The labels of ``hisparse_config_info`` in a sample's metrics, if present."""
+    for key in metrics:
+        if key.startswith("hisparse_config_info"):
+            parsed = parse_key(key)
+            if parsed and parsed[0] == "hisparse_config_info":
+                return parsed[1]
+    return None

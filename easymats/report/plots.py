@@ -1,0 +1,145 @@
+"""Figures of one target's run: key metrics over time with thresholds, recalibrations and restarts.
+
+matplotlib is optional (the ``report`` extra): it is imported when the first figure is drawn, with
+the Agg backend and the object API (no pyplot state), and :class:`PlotsUnavailable` says how to
+install it. Each series is drawn from its :class:`~.accum.Downsampler` (a min/max band and the mean),
+so a figure costs the same for a minute or a day of samples.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from easymats import thresholds
+
+from .analyse import TargetRun
+
+THRESHOLD_COLOR = "#e8590c"
+RESTART_COLOR = "#c92a2a"
+RECAL_COLOR = "#2b8a3e"
+SERIES_COLORS = ("#1971c2", "#7048e8", "#0c8599", "#5c940d")
+BACKGROUND = "#ffffff"
+INSTALL_HINT = "plots need matplotlib: pip install 'easymats[report]'"
+
+
+class PlotsUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    name: str  # file name stem
+    title: str
+    series: tuple[str, ...]  # derived series keys
+    unit: str  # axis unit: "%", "%/s", "blocks", "MiB", "ms", "tokens/s"
+    threshold: str = ""  # key in easymats.thresholds drawn as a horizontal line
+    recal_markers: bool = False
+
+
+PANELS = (
+    Panel("anchor_hit_rate", "Anchor hit rate", ("anchor_hit_rate",), "%", "anchor_hit_rate", True),
+    Panel("prefetch_efficiency", "Prefetch efficiency", ("prefetch_efficiency",), "%", "prefetch_efficiency"),
+    Panel("hot_buffer", "Hot buffer hit rate and block density", ("hot_buffer_hit_rate", "block_density"),
+          "%", "hot_buffer_hit_rate"),
+    Panel("block_recycle_rate", "Block recycle rate (recycles/s per active block)", ("block_recycle_rate",),
+          "%/s", "block_recycle_rate"),
+    Panel("kv_blocks", "KV blocks: active, pending recycle, pool size",
+          ("active_blocks", "pending_blocks", "pool_blocks"), "blocks", "kv_free_blocks_ratio"),
+    Panel("device_memory", "Device KV memory", ("device_data_bytes", "device_metadata_bytes"), "MiB"),
+    Panel("throughput", "Decode throughput", ("decode_tokens_per_s",), "tokens/s"),
+    Panel("step_latency", "Decode step latency p99", ("step_p99_seconds",), "ms"),
+    Panel("quant_error", "Quantization error p99", ("quant_error_p99",), "%", "quant_error_p99"),
+    Panel("sample_lag", "Sampling lag p99", ("sample_lag_p99_seconds",), "ms", "sample_lag_p99_seconds"),
+)
+
+_SCALE = {"%": 100.0, "%/s": 100.0, "blocks": 1.0, "MiB": 1.0 / (1 << 20), "ms": 1000.0, "tokens/s": 1.0}
+
+
+@dataclass
+class Plot:
+    target: str
+    name: str
+    title: str
+    png: bytes
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotsUnavailable(INSTALL_HINT) from None
+    matplotlib.use("Agg", force=True)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    return Figure, FigureCanvasAgg
+
+
+def _time_axis(run: TargetRun) -> tuple[float, float, str]:
+    """(origin, divisor, label) so x = (t - origin) / divisor."""
+    dur = run.duration_s
+    div, unit = (3600.0, "hours") if dur > 3 * 3600 else (60.0, "minutes") if dur > 180 else (1.0, "seconds")
+    import time as _time
+    start = _time.strftime("%Y-%m-%d %H:%M:%S UTC", _time.gmtime(run.first_t or 0.0))
+    return run.first_t or 0.0, div, f"{unit} since {start}"
+
+
+def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | None:
+    """PNG bytes of one panel, or None when the run has no data for it."""
+    if not any(run.plots[k].buckets for k in panel.series):
+        return None
+    Figure, Canvas = _matplotlib()
+    fig = Figure(figsize=(9.0, 2.8), dpi=dpi, facecolor=BACKGROUND)
+    Canvas(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    origin, div, xlabel = _time_axis(run)
+    scale = _SCALE[panel.unit]
+    for i, key in enumerate(panel.series):
+        pts = run.plots[key].points()
+        if not pts:
+            continue
+        xs = [(b.t - origin) / div for b in pts]
+        color = SERIES_COLORS[i % len(SERIES_COLORS)]
+        ax.fill_between(xs, [b.lo * scale for b in pts], [b.hi * scale for b in pts], color=color,
+                        alpha=0.25, linewidth=0, step="post")
+        ax.plot(xs, [b.mean * scale for b in pts], color=color, linewidth=1.2, drawstyle="steps-post",
+                label=key.replace("_", " "))
+    th = thresholds.BY_NAME.get(panel.threshold) if panel.threshold else None
+    if th is not None:
+        if panel.threshold == "kv_free_blocks_ratio":
+            pool = run.sketches["pool_blocks"]
+            if pool.count:  # free blocks below the floor = active + pending above this line
+                level = pool.max * (1 - th.limit)
+                ax.axhline(level, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
+                           label=f"pool - {th.limit:.0%} (exhaustion)")
+        else:
+            ax.axhline(th.limit * scale, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
+                       label=f"threshold {th.limit * scale:g} {panel.unit}")
+    if panel.recal_markers:
+        for i, r in enumerate(run.recals):
+            ax.axvline((r.t - origin) / div, color=RECAL_COLOR, linewidth=1.0, linestyle="--",
+                       label="recalibration" if i == 0 else None)
+    for i, r in enumerate(run.restarts):
+        ax.axvline((r.t - origin) / div, color=RESTART_COLOR, linewidth=1.8,
+                   label="restart" if i == 0 else None)
+    ax.set_title(f"{run.name}: {panel.title}", fontsize=10, loc="left")
+    ax.set_ylabel(panel.unit)
+    ax.set_xlabel(xlabel, fontsize=8)
+    if panel.unit in ("%",):
+        ax.set_ylim(bottom=0)
+    ax.grid(True, color="#dee2e6", linewidth=0.6)
+    ax.legend(loc="lower left", fontsize=7, framealpha=0.8, ncol=4)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, facecolor=BACKGROUND)
+    return buf.getvalue()
+
+
+def render_target(run: TargetRun) -> list[Plot]:
+    out = []
+    for panel in PANELS:
+        png = render_panel(run, panel)
+        if png is not None:
+            out.append(Plot(run.name, panel.name, panel.title, png))
+    return out
