@@ -1,0 +1,89 @@
+"""Triton block bounds (min/max keys per block) and Quest block scores."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import next_pow2
+
+
+@triton.jit
+def _bounds_kernel(
+    p_k, p_kmin, p_kmax, stride_kh, stride_kl, stride_bh, stride_bn, L, D, block_size,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_h = tl.program_id(0).to(tl.int64)
+    i_n = tl.program_id(1).to(tl.int64)
+    o_t = tl.arange(0, BLOCK_T)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_min = tl.full([BLOCK_D], float("inf"), tl.float32)
+    b_max = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    row0 = i_n * block_size
+    for t0 in range(0, block_size, BLOCK_T):
+        o_row = row0 + t0 + o_t
+        m_row = (t0 + o_t < block_size) & (o_row < L)
+        m = m_row[:, None] & m_d[None, :]
+        b_k = tl.load(p_k + i_h * stride_kh + o_row[:, None] * stride_kl + o_d[None, :], mask=m, other=0.0)
+        b_k = b_k.to(tl.float32)
+        b_min = tl.minimum(b_min, tl.min(tl.where(m, b_k, float("inf")), 0))
+        b_max = tl.maximum(b_max, tl.max(tl.where(m, b_k, float("-inf")), 0))
+    o_out = i_h * stride_bh + i_n * stride_bn + o_d
+    tl.store(p_kmin + o_out, b_min.to(p_kmin.dtype.element_ty), mask=m_d)
+    tl.store(p_kmax + o_out, b_max.to(p_kmax.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _scores_kernel(
+    p_q, p_kmin, p_kmax, p_out, NB, D,
+    G: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_nb = tl.program_id(1)
+    o_nb = i_nb * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    o_d = tl.arange(0, BLOCK_D)
+    m_nb = o_nb < NB
+    m = m_nb[:, None] & (o_d < D)[None, :]
+    o_kv = (i_bh * NB + o_nb.to(tl.int64))[:, None] * D + o_d[None, :]
+    b_lo = tl.load(p_kmin + o_kv, mask=m, other=0.0).to(tl.float32)
+    b_hi = tl.load(p_kmax + o_kv, mask=m, other=0.0).to(tl.float32)
+    b_best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        b_q = tl.load(p_q + (i_bh * G + g) * D + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+        b_s = tl.sum(tl.maximum(b_q[None, :] * b_lo, b_q[None, :] * b_hi), 1)
+        b_best = tl.maximum(b_best, b_s)
+    tl.store(p_out + i_bh * NB + o_nb, b_best, mask=m_nb)
+
+
+def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (Hkv, L, D) -> kmin, kmax (Hkv, NB, D) in k's dtype."""
+    h, length, d = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    nb = triton.cdiv(length, block_size)
+    kmin = torch.empty(h, nb, d, device=k.device, dtype=k.dtype)
+    kmax = torch.empty_like(kmin)
+    BLOCK_D = next_pow2(d)
+    BLOCK_T = max(1, min(next_pow2(block_size), 4096 // BLOCK_D))
+    _bounds_kernel[(h, nb)](k, kmin, kmax, k.stride(0), k.stride(1), kmin.stride(0), kmin.stride(1),
+                            length, d, block_size, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=4)
+    return kmin, kmax
+
+
+def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32."""
+    lead = q.shape[:-2]
+    g, d = q.shape[-2:]
+    nb = kmin.shape[-2]
+    qf = q.reshape(-1, g, d).contiguous()
+    lo = kmin.reshape(-1, nb, d).contiguous()
+    hi = kmax.reshape(-1, nb, d).contiguous()
+    out = torch.empty(lead + (nb,), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    BLOCK_D = next_pow2(d)
+    BLOCK_NB = max(16, min(128, 4096 // BLOCK_D))
+    _scores_kernel[(qf.shape[0], triton.cdiv(nb, BLOCK_NB))](qf, lo, hi, out, nb, d, G=g, BLOCK_NB=BLOCK_NB,
+                                                            BLOCK_D=BLOCK_D, num_warps=4)
+    return out

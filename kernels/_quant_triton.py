@@ -1,0 +1,146 @@
+"""Triton block quantize (fused min/max + pack, one program per block) and row dequantize.
+
+The dequantize kernel serves both `dequantize_blocks` (rows in order) and the fused
+`swap_in_dequant` (rows gathered through index tensors, source possibly pinned host memory).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import next_pow2
+
+
+@triton.jit
+def _quantize_kernel(
+    p_x, p_packed, p_scale, p_zero, T, D, P,
+    BITS: tl.constexpr, SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    p_xn = p_x + i_n * T * D
+    o_t = tl.arange(0, BLOCK_T)
+    o_d = tl.arange(0, BLOCK_D)
+    # pass 1: block min / max
+    b_lo = tl.full([BLOCK_T, BLOCK_D], float("inf"), tl.float32)
+    b_hi = tl.full([BLOCK_T, BLOCK_D], float("-inf"), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        m = ((t0 + o_t) < T)[:, None] & (o_d < D)[None, :]
+        b_x = tl.load(p_xn + (t0 + o_t)[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        b_lo = tl.minimum(b_lo, tl.where(m, b_x, float("inf")))
+        b_hi = tl.maximum(b_hi, tl.where(m, b_x, float("-inf")))
+    lo = tl.min(tl.min(b_lo, 1), 0)
+    hi = tl.max(tl.max(b_hi, 1), 0)
+    levels = (1 << BITS) - 1
+    scale = (hi - lo) / levels
+    tl.store(p_scale + i_n, scale)
+    tl.store(p_zero + i_n, lo)
+    safe = tl.where(scale > 0, scale, 1.0)
+    # pass 2 (the block is still in L2): byte p of a row holds stream bits [8p, 8p+8), touched by
+    # at most SPAN codes starting at code 8p // BITS
+    o_p = tl.arange(0, BLOCK_P)
+    j0 = (o_p * 8) // BITS
+    p_out = p_packed + i_n * T * P
+    for t0 in range(0, T, BLOCK_T):
+        m_t = (t0 + o_t) < T
+        b_byte = tl.zeros([BLOCK_T, BLOCK_P], tl.int32)
+        for s in tl.static_range(SPAN):
+            j = j0 + s
+            shift = j * BITS - o_p * 8          # code's bit 0 relative to the byte's bit 0
+            m_j = (j < D) & (shift < 8) & (o_p < P)
+            m = m_t[:, None] & m_j[None, :]
+            b_x = tl.load(p_xn + (t0 + o_t)[:, None] * D + j[None, :], mask=m, other=0.0).to(tl.float32)
+            b_c = tl.floor((b_x - lo) / safe + 0.5)
+            b_c = tl.minimum(tl.maximum(b_c, 0.0), levels * 1.0)
+            b_c = tl.where(scale > 0, b_c, 0.0).to(tl.int32)
+            left = tl.maximum(shift, 0)[None, :]
+            right = tl.maximum(-shift, 0)[None, :]
+            b_part = tl.where(shift[None, :] >= 0, b_c << left, b_c >> right) & 0xFF
+            b_byte = b_byte | tl.where(m, b_part, 0)
+        m_o = m_t[:, None] & (o_p < P)[None, :]
+        tl.store(p_out + (t0 + o_t)[:, None] * P + o_p[None, :], b_byte.to(tl.uint8), mask=m_o)
+
+
+@triton.jit
+def _dequant_rows_kernel(
+    p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, P, rows_per_block,
+    stride_src, stride_dst,
+    BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_d = tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    if GATHER:
+        o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
+        o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
+    else:
+        o_src = o_m.to(tl.int64)
+        o_dst = o_m.to(tl.int64)
+    o_blk = o_src // rows_per_block
+    b_scale = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
+    b_zero = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_bit = o_d * BITS
+    o_byte = o_bit // 8
+    b_off = (o_bit % 8)[None, :]
+    p_row = p_packed + o_src[:, None] * stride_src
+    m = m_m[:, None] & m_d[None, :]
+    b_v = tl.load(p_row + o_byte[None, :], mask=m, other=0).to(tl.int32)
+    if BITS != 8:
+        # a code may straddle into the next byte (never further for BITS <= 8)
+        m_hi = m & ((o_byte + 1) < P)[None, :] & (b_off + BITS > 8)
+        b_hi = tl.load(p_row + (o_byte + 1)[None, :], mask=m_hi, other=0).to(tl.int32)
+        b_v = ((b_v | (b_hi << 8)) >> b_off) & ((1 << BITS) - 1)
+    b_x = b_v.to(tl.float32) * b_scale[:, None] + b_zero[:, None]
+    tl.store(p_dst + o_dst[:, None] * stride_dst + o_d[None, :], b_x.to(p_dst.dtype.element_ty), mask=m)
+
+
+_SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
+
+
+def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32."""
+    n, t, d = x.shape
+    x = x.contiguous()
+    p = (d * bits + 7) // 8
+    packed = torch.empty(n, t, p, device=x.device, dtype=torch.uint8)
+    scale = torch.empty(n, device=x.device, dtype=torch.float32)
+    zero = torch.empty_like(scale)
+    BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
+    BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
+    _quantize_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, SPAN=_SPAN[bits], BLOCK_T=BLOCK_T,
+                           BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=4)
+    return packed, scale, zero
+
+
+def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather):
+    d, p = dst2d.shape[1], packed2d.shape[1]
+    BLOCK_D = min(next_pow2(d), 256)
+    BLOCK_M = max(1, min(64, 4096 // BLOCK_D))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(d, BLOCK_D))
+    _dequant_rows_kernel[grid](packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, p, rows_per_block,
+                               packed2d.stride(0), dst2d.stride(0), BITS=bits, GATHER=gather,
+                               BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, d: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """packed (N, T, P) -> (N, T, D) in dtype."""
+    n, t, p = packed.shape
+    out = torch.empty(n, t, d, device=packed.device, dtype=dtype)
+    if out.numel() == 0:
+        return out
+    flat = packed.reshape(n * t, p)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    _launch_rows(flat, scale.float().contiguous(), zero.float().contiguous(), bits, t, flat,
+                 out.view(n * t, d), flat, n * t, gather=False)
+    return out
+
+
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = dequant(packed[src_rows[i]]); packed may be pinned host memory (UVA)."""
+    _launch_rows(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows, src_rows.numel(), gather=True)

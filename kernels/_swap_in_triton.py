@@ -1,0 +1,70 @@
+"""Triton swap-in: gather rows from (pinned host or device) memory into hot-buffer slots.
+
+Rows move as 32-bit words (16-byte vector loads when rows and bases are 16-byte aligned, which
+Triton infers from its divisibility specialisation), so one warp streams whole rows over UVA;
+there is no cudaMemcpy per row. Pinned host tensors are passed directly: Triton resolves their
+device-visible address with cuPointerGetAttribute.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _quant_triton
+from ._launch import next_pow2, on_device
+
+
+@triton.jit
+def _gather_rows_kernel(
+    p_src, p_src_rows, p_dst, p_dst_rows, M, W, stride_src, stride_dst,
+    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
+    o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
+    p_s = p_src + o_src[:, None] * stride_src
+    p_d = p_dst + o_dst[:, None] * stride_dst
+    for w0 in range(0, W, BLOCK_W):
+        o_w = w0 + tl.arange(0, BLOCK_W)
+        m = m_m[:, None] & (o_w < W)[None, :]
+        b_x = tl.load(p_s + o_w[None, :], mask=m, other=0)
+        tl.store(p_d + o_w[None, :], b_x, mask=m)
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """View rows as int32 words when the byte width allows it (int8/int16 otherwise)."""
+    row_bytes = t.shape[1] * t.element_size()
+    for dtype, size in ((torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)):
+        if row_bytes % size == 0 and t.stride(0) * t.element_size() % size == 0 and t.data_ptr() % size == 0:
+            return t.view(torch.uint8).view(dtype) if t.element_size() != size else t.view(dtype)
+    return t.view(torch.uint8)
+
+
+def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for src (R, W) pinned host or device, dst (S, W)."""
+    if src.stride(-1) != 1 or dst.stride(-1) != 1:
+        raise ValueError("swap_in needs rows with unit stride in the last dim; pass .contiguous() tensors")
+    src_w, dst_w = _as_words(src), _as_words(dst)
+    if src_w.dtype != dst_w.dtype:          # different alignments: fall back to the narrower word
+        src_w, dst_w = src.view(torch.uint8), dst.view(torch.uint8)
+    m = src_rows.numel()
+    w = src_w.shape[1]
+    src_rows = on_device(src_rows, dst.device)
+    dst_rows = on_device(dst_rows, dst.device)
+    BLOCK_W = min(next_pow2(w), 1024)
+    BLOCK_M = max(1, min(32, 2048 // BLOCK_W))
+    _gather_rows_kernel[(triton.cdiv(m, BLOCK_M),)](
+        src_w, src_rows, dst_w, dst_rows, m, w, src_w.stride(0), dst_w.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)
+
+
+def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Fused gather + dequantize of packed rows (pinned host or device) into dst (S, D)."""
+    if packed.stride(-1) != 1 or dst.stride(-1) != 1:
+        raise ValueError("swap_in_dequant needs unit stride in the last dim; pass .contiguous() tensors")
+    _quant_triton.dequantize_rows(packed, scale.float(), zero.float(), bits, rows_per_block,
+                                  on_device(src_rows, dst.device), dst, on_device(dst_rows, dst.device))

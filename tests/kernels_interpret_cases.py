@@ -1,0 +1,142 @@
+"""Triton kernels against their references under the CPU interpreter (run by test_kernels_interpret).
+
+Run as a script in a fresh process with TRITON_INTERPRET=1 and HISPARSE_FORCE_TRITON=1 set before
+anything imports Triton; prints one JSON object {case: error message or ""}. Shapes are small:
+the interpreter costs about 0.5 ms per program instance.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Callable
+
+import torch
+
+import hi_sparse.kernels as K
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")           # an unwritten (NaN-poisoned) element or an overflow
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(msg)
+
+
+def _attention(B: int, Hq: int, Hkv: int, S: int, D: int, Kn: int, dtype: torch.dtype, tol: float) -> None:
+    g = torch.Generator().manual_seed(B * 100 + D)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    slots = torch.randint(0, S, (B, Hkv, Kn), generator=g)
+    slots[..., ::7] = -1                    # padding anywhere, not only at the end
+    slots[0, 0] = -1                        # one group with nothing selected -> zeros
+    out = K.sparse_decode_attention(q, k, v, slots.to(torch.int32))
+    ref = K.reference_sparse_decode_attention(q.double().float(), k.float(), v.float(), slots)
+    _need(out.dtype == dtype and out.shape == (B, Hq, D), f"bad output {out.dtype} {tuple(out.shape)}")
+    err = _rel(out.float(), ref)
+    _need(err < tol, f"relative error {err:.2e} >= {tol}")
+    _need(bool((out[0, : Hq // Hkv] == 0).all()), "empty selection must give zeros")
+
+
+def _swap(W: int, dtype: torch.dtype) -> None:
+    src = (torch.randn(40, W) * 100).to(dtype)
+    dst = torch.full((30, W), 7, dtype=dtype)
+    if dtype.is_floating_point:
+        dst.fill_(float("nan"))
+    src_rows, dst_rows = torch.tensor([39, 0, 5, 17, 22]), torch.tensor([29, 3, 4, 0, 11])
+    K.swap_in(src, src_rows, dst, dst_rows)
+    _need(torch.equal(dst[dst_rows], src[src_rows]), "copied rows differ")
+    untouched = torch.ones(30, dtype=torch.bool)
+    untouched[dst_rows] = False
+    expect = torch.full_like(dst[untouched], 7) if not dtype.is_floating_point else None
+    _need(bool(dst[untouched].isnan().all()) if expect is None else torch.equal(dst[untouched], expect),
+          "rows outside dst_rows were written")
+
+
+def _swap_dequant(bits: int) -> None:
+    n, t, d = 3, 8, 60
+    x = torch.randn(n, t, d)
+    packed, scale, zero = K.reference_quantize_blocks(x, bits)
+    flat = packed.reshape(n * t, -1)
+    src_rows, dst_rows = torch.tensor([23, 0, 9, 16, 8]), torch.tensor([6, 0, 1, 2, 5])
+    dst = torch.full((7, d), float("nan"))
+    K.swap_in_dequant(flat, scale, zero, bits, t, src_rows, dst, dst_rows)
+    ref = torch.full((7, d), float("nan"))
+    K.reference_swap_in_dequant(flat, scale, zero, bits, t, src_rows, ref, dst_rows)
+    _need(torch.allclose(dst[dst_rows], ref[dst_rows], rtol=1e-6, atol=1e-6), "dequantized rows differ")
+    _need(bool(dst[[3, 4]].isnan().all()), "rows outside dst_rows were written")
+
+
+def _quantize(bits: int) -> None:
+    x = torch.randn(2, 63, 60) * torch.tensor([1.0, 30.0])[:, None, None]
+    packed, scale, zero = K.quantize_blocks(x, bits)
+    rp, rs, rz = K.reference_quantize_blocks(x, bits)
+    _need(packed.shape == rp.shape and packed.dtype == torch.uint8, f"packed shape {tuple(packed.shape)}")
+    _need(torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz), "scale/zero differ")
+    dq = (K.unpack_codes(packed, bits, 60) - K.unpack_codes(rp, bits, 60)).abs()
+    _need(int(dq.max()) <= 1 and float((dq > 0).float().mean()) < 1e-3,
+          f"codes differ: max {int(dq.max())}, fraction {float((dq > 0).float().mean()):.2e}")
+
+
+def _dequantize(bits: int) -> None:
+    x = torch.randn(2, 63, 60)
+    packed, scale, zero = K.reference_quantize_blocks(x, bits)
+    for dtype in (torch.float32, torch.float16):
+        out = K.dequantize_blocks(packed, scale, zero, bits, 60, dtype=dtype)
+        ref = K.reference_dequantize_blocks(packed, scale, zero, bits, 60, dtype=dtype)
+        _need(out.dtype == dtype and torch.allclose(out.float(), ref.float(), rtol=1e-3, atol=1e-6),
+              f"{dtype}: dequantized values differ")
+
+
+def _bounds() -> None:
+    k = torch.randn(2, 63, 60)
+    kmin, kmax = K.block_bounds(k, 16)
+    rmin, rmax = K.reference_block_bounds(k, 16)
+    _need(torch.equal(kmin, rmin) and torch.equal(kmax, rmax), "bounds differ")
+
+
+def _scores() -> None:
+    q, kmin = torch.randn(2, 2, 3, 60), torch.randn(2, 2, 40, 60)
+    kmax = kmin + torch.rand(2, 2, 40, 60)
+    s = K.block_scores(q, kmin, kmax)
+    err = _rel(s, K.reference_block_scores(q, kmin, kmax))
+    _need(s.shape == (2, 2, 40) and err < 1e-5, f"scores differ: {err:.2e}")
+
+
+CASES: dict[str, Callable[[], None]] = {
+    "attention-fp32-d60-split": lambda: _attention(1, 4, 2, 50, 60, 100, torch.float32, 1e-5),
+    "attention-fp16-d64-single": lambda: _attention(2, 8, 4, 40, 64, 40, torch.float16, 5e-3),
+    "swap_in-fp32-w60": lambda: _swap(60, torch.float32),
+    "swap_in-uint8-w7": lambda: _swap(7, torch.uint8),
+    **{f"swap_in_dequant-{b}bit": (lambda b=b: _swap_dequant(b)) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit": (lambda b=b: _quantize(b)) for b in (4, 5, 6, 8)},
+    **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
+    "block_bounds-t63-d60": _bounds,
+    "block_scores-d60": _scores,
+}
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("HISPARSE_FORCE_TRITON") != "1":
+        sys.exit("set TRITON_INTERPRET=1 and HISPARSE_FORCE_TRITON=1 before running this script")
+    torch.manual_seed(0)
+    results = {}
+    for name, case in CASES.items():
+        try:
+            case()
+            results[name] = ""
+        except Exception:  # noqa: BLE001 - every failure is reported per case to the parent test
+            results[name] = traceback.format_exc(limit=3)
+    loaded = sorted(m for m in sys.modules if m.startswith("hi_sparse.kernels._") and m.endswith("_triton"))
+    print(json.dumps({"results": results, "triton_modules": loaded}))
+
+
+if __name__ == "__main__":
+    main()
