@@ -1,0 +1,155 @@
+"""LRU bookkeeping of one sequence's device hot buffer at one layer (Hkv heads x S slots).
+
+Only indices live here; the K/V bytes sit in the engine's (rows, Hkv, S, D) buffers. Each slot
+has a stamp (larger = more recently used; stamps are unique per head). A lookup of the selection
+(same rules as SGLang's swap-in kernel and its ``naive_load_topk`` oracle):
+
+1. hit detection: a selected token with a slot is a hit;
+2. the k-th miss takes the k-th least recently used slot that is not a hit;
+3. new LRU order: [stale slots, misses in selection order, hits in selection order] (MRU last).
+
+New tokens are inserted as most recently used at append time, so the newest token is always
+resident when the next selection (whose window contains it) runs. Prefetched slots carry a flag;
+a later hit on a flagged slot counts as a used prefetch, an eviction clears it unused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEVER = torch.iinfo(torch.int64).max
+
+
+@dataclass
+class Lookup:
+    """Result of :meth:`HotBufferState.lookup`.
+
+    slots: (Hkv, K) slot of each selected token (-1 for padding). miss_head / miss_token /
+    miss_slot: (M,) the tokens to copy in and where. Counts are 0-dim int64 tensors (no sync).
+    """
+    slots: torch.Tensor
+    miss_head: torch.Tensor
+    miss_token: torch.Tensor
+    miss_slot: torch.Tensor
+    lookups: torch.Tensor
+    hits: torch.Tensor
+    prefetch_used: torch.Tensor
+
+
+class HotBufferState:
+    def __init__(self, num_heads: int, num_slots: int, device: torch.device | str = "cpu",
+                 token_capacity: int = 0) -> None:
+        self.H, self.S, self.device = num_heads, num_slots, torch.device(device)
+        self.slot_token = torch.full((num_heads, num_slots), -1, dtype=torch.int64, device=self.device)
+        # empty slots are the oldest, lowest index first
+        self.slot_stamp = (torch.arange(num_slots, device=self.device) - num_slots).repeat(num_heads, 1)
+        self.prefetched = torch.zeros(num_heads, num_slots, dtype=torch.bool, device=self.device)
+        self.token_slot = torch.full((num_heads, 0), -1, dtype=torch.int64, device=self.device)
+        self.clock = 0
+        self._heads = torch.arange(num_heads, device=self.device)
+        self.ensure_tokens(token_capacity)
+
+    def ensure_tokens(self, n: int) -> None:
+        """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
+        cap = self.token_slot.shape[1]
+        if n <= cap:
+            return
+        new = torch.full((self.H, max(n, 2 * cap, 64)), -1, dtype=torch.int64, device=self.device)
+        new[:, :cap] = self.token_slot
+        self.token_slot = new
+
+    def resident(self) -> int:
+        return int((self.slot_token >= 0).sum())
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot))
+
+    def _evict(self, heads: torch.Tensor, slots: torch.Tensor) -> None:
+        old = self.slot_token[heads, slots]
+        gone = old >= 0
+        self.token_slot[heads[gone], old[gone]] = -1
+        self.prefetched[heads, slots] = False
+
+    def insert(self, positions: torch.Tensor) -> torch.Tensor:
+        """Make new tokens ``positions`` (T,) resident as MRU in every head (the last S if T > S).
+
+        Returns slots (Hkv, T') for positions[-T':] where the caller writes their K/V.
+        """
+        positions = positions[-self.S:]
+        T = positions.numel()
+        self.ensure_tokens(int(positions.max()) + 1)
+        victims = self.slot_stamp.argsort(dim=1)[:, :T]                       # (H, T) LRU first
+        h = self._heads[:, None].expand(-1, T)
+        self._evict(h.reshape(-1), victims.reshape(-1))
+        tok = positions[None].expand(self.H, -1)
+        self.slot_token[h, victims] = tok
+        self.token_slot[h, tok] = victims
+        self.slot_stamp[h, victims] = self.clock + torch.arange(T, device=self.device)[None]
+        self.clock += T
+        return victims
+
+    def lookup(self, sel: torch.Tensor) -> Lookup:
+        """Hit detection and miss assignment for selected tokens sel (Hkv, K), -1 padded, unique per row."""
+        H, S = self.H, self.S
+        K = sel.shape[1]
+        valid = sel >= 0
+        slot = torch.where(valid, self.token_slot.gather(1, sel.clamp(min=0)), -1)
+        hit = slot >= 0
+        miss = valid & ~hit
+        hh, hk = hit.nonzero(as_tuple=True)
+        hit_slots = slot[hh, hk]
+        prefetch_used = self.prefetched[hh, hit_slots].sum()
+        stamp = self.slot_stamp.clone()
+        stamp[hh, hit_slots] = _NEVER                     # hits are not evictable this step
+        order = stamp.argsort(dim=1)                      # LRU first; stamps are unique per head
+        rank = miss.long().cumsum(1) - 1
+        mh, mk = miss.nonzero(as_tuple=True)
+        victims = order[mh, rank[mh, mk]]
+        self._evict(mh, victims)
+        new_tok = sel[mh, mk]
+        self.slot_token[mh, victims] = new_tok
+        self.token_slot[mh, new_tok] = victims
+        self.prefetched[hh, hit_slots] = False
+        self.slot_stamp[mh, victims] = self.clock + mk
+        self.slot_stamp[hh, hit_slots] = self.clock + K + hk
+        self.clock += 2 * K
+        slot[mh, mk] = victims
+        return Lookup(slot, mh, new_tok, victims, valid.sum(), hit.sum(), prefetch_used)
+
+    def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Load tokens (Hkv, P), -1 padded, ahead of need: at most ``limit`` (Hkv,) per head.
+
+        Already resident tokens are skipped. Loaded slots become MRU with the prefetch flag.
+        Returns (head, token, slot), each (M,), of the slots the caller must fill.
+        """
+        if tokens.numel() == 0:
+            e = torch.empty(0, dtype=torch.int64, device=self.device)
+            return e, e, e
+        cand = tokens >= 0
+        cand &= self.token_slot.gather(1, tokens.clamp(min=0)) < 0
+        rank = cand.long().cumsum(1) - 1
+        cand &= rank < limit[:, None]
+        ph, pk = cand.nonzero(as_tuple=True)
+        order = self.slot_stamp.argsort(dim=1)
+        victims = order[ph, rank[ph, pk]]
+        self._evict(ph, victims)
+        tok = tokens[ph, pk]
+        self.slot_token[ph, victims] = tok
+        self.token_slot[ph, tok] = victims
+        self.prefetched[ph, victims] = True
+        self.slot_stamp[ph, victims] = self.clock + pk
+        self.clock += tokens.shape[1]
+        return ph, tok, victims
+
+    def invalidate(self, start: int, end: int) -> None:
+        """Forget tokens in [start, end) (their host block was overwritten by streaming mode)."""
+        span = self.token_slot[:, start:end]
+        h, t = (span >= 0).nonzero(as_tuple=True)
+        slots = span[h, t]
+        self.slot_token[h, slots] = -1
+        self.prefetched[h, slots] = False
+        self.slot_stamp[h, slots] = self.slot_stamp.min() - 1 - torch.arange(slots.numel(), device=self.device)
+        self.token_slot[:, start:end] = -1
