@@ -1,0 +1,179 @@
+"""``easymats demo``: a HiSparse workload with the agent attached, on any machine, no download.
+
+The workload runs as a child process (``python -m hi_sparse.demo``) because the agent process
+never imports torch. Once the child has published its first telemetry segment, this process
+runs the ordinary agent on its PID: live view, /metrics, and the JSON Lines log. Half-way
+through it writes a recalibration request into the long-context driver's control file, the same
+way the Alertmanager webhook does, so the request path shows up in the counters too. At the end
+it prints a short summary computed from the log.
+
+Ctrl-C (or SIGTERM) stops the agent; the child is then asked to stop with SIGINT, which it
+handles by finishing its step and closing its segments.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import click
+
+from .cli import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
+from .segment import control_path, segment_dir, segments_for_pid
+
+STARTUP_TIMEOUT_S = 180.0  # importing torch + transformers on a slow cold machine
+STOP_TIMEOUT_S = 20.0
+REQUEST_TARGET = "demo-longctx"  # the segment that gets the mid-run recalibration request
+
+
+def _check_port_free(addr: tuple[str, int] | None, option: str) -> None:
+    """Fail before starting anything if the /metrics port is taken (the agent would fail later)."""
+    if addr is None or addr[1] == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise UsageFailure(f"{option} {addr[0]}:{addr[1]}: cannot listen there ({exc.strerror}); "
+                               "choose another port, e.g. --listen 127.0.0.1:9465, or --listen none") from None
+
+
+def _start_workload(duration: float, device: str, stderr_file) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hi_sparse.demo", "--duration", f"{duration:g}", "--device", device]
+    # Its own session: a Ctrl-C in the terminal reaches only this process, which then stops the
+    # child in order (agent first, so the log records the child's last samples and its exit).
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stderr_file, stderr=stderr_file,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_for_segments(child: subprocess.Popen, directory: str, timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            return []
+        paths = segments_for_pid(child.pid, directory)
+        if paths:
+            return paths
+        time.sleep(0.1)
+    return []
+
+
+def _stop_child(child: subprocess.Popen) -> int | None:
+    if child.poll() is None:
+        try:
+            child.send_signal(signal.SIGINT)
+            return child.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            return child.wait()
+        except ProcessLookupError:
+            pass
+    return child.returncode
+
+
+def _request_recalibration(agent, delay_s: float, stop: threading.Event, notes: list[str]) -> None:
+    """After ``delay_s``, ask the long-context driver to recalibrate through its control file."""
+    if stop.wait(delay_s):
+        return
+    from .telemetry import ControlFile
+
+    ctl = agent.resolve_target(REQUEST_TARGET)
+    if ctl is None:
+        notes.append(f"recalibration request skipped: no live target {REQUEST_TARGET!r}")
+        return
+    try:
+        req_id = ControlFile.open_existing(ctl).request(
+            "recalibrate", "easymats demo: mid-run request", "easymats demo")
+    except OSError as exc:
+        notes.append(f"recalibration request failed: {exc}")
+        return
+    notes.append(f"recalibration request #{req_id} written to {ctl} at {delay_s:.0f} s")
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@click.command("demo")
+@click.option("--duration", type=click.FloatRange(min=5.0), default=60.0, show_default=True,
+              help="Seconds the workload runs.")
+@click.option("--listen", default=DEFAULT_LISTEN, show_default=True,
+              help="Serve Prometheus /metrics on HOST:PORT ('none' turns it off).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default="easymats-demo.log",
+              show_default=True, help="JSON Lines log of every sample.")
+@click.option("--interval", type=float, default=0.1, show_default=True,
+              help="Seconds between samples.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="Where the workload runs (auto: CUDA when present).")
+@click.option("--quiet", "-q", is_flag=True, help="No live view, only the summary.")
+def demo(duration: float, listen: str, output: str, interval: float, device: str,
+         quiet: bool) -> None:
+    """Run a small HiSparse workload with the agent attached: live view, /metrics, a log, and
+    a summary at the end. Needs no download and no external service."""
+    check_interval(interval)
+    listen_addr = parse_listen(listen)
+    _check_port_free(listen_addr, "--listen")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if not os.access(out_dir, os.W_OK):
+        raise UsageFailure(f"--output {output}: cannot write in {out_dir}; choose another path")
+
+    from .agent import Agent, AgentError  # here, like the main command: `--help` stays light
+
+    directory = segment_dir()
+    child_log = tempfile.NamedTemporaryFile(prefix="easymats-demo-workload-", suffix=".txt",
+                                            delete=False)
+    child = _start_workload(duration, device, child_log)
+    click.echo(f"easymats demo: starting the HiSparse workload (pid {child.pid}); "
+               "loading torch and building the models...", err=True)
+    stop = threading.Event()
+    notes: list[str] = []
+    agent = None
+    try:
+        if not _wait_for_segments(child, directory, STARTUP_TIMEOUT_S):
+            code = _stop_child(child)
+            raise click.ClickException(
+                f"the workload did not start (exit status {code}); its last output:\n"
+                f"{_tail(child_log.name)}")
+        try:
+            agent = Agent(pids=[child.pid], interval=interval, output=output, listen=listen_addr,
+                          duration=duration + STOP_TIMEOUT_S, view="none" if quiet else "auto",
+                          argv=sys.argv)
+            agent.open()
+        except AgentError as exc:
+            raise UsageFailure(str(exc)) from None
+        where = f"http://{listen_addr[0]}:{agent.port}/metrics" if listen_addr else "off"
+        click.echo(f"easymats demo: agent attached to pid {child.pid}; /metrics: {where}; "
+                   f"log: {output}; about {duration:.0f} s (Ctrl-C stops it)", err=True)
+        threading.Thread(target=_request_recalibration, args=(agent, duration * 0.7, stop, notes),
+                         daemon=True).start()
+        agent.run()  # returns when the child's segments are gone, on Ctrl-C, or after the duration
+    finally:
+        stop.set()
+        code = _stop_child(child)
+        if agent is not None:
+            agent.close()
+        child_log.close()
+    from .demo_summary import read_log, summarise
+
+    click.echo("")
+    click.echo(f"easymats demo summary (log: {output}):")
+    click.echo(summarise(read_log(output)))
+    for note in notes:
+        click.echo(f"  {note}")
+    if code not in (0, None, -signal.SIGINT):
+        click.echo(f"the workload exited with status {code}; its last output:\n"
+                   f"{_tail(child_log.name)}", err=True)
+        os.unlink(child_log.name)
+        sys.exit(1)
+    os.unlink(child_log.name)

@@ -1,0 +1,138 @@
+"""The few lines ``easymats demo`` prints at the end, computed from its JSON Lines log.
+
+Pure: log lines (dicts, docs/log-format.md) in, text out. Rates and ratios come from counter
+deltas between a target's first and last samples, as the recording rules compute them; the
+anchor hit rate is also shown over time windows so the topic-shift dip and the recalibration
+that restores it are visible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+
+@dataclass(slots=True)
+class TargetSeries:
+    """Samples of one target: (unix time, metrics) in log order."""
+
+    name: str
+    pid: int | None = None
+    samples: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+
+
+def read_log(path: str) -> Iterator[dict[str, Any]]:
+    """Lines of a JSON Lines log; a torn last line (killed writer) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def collect(lines: Iterable[dict[str, Any]]) -> dict[str, TargetSeries]:
+    """Sample lines with metrics, grouped by target name."""
+    out: dict[str, TargetSeries] = {}
+    for line in lines:
+        if line.get("kind") != "sample" or not line.get("metrics"):
+            continue
+        ts = out.setdefault(line["target"], TargetSeries(line["target"], line.get("pid")))
+        ts.samples.append((float(line["t"]), line["metrics"]))
+    return out
+
+
+def _total(metrics: dict[str, Any], name: str) -> float:
+    """Sum of a scalar metric over its label sets (``name`` or ``name{...}`` keys)."""
+    total = 0.0
+    for key, value in metrics.items():
+        if (key == name or key.startswith(name + "{")) and isinstance(value, (int, float)):
+            total += value
+    return total
+
+
+def _delta(ts: TargetSeries, name: str) -> float:
+    return _total(ts.samples[-1][1], name) - _total(ts.samples[0][1], name)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _max(ts: TargetSeries, key: str) -> float:
+    return max((float(m.get(key) or 0.0) for _, m in ts.samples), default=0.0)
+
+
+def windowed_hit_rate(ts: TargetSeries, window_s: float) -> list[tuple[float, float]]:
+    """(seconds since the first sample, anchor hit rate) per window that had audits."""
+    if not ts.samples:
+        return []
+    t0 = ts.samples[0][0]
+    out = []
+    start_t, start_m = ts.samples[0]
+    for t, m in ts.samples[1:]:
+        if t - start_t < window_s:
+            continue
+        lookups = _total(m, "hisparse_anchor_lookups_total") - _total(start_m, "hisparse_anchor_lookups_total")
+        hits = _total(m, "hisparse_anchor_hits_total") - _total(start_m, "hisparse_anchor_hits_total")
+        if lookups > 0:
+            out.append((t - t0, hits / lookups))
+        start_t, start_m = t, m
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summarise_target(ts: TargetSeries) -> list[str]:
+    if len(ts.samples) < 2:
+        return [f"{ts.name}: {len(ts.samples)} sample(s), too few to summarise"]
+    span = ts.samples[-1][0] - ts.samples[0][0]
+    decode = _delta(ts, 'hisparse_tokens_total{phase="decode"}')
+    prefill = _delta(ts, 'hisparse_tokens_total{phase="prefill"}')
+    recal = {r: _delta(ts, f'hisparse_recalibrations_total{{reason="{r}"}}')
+             for r in ("schedule", "request", "drift")}
+    quant = {b: _delta(ts, f'hisparse_quant_blocks_total{{bits="{b}"}}') for b in ("4", "5", "6", "8")}
+    lines = [
+        f"{ts.name} (pid {ts.pid}): {len(ts.samples)} samples over {span:.1f} s; "
+        f"{prefill:.0f} prefill + {decode:.0f} decode tokens ({decode / span if span else 0:.0f} decode tokens/s)",
+        f"  anchor hit rate {_pct(_ratio(_delta(ts, 'hisparse_anchor_hits_total'), _delta(ts, 'hisparse_anchor_lookups_total')))}"
+        f" | hot buffer hit rate {_pct(_ratio(_delta(ts, 'hisparse_hot_buffer_hits_total'), _delta(ts, 'hisparse_hot_buffer_lookups_total')))}"
+        f" | prefetch efficiency {_pct(_ratio(_delta(ts, 'hisparse_prefetch_used_total'), _delta(ts, 'hisparse_prefetch_issued_total')))}"
+        f" | block density {_pct(_ratio(_delta(ts, 'hisparse_kv_tokens_used_total'), _delta(ts, 'hisparse_kv_tokens_loaded_total')))}",
+        f"  blocks: {_delta(ts, 'hisparse_kv_block_allocations_total'):.0f} allocated, "
+        f"{_delta(ts, 'hisparse_kv_block_recycles_total'):.0f} recycled, "
+        f"{_delta(ts, 'hisparse_kv_block_reclaims_total'):.0f} reclaimed, "
+        f"{_delta(ts, 'hisparse_kv_block_evictions_total'):.0f} evicted; "
+        f"recalibrations: " + ", ".join(f"{v:.0f} {r}" for r, v in recal.items()),
+        f"  KV memory peak: device {_bytes(_max(ts, 'hisparse_kv_memory_bytes{kind=\"data\",tier=\"device\"}'))}, "
+        f"host {_bytes(_max(ts, 'hisparse_kv_memory_bytes{kind=\"data\",tier=\"host\"}'))}; "
+        f"quantized blocks: " + (", ".join(f"{v:.0f} x INT{b}" for b, v in quant.items() if v) or "none"),
+    ]
+    rates = windowed_hit_rate(ts, max(2.0, span / 12))
+    if len(rates) >= 3:
+        low_t, low = min(rates, key=lambda r: r[1])
+        lines.append(f"  anchor hit rate over time: start {_pct(rates[0][1])}, lowest {_pct(low)} "
+                     f"at {low_t:.0f} s, end {_pct(rates[-1][1])}")
+    return lines
+
+
+def summarise(lines: Iterable[dict[str, Any]]) -> str:
+    targets = collect(lines)
+    if not targets:
+        return "no samples with metrics were logged"
+    out: list[str] = []
+    for name in sorted(targets):
+        out.extend(summarise_target(targets[name]))
+    return "\n".join(out)
