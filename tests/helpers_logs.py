@@ -189,7 +189,7 @@ def scenario_records(name: str, duration_s: float = 300.0, *, interval_s: float 
         if down_until is not None:
             if t_rel < down_until:
                 yield {"v": 1, "kind": "sample", "t": round(t, 4), "target": target, "pid": sim.pid - 1000,
-                       "up": False, "error": "dead_pid", "metrics": {}}
+                       "up": False, "lag_s": 0.0, "error": "dead_pid", "metrics": {}}
                 continue
             down_until = None
             yield {"v": 1, "kind": "event", "t": t, "target": target, "pid": sim.pid, "event": "restart",

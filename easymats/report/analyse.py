@@ -249,7 +249,9 @@ class Analysis:
             if len(self.agent_events) < MAX_MARKERS:
                 self.agent_events.append((t, ev, detail))
             return
-        run = self._target(str(rec["target"]))
+        if not isinstance(rec.get("target"), str):
+            return
+        run = self._target(rec["target"])
         pid = rec.get("pid") if isinstance(rec.get("pid"), int) else None
         if ev == "down" and len(run.downs) < MAX_MARKERS:
             run.downs.append((t, detail))

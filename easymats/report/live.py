@@ -64,6 +64,7 @@ def sample(readers: list[tuple[str, segment.SegmentReader]], window_s: float,
     dropped; sampling stops early when every target is gone.
     """
     live = list(readers)
+    pids: dict[str, int | None] = {name: segment.pid_of_path(r.path) for name, r in readers}
     start = time.monotonic()
     k = 0
     while live:
@@ -77,15 +78,18 @@ def sample(readers: list[tuple[str, segment.SegmentReader]], window_s: float,
         t = time.time()
         for name, r in list(live):
             try:
-                yield snapshot_record(r.read(), name, t, lag)
+                snap = r.read()
+                pids[name] = snap.pid
+                yield snapshot_record(snap, name, t, lag)
                 if k % 10 == 9:
                     r.check_writer()  # a crash leaves the segment behind: notice it
             except SegmentError as exc:
                 if exc.kind == "busy":
                     continue
-                yield {"v": 1, "kind": "sample", "t": t, "target": name, "up": False, "error": str(exc),
-                       "metrics": {}}
-                yield {"v": 1, "kind": "event", "t": t, "target": name, "event": "down", "detail": str(exc)}
+                yield {"v": 1, "kind": "sample", "t": t, "target": name, "pid": pids[name], "up": False,
+                       "lag_s": lag, "error": str(exc), "metrics": {}}
+                yield {"v": 1, "kind": "event", "t": t, "target": name, "pid": pids[name], "event": "down",
+                       "detail": str(exc)}
                 live.remove((name, r))
                 r.close()
         k += 1

@@ -224,14 +224,16 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
             if kind not in ("sample", "event"):
                 stats.ignored += 1
                 continue
-            if not isinstance(obj.get("target"), str):
+            tgt = obj.get("target")
+            # Agent-wide events (agent_start, agent_stop) carry target null.
+            if not isinstance(tgt, str) and (kind == "sample" or tgt is not None):
                 _skip(stats, path, lineno)
                 continue
-            if kind == "sample" and not isinstance(obj.get("metrics", {}), dict):
+            if kind == "sample" and not isinstance(obj.get("metrics") or {}, dict):
                 _skip(stats, path, lineno)
                 continue
             t = float(obj["t"])
-            if (target is not None and obj["target"] != target) or \
+            if (target is not None and tgt is not None and tgt != target) or \
                     (t_from is not None and t < t_from) or (t_to is not None and t > t_to):
                 stats.ignored += 1
                 continue

@@ -1,0 +1,292 @@
+"""easymats report: reading logs, deriving rates, accumulating in bounded memory, diagnosing.
+
+Scenario logs come from tests/helpers_logs.py and are checked against the agent's own log-line
+validator, so a scenario cannot drift from docs/log-format.md."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import tracemalloc
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(__file__))
+import helpers_logs as H  # noqa: E402
+
+from easymats import thresholds  # noqa: E402
+from easymats.logwriter import validate_line  # noqa: E402
+from easymats.report import reader  # noqa: E402
+from easymats.report.accum import Downsampler, Episodes, Sketch  # noqa: E402
+from easymats.report.analyse import Analysis  # noqa: E402
+from easymats.report.derive import Deriver, histogram_quantile  # noqa: E402
+from easymats.report.findings import RuleConfig, diagnose_all  # noqa: E402
+
+
+def analyse_file(path: str, **kw) -> tuple[Analysis, reader.ReadStats]:
+    stats = reader.ReadStats()
+    a = Analysis().feed_all(reader.iter_records(reader.log_files(path), stats, **kw)).finish()
+    return a, stats
+
+
+# -- reader ------------------------------------------------------------------------------------------
+
+def test_rotated_files_oldest_first_and_bad_lines_counted(tmp_path):
+    recs = list(H.scenario_records("healthy", 6.0))
+    samples = [r for r in recs if r["kind"] == "sample"]
+    base = tmp_path / "run.log"
+    # run.log.2 (oldest) .. run.log (newest), each starting with a header as the agent writes them
+    chunks = [samples[:20], samples[20:40], samples[40:]]
+    for path, chunk in zip([f"{base}.2", f"{base}.1", str(base)], chunks):
+        with open(path, "w") as f:
+            f.write(json.dumps(H.header(chunk[0]["t"])) + "\n")
+            for r in chunk:
+                f.write(json.dumps(dict(r, future_key={"x": 1})) + "\n")
+            if path.endswith(".1"):
+                f.write('{"v": 1, "kind": "hologram", "t": 1.0}\n')  # unknown kind: ignored
+                f.write("not json at all\n")  # garbage: skipped and counted
+    with open(base, "a") as f:
+        f.write('{"v": 1, "kind": "sample", "t": 17959')  # cut by a crash: the last line of a file
+    (tmp_path / "run.log.old").write_text("x")  # not a rotation suffix
+    files = reader.log_files(str(base))
+    assert [os.path.basename(p) for p in files] == ["run.log.2", "run.log.1", "run.log"]
+    stats = reader.ReadStats()
+    got = [r for r in reader.iter_records(files, stats) if r["kind"] == "sample"]
+    assert [r["t"] for r in got] == [r["t"] for r in samples]  # every sample once, in time order
+    assert stats.skipped == 2 and stats.headers == 3 and stats.ignored == 1
+    assert stats.skipped_where[0] == "run.log.1:23"  # header, 20 samples, unknown kind, garbage
+
+
+def test_missing_log_is_a_clear_error(tmp_path):
+    with pytest.raises(reader.LogError, match="no such log: .*easymats --output"):
+        reader.log_files(str(tmp_path / "nope.log"))
+
+
+def test_time_and_target_filters(tmp_path):
+    a = list(H.scenario_records("healthy", 20.0, target="decode-0"))
+    b = list(H.scenario_records("slow_recycle", 20.0, target="decode-1", pid=5555))
+    merged = sorted((r for r in a + b if r["kind"] != "header"), key=lambda r: r["t"])
+    path = str(tmp_path / "run.log")
+    H.write_lines(path, [a[0], *merged])
+    t0 = H.T0
+    stats = reader.ReadStats()
+    got = list(reader.iter_records([path], stats, target="decode-1", t_from=t0 + 5, t_to=t0 + 10))
+    samples = [r for r in got if r["kind"] == "sample"]
+    assert samples and all(r["target"] == "decode-1" and t0 + 5 <= r["t"] <= t0 + 10 for r in samples)
+    assert len(samples) == pytest.approx(51, abs=1)
+
+
+def test_parse_time_forms():
+    assert reader.parse_time("1795990000.5", None) == 1795990000.5
+    assert reader.parse_time("+5m", 100.0) == 400.0
+    assert reader.parse_time("+2h", 0.0) == 7200.0
+    assert reader.parse_time("2026-11-29T22:00:00Z", None) == reader.parse_time("2026-11-29T22:00:00", None)
+    with pytest.raises(ValueError, match="unix seconds, an ISO time"):
+        reader.parse_time("yesterday", None)
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12),
+       st.sampled_from(["a", "reason", "tier_x"]))
+@settings(max_examples=60, deadline=None)
+def test_series_key_round_trip(value, label):
+    key = reader.series_key("hisparse_x_total", {label: value, "b": "q\"\\"})
+    assert reader.parse_key(key) == ("hisparse_x_total", {label: value, "b": "q\"\\"})
+
+
+# -- accumulators ------------------------------------------------------------------------------------
+
+def test_sketch_quantiles_within_two_percent():
+    rng = random.Random(3)
+    values = [rng.lognormvariate(0, 1.5) for _ in range(20000)] + [0.0] * 100
+    sk = Sketch()
+    for v in values:
+        sk.add(v)
+    values.sort()
+    for q in (0.5, 0.9, 0.99):
+        exact = values[int(q * (len(values) - 1))]
+        assert sk.quantile(q) == pytest.approx(exact, rel=0.02)
+    assert sk.max == values[-1] and len(sk._pos) < 2000
+
+
+def test_downsampler_is_bounded_and_keeps_extremes():
+    ds = Downsampler(n=100, width=0.1)
+    for i in range(50000):  # 5000 s at 10 Hz
+        ds.add(1000.0 + i * 0.1, math.sin(i / 300) + (5.0 if i == 31337 else 0.0))
+    pts = ds.points()
+    assert len(pts) <= 100
+    assert max(b.hi for b in pts) == pytest.approx(5.0 + math.sin(31337 / 300))
+    assert sum(b.n for b in pts) == 50000
+
+
+def test_episodes_measure_time_and_worst():
+    ep = Episodes(threshold=0.65, below=True)
+    for i in range(100):
+        t = i * 0.1
+        ep.add(t, 0.5 if 2.0 <= t < 5.0 else 0.9, 0.1)
+    ep.close()
+    assert ep.total_s == pytest.approx(3.0, abs=0.11) and ep.worst == 0.5
+    assert ep.longest.duration == pytest.approx(3.0, abs=0.11)
+
+
+# -- derive ------------------------------------------------------------------------------------------
+
+def _sample(t, pid=1, hits=0.0, lookups=0.0, **extra):
+    m = {"hisparse_anchor_hits_total": hits, "hisparse_anchor_lookups_total": lookups}
+    m.update(extra)
+    return {"v": 1, "kind": "sample", "t": t, "target": "x", "pid": pid, "up": True, "lag_s": 0.0, "metrics": m}
+
+
+def test_ratio_is_rate_over_rate_in_the_window():
+    d = Deriver(window_s=2.0)
+    out = None
+    for i in range(41):  # hits grow by 3 and lookups by 4 per 0.1 s, then a burst of misses
+        lookups = 4.0 * i + (40.0 if i > 30 else 0.0)
+        out = d.feed(_sample(i * 0.1, hits=3.0 * i, lookups=lookups))
+    # window = last 2 s = 20 ticks: hits +60, lookups +80 +40
+    assert out.values["anchor_hit_rate"] == pytest.approx(60 / 120)
+
+
+def test_counter_reset_and_new_pid_are_restarts():
+    d = Deriver(window_s=2.0)
+    for i in range(10):
+        assert d.feed(_sample(i * 0.1, hits=10.0 * i, lookups=10.0 * i)).restart is None
+    r = d.feed(_sample(1.0, hits=1.0, lookups=2.0))
+    assert r.restart is not None and r.restart.why == "counter reset"
+    assert "anchor_hit_rate" not in r.values  # no rate across two processes
+    r = d.feed(_sample(1.1, pid=2, hits=5.0, lookups=5.0))
+    assert r.restart is not None and r.restart.why == "pid" and (r.restart.old_pid, r.restart.new_pid) == (1, 2)
+
+
+def test_recalibrations_counted_by_reason():
+    d = Deriver()
+    key = 'hisparse_recalibrations_total{reason="request"}'
+    assert d.feed(_sample(0.0, **{key: 2.0})).recalibrations == {}
+    assert d.feed(_sample(0.1, **{key: 3.0})).recalibrations == {"request": 1.0}
+
+
+def test_histogram_quantile_interpolates():
+    assert histogram_quantile(0.5, [1.0, 2.0], [0, 10, 0]) == pytest.approx(1.5)
+    assert histogram_quantile(0.99, [1.0, 2.0], [0, 0, 5]) == 2.0
+    assert histogram_quantile(0.5, [1.0], [0, 0]) is None
+
+
+# -- scenarios -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def scenario_logs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scenarios")
+    out = {}
+    for name in H.SCENARIOS:
+        path = str(d / f"{name}.log")
+        recs = list(H.scenario_records(name, 300.0))
+        for r in recs[:50] + recs[-50:]:
+            assert validate_line(r) == [], (name, r.get("kind"), validate_line(r))
+        H.write_lines(path, recs)
+        out[name] = path
+    return out
+
+
+EXPECTED = {
+    "slow_recycle": "slow_recycle", "poor_prefetch": "poor_prefetch", "anchor_decay": "anchor_decay",
+    "metadata_growth": "metadata_growth", "pool_exhaustion": "pool_exhaustion",
+    "target_restart": "target_restart",
+}
+
+
+def test_healthy_run_has_no_findings(scenario_logs):
+    a, stats = analyse_file(scenario_logs["healthy"])
+    assert stats.samples == 3000 and stats.skipped == 0
+    assert diagnose_all(a.targets) == []
+    run = a.targets["decode-0"]
+    assert run.sketches["anchor_hit_rate"].quantile(0.5) == pytest.approx(0.86, abs=0.01)
+    assert run.sketches["prefetch_efficiency"].quantile(0.5) == pytest.approx(0.93, abs=0.01)
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_each_scenario_produces_its_finding(scenario_logs, scenario):
+    a, _ = analyse_file(scenario_logs[scenario])
+    found = diagnose_all(a.targets)
+    assert [f.rule for f in found] == [EXPECTED[scenario]], [(f.rule, f.evidence) for f in found]
+    f = found[0]
+    assert f.target == "decode-0" and f.evidence and f.change
+    assert "UTC" in f.evidence[0]  # says when
+
+
+def test_findings_carry_measured_evidence(scenario_logs):
+    a, _ = analyse_file(scenario_logs["slow_recycle"])
+    (f,) = diagnose_all(a.targets)
+    # the scenario recycles 1 %/s of active blocks while 30 wait, for the whole 300 s
+    assert f.worst == pytest.approx(0.01, rel=0.1) and f.threshold == thresholds.BLOCK_RECYCLE_RATE_MIN
+    assert f.duration_s == pytest.approx(300, abs=2)
+    assert "cache_block_size (now 512) e.g. 256" in f.change
+    a, _ = analyse_file(scenario_logs["anchor_decay"])
+    (f,) = diagnose_all(a.targets)
+    assert "90.0% in the first half" in f.evidence[0] and "recalibrate_every" in f.change
+    a, _ = analyse_file(scenario_logs["target_restart"])
+    (f,) = diagnose_all(a.targets)
+    assert "pid 4242 -> 5242" in f.evidence[0] and "down 3." in f.evidence[0]
+    assert f.start_t == pytest.approx(H.T0 + 150, abs=4)
+
+
+def test_problem_in_one_target_only(tmp_path):
+    a = list(H.scenario_records("healthy", 200.0, target="decode-0"))
+    b = list(H.scenario_records("poor_prefetch", 200.0, target="decode-1", pid=5555))
+    path = str(tmp_path / "run.log")
+    H.write_lines(path, [a[0], *sorted((r for r in a + b if r["kind"] != "header"), key=lambda r: r["t"])])
+    an, _ = analyse_file(path)
+    assert [(f.target, f.rule) for f in diagnose_all(an.targets)] == [("decode-1", "poor_prefetch")]
+
+
+def test_short_problem_is_not_a_finding(tmp_path):
+    # 20 s of poor prefetch inside a 300 s run is below the rule's required duration
+    recs = list(H.scenario_records("healthy", 300.0))
+    # counters are cumulative: halve the increase of "used" between +100 s and +120 s
+    path = str(tmp_path / "run.log")
+    bent = []
+    lost = 0.0
+    prev_issued = None
+    for r in recs:
+        if r["kind"] == "sample":
+            m = dict(r["metrics"])
+            issued = m["hisparse_prefetch_issued_total"]
+            if prev_issued is not None and H.T0 + 100 <= r["t"] < H.T0 + 120:
+                lost += 0.5 * (issued - prev_issued)
+            prev_issued = issued
+            m["hisparse_prefetch_used_total"] -= lost
+            r = dict(r, metrics=m)
+        bent.append(r)
+    H.write_lines(path, bent)
+    an, _ = analyse_file(path)
+    run = an.targets["decode-0"]
+    assert run.episodes["prefetch_efficiency"].total_s > 10  # the dip is seen ...
+    assert diagnose_all(an.targets) == []  # ... but is too short to be a finding
+    assert [f.rule for f in diagnose_all(an.targets, RuleConfig(min_duration_s=10))] == ["poor_prefetch"]
+
+
+def _peak_traced(path: str) -> int:
+    tracemalloc.start()
+    try:
+        analyse_file(path)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_memory_does_not_grow_with_log_size(tmp_path):
+    src = str(tmp_path / "src.log")
+    H.write_scenario(src, "healthy", 30.0)
+    samples = H.read_samples(src)
+    small, large = str(tmp_path / "small.log"), str(tmp_path / "large.log")
+    s = H.stretch_log(samples, small, min_bytes=2 << 20)
+    big = H.stretch_log(samples, large, min_bytes=8 << 20)
+    assert big["lines"] >= 3.5 * s["lines"]
+    a, stats = analyse_file(large)
+    assert stats.skipped == 0 and diagnose_all(a.targets) == []  # stretched counters stay monotonic
+    peak_small, peak_large = _peak_traced(small), _peak_traced(large)
+    # 4x the lines: the peak may grow by the plot buckets' doubling slack, never in proportion
+    assert peak_large < 1.5 * peak_small + (1 << 20), (peak_small, peak_large)
