@@ -1,0 +1,398 @@
+"""Generate dashboards/hisparse.json, the HiSparse health dashboard, with grafana-foundation-sdk.
+
+    python dashboards/build.py            # rewrite dashboards/hisparse.json
+    python dashboards/build.py --check    # exit 1 if the JSON is stale or a query names a metric
+                                          # that the catalogue or the recording rules lack
+
+Threshold lines come from :mod:`easymats.thresholds` (the same numbers the alert rules use) and
+the ratio panels query the recording rules of ``alerts/build.py``, so a panel and the alert on it
+show the same number. Every query filters on the ``job``, ``instance`` and ``target`` variables.
+Needs the ``dashboards`` extra: grafana-foundation-sdk==1769699379!11.6.0 (schemaVersion 41).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from alerts import build as rules  # noqa: E402
+from alerts import promql  # noqa: E402
+from easymats import catalogue, thresholds as T  # noqa: E402
+
+DASHBOARD_PATH = os.path.join(ROOT, "dashboards", "hisparse.json")
+UID = "hisparse-health"
+DS = "${datasource}"
+# Label filters of every query: agent-level series (no target label) use AGENT_SEL.
+AGENT_SEL = 'job=~"$job", instance=~"$instance"'
+SEL = AGENT_SEL + ', target=~"$target"'
+RI = "$__rate_interval"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+    instant: bool = False
+
+
+@dataclass(frozen=True)
+class Line:
+    """A threshold line: below ``value`` is bad for "min", above it for "max"."""
+    value: float
+    direction: str
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    line: Line | None = None
+    stacked: bool = False
+    bars: bool = False
+    ratio: bool = False  # 0..1 axis
+    kind: str = "timeseries"  # or "table"
+    width: int = 8
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[PanelSpec, ...] = field(default_factory=tuple)
+
+
+def _q(expr: str, legend: str = "{{target}}") -> Query:
+    return Query(expr, legend)
+
+
+RECALIBRATION_ANNOTATION = (f"sum by (target, reason) (increase(hisparse_recalibrations_total{{{SEL}}}[{RI}])) > 0")
+
+ROWS: tuple[Row, ...] = (
+    Row("Selection health", (
+        PanelSpec("Anchor hit rate",
+                  "Of the audited true top-m tokens, the share the selection held (exact attention on a "
+                  "sampled layer and head). Below the line for the alert's duration, the runtime is asked "
+                  "to recalibrate; recalibrations are drawn as annotations.",
+                  "percentunit", (_q(f"{rules.ANCHOR_HIT_RATIO}{{{SEL}}}"),),
+                  line=Line(T.ANCHOR_HIT_RATE_MIN, "min"), ratio=True),
+        PanelSpec("Recalibrations by reason",
+                  "Recalibrations of anchors and probe: schedule (every recalibrate_every tokens), "
+                  "request (the webhook or easymats recalibrate) and drift (the runtime's own floor).",
+                  "short", (_q(f"sum by (target, reason) (increase(hisparse_recalibrations_total{{{SEL}}}[{RI}]))",
+                               "{{target}} {{reason}}"),), bars=True),
+        PanelSpec("Anchors and probe threshold",
+                  "Anchor tokens pinned by the importance probe, and the probe's current threshold.",
+                  "short", (_q(f"sum by (target) (hisparse_anchors{{{SEL}}})", "{{target}} anchors"),
+                            _q(f"max by (target) (hisparse_anchor_threshold_ratio{{{SEL}}})",
+                               "{{target}} threshold"))),
+    )),
+    Row("Hot buffer and prefetch", (
+        PanelSpec("Hot buffer hit rate",
+                  "Selected tokens already resident in the device hot buffer. Low: most of each selection "
+                  "is copied from host every step.",
+                  "percentunit", (_q(f"{rules.HOT_BUFFER_RATIO}{{{SEL}}}"),),
+                  line=Line(T.HOT_BUFFER_HIT_RATE_MIN, "min"), ratio=True),
+        PanelSpec("Prefetch efficiency",
+                  "Prefetched tokens that a selection hit before eviction.",
+                  "percentunit", (_q(f"{rules.PREFETCH_RATIO}{{{SEL}}}"),),
+                  line=Line(T.PREFETCH_EFFICIENCY_MIN, "min"), ratio=True),
+        PanelSpec("Hot buffer occupancy",
+                  "Token slots holding a token, slots in all, and the peak the 100 ms samples saw.",
+                  "short", (_q(f"sum by (target) (hisparse_hot_buffer_resident_tokens{{{SEL}}})", "{{target}} resident"),
+                            _q(f"sum by (target) (hisparse_hot_buffer_capacity_tokens{{{SEL}}})", "{{target}} capacity"),
+                            _q(f"max by (target) (easymats_hot_buffer_resident_tokens_max{{{SEL}}})",
+                               "{{target}} peak (100 ms samples)"))),
+        PanelSpec("Swap-in and backup traffic",
+                  "Host-to-device bytes into the hot buffer, and device-to-host backup of new KV.",
+                  "Bps", (_q(f"sum by (target) (rate(hisparse_swap_in_bytes_total{{{SEL}}}[{RI}]))", "{{target}} swap-in"),
+                          _q(f"sum by (target) (rate(hisparse_backup_bytes_total{{{SEL}}}[{RI}]))", "{{target}} backup"))),
+    )),
+    Row("KV blocks", (
+        PanelSpec("KV blocks by state",
+                  "Host KV blocks active, free and waiting in pending_recycle, with the peak of active "
+                  "blocks between scrapes.",
+                  "short", (_q(f"sum by (target, state) (hisparse_kv_blocks{{{SEL}}})", "{{target}} {{state}}"),
+                            _q(f"max by (target) (easymats_kv_active_blocks_max{{{SEL}}})",
+                               "{{target}} peak active (100 ms samples)")), stacked=True),
+        PanelSpec("Block recycle rate",
+                  "Blocks returned to the free pool per second, as a share of active blocks. Only a "
+                  "problem while blocks wait in pending_recycle.",
+                  "percentunit", (_q(f"{rules.RECYCLE_RATIO}{{{SEL}}}"),),
+                  line=Line(T.BLOCK_RECYCLE_RATE_MIN, "min")),
+        PanelSpec("Free blocks",
+                  "Free blocks as a share of all host KV blocks.",
+                  "percentunit", (_q(f"{rules.FREE_BLOCKS_RATIO}{{{SEL}}}"),),
+                  line=Line(T.KV_FREE_BLOCKS_RATIO_MIN, "min"), ratio=True),
+        PanelSpec("Block lifecycle",
+                  "Blocks allocated, recycled, reclaimed within their grace period, and overwritten by "
+                  "streaming mode, per second.",
+                  "ops", (_q(f"sum by (target) (rate(hisparse_kv_block_allocations_total{{{SEL}}}[{RI}]))", "{{target}} allocated"),
+                          _q(f"sum by (target) (rate(hisparse_kv_block_recycles_total{{{SEL}}}[{RI}]))", "{{target}} recycled"),
+                          _q(f"sum by (target) (rate(hisparse_kv_block_reclaims_total{{{SEL}}}[{RI}]))", "{{target}} reclaimed"),
+                          _q(f"sum by (target) (rate(hisparse_kv_block_evictions_total{{{SEL}}}[{RI}]))", "{{target}} evicted"))),
+        PanelSpec("Block density",
+                  "Selected tokens per token in the blocks selection touched: low density means block "
+                  "loads carry many unused tokens (a smaller cache_block_size helps).",
+                  "percentunit", (_q(f"{rules.DENSITY_RATIO}{{{SEL}}}"),), ratio=True),
+    )),
+    Row("Quantization", (
+        PanelSpec("Quantization error quantiles",
+                  "Quantiles of the per-block relative error ||x - q(x)|| / ||x|| of quantized host blocks.",
+                  "short", (_q(f"{rules.QUANT_ERROR_QUANTILE}{{{SEL}}}", "{{target}} p{{quantile}}"),),
+                  line=Line(T.QUANT_ERROR_P99_MAX, "max")),
+        PanelSpec("Quantized blocks by bit width",
+                  "Host KV blocks quantized per second, by the bit width the policy chose.",
+                  "ops", (_q(f"sum by (target, bits) (rate(hisparse_quant_blocks_total{{{SEL}}}[{RI}]))",
+                             "{{target}} INT{{bits}}"),), stacked=True),
+    )),
+    Row("Memory and context", (
+        PanelSpec("KV memory by tier and kind",
+                  "KV bytes on the device and host tiers, data and metadata (page tables), with the "
+                  "device peak the 100 ms samples saw.",
+                  "bytes", (_q(f"sum by (target, tier, kind) (hisparse_kv_memory_bytes{{{SEL}}})",
+                               "{{target}} {{tier}} {{kind}}"),
+                            _q(f"max by (target) (easymats_device_kv_bytes_max{{{SEL}}})",
+                               "{{target}} device peak (100 ms samples)"))),
+        PanelSpec("Context held",
+                  "Tokens held in the KV cache and live sequences.",
+                  "short", (_q(f"sum by (target) (hisparse_context_tokens{{{SEL}}})", "{{target}} tokens"),
+                            _q(f"sum by (target) (hisparse_sequences{{{SEL}}})", "{{target}} sequences"))),
+        PanelSpec("Runtime and configuration",
+                  "Version, model, device and HiSparse settings of each target.",
+                  "short", (Query(f"max by (target, version, model, device) (hisparse_runtime_info{{{SEL}}})",
+                                  "", instant=True),
+                            Query(f"max by (target, window_size, global_tokens, block_size, top_k, "
+                                  f"device_buffer_tokens, host_kv_bits) (hisparse_config_info{{{SEL}}})",
+                                  "", instant=True)), kind="table"),
+    )),
+    Row("Latency and throughput", (
+        PanelSpec("Decode step latency",
+                  "Quantiles of the decode step latency inside the runtime.",
+                  "s", (_q(f"{rules.STEP_QUANTILE}{{{SEL}}}", "{{target}} p{{quantile}}"),)),
+        PanelSpec("Tokens per second",
+                  "Prefill and decode tokens processed per second.",
+                  "short", (_q(f"sum by (target, phase) (rate(hisparse_tokens_total{{{SEL}}}[{RI}]))",
+                               "{{target}} {{phase}}"),)),
+    )),
+    Row("GPU and process", (
+        PanelSpec("GPU utilization",
+                  "Whole-GPU utilization and the target process's SM share (NVML; absent without a GPU).",
+                  "percentunit", (_q(f"max by (gpu) (easymats_gpu_utilization_ratio{{{AGENT_SEL}}})", "GPU {{gpu}}"),
+                                  _q(f"sum by (target, gpu) (easymats_process_gpu_utilization_ratio{{{SEL}}})",
+                                     "{{target}} on GPU {{gpu}}")), ratio=True),
+        PanelSpec("GPU memory",
+                  "GPU memory used and in all (NVML), and what the target process holds.",
+                  "bytes", (_q(f"max by (gpu) (easymats_gpu_memory_used_bytes{{{AGENT_SEL}}})", "GPU {{gpu}} used"),
+                            _q(f"max by (gpu) (easymats_gpu_memory_total_bytes{{{AGENT_SEL}}})", "GPU {{gpu}} total"),
+                            _q(f"sum by (target, gpu) (easymats_process_gpu_memory_bytes{{{SEL}}})",
+                               "{{target}} on GPU {{gpu}}"))),
+        PanelSpec("Process CPU and memory",
+                  "CPU cores the target process uses, and its resident memory (right axis units: bytes).",
+                  "short", (_q(f"sum by (target) (rate(easymats_process_cpu_seconds_total{{{SEL}}}[{RI}]))", "{{target}} CPU cores"),
+                            _q(f"sum by (target) (easymats_process_resident_memory_bytes{{{SEL}}})", "{{target}} RSS bytes"))),
+    )),
+    Row("easymats agent", (
+        PanelSpec("Targets up",
+                  "1 while the agent reads the target's segment; heartbeat age says how fresh the last publish is.",
+                  "short", (_q(f"max by (target) (easymats_target_up{{{SEL}}})", "{{target}} up"),
+                            _q(f"max by (target) (time() - easymats_target_heartbeat_timestamp_seconds{{{SEL}}})",
+                               "{{target}} heartbeat age (s)"))),
+        PanelSpec("Sampling lag",
+                  "Quantiles of how late the agent's sampling ticks ran against their schedule.",
+                  "s", (_q(f"{rules.LAG_QUANTILE}{{{AGENT_SEL}}}", "{{instance}} p{{quantile}}"),),
+                  line=Line(T.SAMPLE_LAG_P99_MAX_S, "max")),
+        PanelSpec("Samples, errors and retries",
+                  "Samples per second, failed samples, and segment reads retried because a publish was "
+                  "in progress.",
+                  "ops", (_q(f"sum by (target) (rate(easymats_samples_total{{{SEL}}}[{RI}]))", "{{target}} samples"),
+                          _q(f"sum by (target) (rate(easymats_sample_errors_total{{{SEL}}}[{RI}]))", "{{target}} errors"),
+                          _q(f"sum by (target) (rate(easymats_segment_read_retries_total{{{SEL}}}[{RI}]))",
+                             "{{target}} retries"))),
+        PanelSpec("Webhook and recalibration requests",
+                  "Alertmanager webhook calls by HTTP status, and recalibration requests written to each "
+                  "target's control file.",
+                  "short", (_q(f"sum by (code) (increase(easymats_webhook_requests_total{{{AGENT_SEL}}}[{RI}]))",
+                               "webhook {{code}}"),
+                            _q(f"sum by (target) (increase(easymats_recalibration_requests_total{{{SEL}}}[{RI}]))",
+                               "{{target}} requests")), bars=True),
+    )),
+)
+
+
+def _threshold_steps(line: Line) -> list:
+    from grafana_foundation_sdk.models.dashboard import Threshold
+
+    if line.direction == "min":  # red below the floor, green from it up
+        return [Threshold(color="red", value=None), Threshold(color="green", value=line.value)]
+    return [Threshold(color="green", value=None), Threshold(color="red", value=line.value)]
+
+
+def _panel(spec: PanelSpec, panel_id: int):
+    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.builders import dashboard, prometheus, table, timeseries
+    from grafana_foundation_sdk.models import common
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, ThresholdsMode
+
+    ds = DataSourceRef(type_val="prometheus", uid=DS)
+    if spec.kind == "table":
+        p = table.Panel()
+    else:
+        p = timeseries.Panel().legend(cb.VizLegendOptions().show_legend(True)
+                                      .display_mode(common.LegendDisplayMode.LIST)
+                                      .placement(common.LegendPlacement.BOTTOM))
+        if spec.line is not None:
+            p = (p.thresholds(dashboard.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE)
+                              .steps(_threshold_steps(spec.line)))
+                 .thresholds_style(cb.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.DASHED)))
+        if spec.stacked:
+            p = p.stacking(cb.StackingConfig().mode(common.StackingMode.NORMAL)).fill_opacity(30)
+        if spec.bars:
+            p = p.draw_style(common.GraphDrawStyle.BARS).fill_opacity(60)
+        if spec.ratio:
+            p = p.min(0).max(1)
+    p = (p.id(panel_id).title(spec.title).description(spec.description).datasource(ds)
+         .unit(spec.unit).height(8).span(spec.width))
+    for i, q in enumerate(spec.queries):
+        target = prometheus.Dataquery().expr(q.expr).ref_id(chr(ord("A") + i)).datasource(ds)
+        if q.instant:
+            target = target.instant().format(_table_format())
+        else:
+            target = target.legend_format(q.legend)
+        p = p.with_target(target)
+    return p
+
+
+def _table_format():
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+    return PromQueryFormat.TABLE
+
+
+def _variable(name: str, label: str, query: str):
+    from grafana_foundation_sdk.builders import dashboard
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh, VariableSort
+
+    return (dashboard.QueryVariable(name).label(label).query(query)
+            .datasource(DataSourceRef(type_val="prometheus", uid=DS))
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*"))
+
+
+VARIABLE_QUERIES = {
+    "job": "label_values(easymats_build_info, job)",
+    "instance": 'label_values(easymats_build_info{job=~"$job"}, instance)',
+    "target": f"label_values(easymats_target_up{{{AGENT_SEL}}}, target)",
+}
+
+
+def build_dashboard() -> dict:
+    """The dashboard as a JSON-ready dict."""
+    from grafana_foundation_sdk.builders import dashboard
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef
+
+    d = (dashboard.Dashboard("HiSparse health").uid(UID)
+         .description("HiSparse KV-cache runtime health as seen by easymats: selection, hot buffer, "
+                      "blocks, quantization, memory, latency, GPU and the agent itself. Generated by "
+                      "dashboards/build.py; do not edit by hand.")
+         .tags(["hisparse", "easymats"]).time("now-1h", "now").refresh("30s")
+         .tooltip(DashboardCursorSync.CROSSHAIR).readonly())
+    d = d.with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    for name, query in VARIABLE_QUERIES.items():
+        d = d.with_variable(_variable(name, name.capitalize(), query))
+    d = d.annotation(dashboard.AnnotationQuery().name("Annotations & Alerts").built_in(1).type("dashboard")
+                     .datasource(DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+                     .enable(True).hide(True).icon_color("rgba(0, 211, 255, 1)"))
+    d = d.annotation(dashboard.AnnotationQuery().name("Recalibrations")
+                     .datasource(DataSourceRef(type_val="prometheus", uid=DS))
+                     .enable(True).icon_color("purple").expr(RECALIBRATION_ANNOTATION))
+    panel_id = 1
+    for row in ROWS:
+        d = d.with_row(dashboard.Row(row.title).id(panel_id))
+        panel_id += 1
+        for spec in row.panels:
+            d = d.with_panel(_panel(spec, panel_id))
+            panel_id += 1
+    return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(d.build()))
+
+
+def render(board: dict) -> str:
+    return json.dumps(board, indent=2, sort_keys=True) + "\n"
+
+
+def queries(board: dict) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) for every query in the dashboard: panels, annotations, variables."""
+    for panel in board.get("panels", []):
+        for t in panel.get("targets", []) or []:
+            yield f"panel {panel.get('title')!r} {t.get('refId')}", t["expr"]
+    for a in board.get("annotations", {}).get("list", []):
+        if a.get("expr"):
+            yield f"annotation {a.get('name')!r}", a["expr"]
+    for v in board.get("templating", {}).get("list", []):
+        if v.get("type") == "query":
+            yield f"variable {v['name']}", _label_values_selector(v["query"])
+
+
+def _label_values_selector(query) -> str:
+    """label_values(<selector>, label) -> <selector>: the part that names a metric."""
+    text = query if isinstance(query, str) else query.get("query", "")
+    inner = text[text.index("(") + 1: text.rindex(",")] if text.startswith("label_values(") else text
+    return inner.strip()
+
+
+def problems(board: dict) -> list[str]:
+    records = rules.recording_rule_names()
+    out = []
+    for where, expr in queries(board):
+        for name in promql.undefined_names(expr, catalogue.CATALOGUE, records):
+            out.append(f"{where}: {name!r} is neither in easymats/catalogue.py nor a recording rule "
+                       "in alerts/rules.yml")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the JSON is stale or names an unknown metric")
+    parser.add_argument("--output", default=DASHBOARD_PATH)
+    args = parser.parse_args(argv)
+    try:
+        board = build_dashboard()
+    except ImportError as exc:
+        print(f"dashboards/build.py: needs grafana-foundation-sdk (pip install -e '.[dashboards]'): {exc}",
+              file=sys.stderr)
+        return 2
+    text = render(board)
+    issues = problems(board)
+    if args.check:
+        try:
+            with open(args.output, encoding="utf-8") as f:
+                current = f.read()
+        except FileNotFoundError:
+            current = None
+        if current != text:
+            issues.append(f"{os.path.relpath(args.output, ROOT)} is stale: run `python dashboards/build.py`")
+        for line in issues:
+            print(f"dashboards/build.py --check: {line}", file=sys.stderr)
+        return 1 if issues else 0
+    for line in issues:
+        print(f"dashboards/build.py: {line}", file=sys.stderr)
+    if issues:
+        return 1
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {os.path.relpath(args.output, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The generated Grafana dashboard: current, built from the catalogue and the thresholds, valid PromQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from alerts import build as rules  # noqa: E402
+from dashboards import build  # noqa: E402
+from easymats import thresholds  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def board() -> dict:
+    with open(build.DASHBOARD_PATH, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def concrete(expr: str, rate_interval: str = "1m") -> str:
+    """A dashboard query with Grafana's variables replaced the way Grafana does for "All"."""
+    return (expr.replace("$__rate_interval", rate_interval).replace("$job", ".*")
+            .replace("$instance", ".*").replace("$target", ".*"))
+
+
+def test_dashboard_json_is_generated_and_current():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "dashboards", "build.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_check_fails_on_stale_json(tmp_path, capsys):
+    stale = tmp_path / "hisparse.json"
+    stale.write_text(build.render(build.build_dashboard()).replace("0.65", "0.6"))
+    assert build.main(["--check", "--output", str(stale)]) == 1
+    assert "stale" in capsys.readouterr().err
+
+
+def test_check_names_unknown_metrics_and_unknown_recording_rules(board):
+    bad = json.loads(json.dumps(board))
+    bad["panels"][1]["targets"][0]["expr"] = 'rate(hisparse_anchor_hit_total{job=~"$job"}[5m])'
+    bad["panels"][2]["targets"][0]["expr"] = "target:hisparse_nothing:ratio_rate5m"
+    found = build.problems(bad)
+    assert any("'hisparse_anchor_hit_total'" in p for p in found), found
+    assert any("'target:hisparse_nothing:ratio_rate5m'" in p for p in found), found
+    assert build.problems(board) == []
+
+
+def test_schema_panels_and_layout(board):
+    assert board["schemaVersion"] == 41 and board["uid"] == build.UID
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    kinds = {p["type"] for p in board["panels"]}
+    assert kinds <= {"row", "timeseries", "table"} and "graph" not in kinds
+    for p in board["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+    titles = {p["title"] for p in board["panels"]}
+    for wanted in ("Anchor hit rate", "Hot buffer hit rate", "Prefetch efficiency", "KV blocks by state",
+                   "Block recycle rate", "Block density", "Quantization error quantiles",
+                   "Quantized blocks by bit width", "KV memory by tier and kind", "Decode step latency",
+                   "GPU utilization", "Sampling lag", "Targets up"):
+        assert wanted in titles
+
+
+def test_variables_and_every_query_filters_on_them(board):
+    names = [v["name"] for v in board["templating"]["list"]]
+    assert names == ["datasource", "job", "instance", "target"]
+    for where, expr in build.queries(board):
+        if where.startswith("variable"):
+            continue
+        assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr, where
+    for p in board["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}"
+
+
+def test_threshold_lines_are_the_alert_thresholds(board):
+    by_title = {p["title"]: p for p in board["panels"]}
+    expected = {
+        "Anchor hit rate": ("HiSparseAnchorHitRateLow", thresholds.ANCHOR_HIT_RATE_MIN),
+        "Prefetch efficiency": ("HiSparsePrefetchEfficiencyLow", thresholds.PREFETCH_EFFICIENCY_MIN),
+        "Hot buffer hit rate": ("HiSparseHotBufferThrashing", thresholds.HOT_BUFFER_HIT_RATE_MIN),
+        "Block recycle rate": ("HiSparseBlockRecycleSlow", thresholds.BLOCK_RECYCLE_RATE_MIN),
+        "Free blocks": ("HiSparseKVBlocksExhausted", thresholds.KV_FREE_BLOCKS_RATIO_MIN),
+        "Quantization error quantiles": ("HiSparseQuantErrorHigh", thresholds.QUANT_ERROR_P99_MAX),
+        "Sampling lag": ("EasymatsSamplingLagHigh", thresholds.SAMPLE_LAG_P99_MAX_S),
+    }
+    alert_exprs = {a.alert: a.expr for a in rules.alert_rules()}
+    assert {t.alert for t in thresholds.THRESHOLDS} == {a for a, _ in expected.values()}
+    for title, (alert, limit) in expected.items():
+        steps = by_title[title]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        assert [s["value"] for s in steps] == [None, limit], title
+        # The panel plots the very series the alert compares with the same number.
+        series = by_title[title]["targets"][0]["expr"].split("{")[0]
+        assert alert_exprs[alert].startswith(series), (title, series)
+        assert by_title[title]["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] != "off"
+
+
+def test_recalibrations_are_annotations(board):
+    notes = {a["name"]: a for a in board["annotations"]["list"]}
+    assert "hisparse_recalibrations_total" in notes["Recalibrations"]["expr"]
+    assert notes["Recalibrations"]["enable"] is True
+
+
+def test_every_query_is_valid_promql(tmp_path, board):
+    """promtool parses each query (variables substituted) as a recording rule: no server needed."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is not installed: apt-get install -y --no-install-recommends prometheus")
+    group = [{"record": f"dashboard:query_{i}:check", "expr": concrete(expr)}
+             for i, (_, expr) in enumerate(build.queries(board))]
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": group}]}))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_provisioning_files(board):
+    with open(os.path.join(ROOT, "dashboards", "provisioning", "datasources", "prometheus.yml")) as f:
+        ds = yaml.safe_load(f)
+    assert ds["apiVersion"] == 1 and ds["datasources"][0]["type"] == "prometheus"
+    with open(os.path.join(ROOT, "dashboards", "provisioning", "dashboards", "hisparse.yml")) as f:
+        prov = yaml.safe_load(f)
+    provider = prov["providers"][0]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+    assert not re.search(r"\bgraph\b", json.dumps([p["type"] for p in board["panels"]]))
