@@ -124,8 +124,12 @@ def plan_splits(batch_heads: int, k: int, sms: int, block_n: int = BLOCK_N) -> t
 
 
 def launch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
-           scale: float | None, n_split: int | None = None) -> torch.Tensor:
-    """q (B, Hq, D), k_buf/v_buf (B, Hkv, S, D), slots (B, Hkv, K) -> (B, Hq, D) in q's dtype."""
+           scale: float | None, n_split: int | None = None, block_n: int = BLOCK_N,
+           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """q (B, Hq, D), k_buf/v_buf (B, Hkv, S, D), slots (B, Hkv, K) -> (B, Hq, D) in q's dtype.
+
+    n_split, block_n, num_warps, num_stages override the defaults (benchmark sweeps use them).
+    """
     B, Hq, D = q.shape
     Hkv, K = k_buf.shape[1], slots.shape[2]
     G = Hq // Hkv
@@ -137,9 +141,9 @@ def launch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: tor
     q, k_buf, v_buf, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_buf, v_buf, slots))
     BLOCK_G, BLOCK_D = max(16, next_pow2(G)), max(16, next_pow2(D))
     if n_split is None:
-        n_split, chunk = plan_splits(B * Hkv, K, sm_count(q.device))
+        n_split, chunk = plan_splits(B * Hkv, K, sm_count(q.device), block_n)
     else:
-        chunk = triton.cdiv(triton.cdiv(K, n_split), BLOCK_N) * BLOCK_N
+        chunk = triton.cdiv(triton.cdiv(K, n_split), block_n) * block_n
         n_split = triton.cdiv(K, chunk)
     split = n_split > 1
     if split:
@@ -153,8 +157,8 @@ def launch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: tor
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
         v_buf.stride(0), v_buf.stride(1), v_buf.stride(2), slots.stride(0), slots.stride(1),
         out.stride(0), out.stride(1), Hkv, K, D, chunk, n_split, scale,
-        G=G, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, SPLIT=split, IEEE=ieee,
-        num_warps=4, num_stages=2,
+        G=G, BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D, SPLIT=split, IEEE=ieee,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _merge_kernel[(B * Hkv,)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, D, n_split,

@@ -1,0 +1,292 @@
+"""Benchmarks of the HiSparse Triton kernels against their baselines, measured in one run.
+
+Run on a CUDA GPU: `python benchmarks/bench_kernels.py [--out results.json] [--quick]`.
+Every time is the median of triton.testing.do_bench (L2 flushed between repetitions) unless it
+says graph, which is the median replay time of a captured CUDA graph. Ceilings measured here in
+the same run: HBM device copy (bytes read + written) and bulk pinned host->device copy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import triton
+import triton.testing
+
+import hi_sparse.kernels as K
+
+RESULTS: dict[str, list | dict] = {"ceilings": {}, "swap_in": [], "attention": [], "quant": [], "hit_detection": []}
+
+
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds."""
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_graph(fn, replays: int = 50) -> float:
+    """Median milliseconds of a CUDA-graph replay of fn (launch gaps removed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay, warmup=10, rep=replays)
+
+
+def pinned_pool(nbytes: int = 1 << 30) -> torch.Tensor:
+    """One pinned host buffer of random bytes (filled by tiling a 64 MiB random chunk: fast)."""
+    pool = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    chunk = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+    pool.view(-1, chunk.numel()).copy_(chunk.expand(nbytes // chunk.numel(), -1))
+    return pool
+
+
+def ceilings(pool: torch.Tensor) -> dict:
+    n = 1 << 30                                             # 2 GiB of bf16
+    a = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    hbm = 2 * a.numel() * 2 / ms / 1e6
+    del a, b
+    dev = torch.empty(pool.shape, device="cuda", dtype=torch.uint8)
+    ms_h2d = bench(lambda: dev.copy_(pool, non_blocking=True), warmup=5, rep=50)
+    h2d = pool.numel() / ms_h2d / 1e6
+    del dev
+    c = {"hbm_copy_GBps": hbm, "h2d_bulk_GBps": h2d, "hbm_copy_bytes": 2 * n, "h2d_bytes": pool.numel()}
+    RESULTS["ceilings"] = c
+    print(f"HBM copy (read+write) {hbm:8.1f} GB/s   bulk pinned H2D {h2d:6.1f} GB/s", flush=True)
+    return c
+
+
+def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
+    print("\nswap-in (scattered rows, pinned host -> device over UVA)", flush=True)
+    print(f"{'row B':>6} {'rows':>8} {'ms':>8} {'GB/s':>7} {'% bulk':>7}")
+    for row_bytes in ([256, 1152, 4096] if quick else [256, 512, 1024, 1152, 2048, 4096]):
+        w = row_bytes // 2
+        r = pool.numel() // row_bytes
+        src = pool[: r * row_bytes].view(torch.bfloat16).view(r, w)
+        assert src.is_pinned(), "the host pool must be pinned for the UVA path"
+        m = (256 << 20) // row_bytes                       # 256 MiB moved per call
+        dst = torch.empty(m, w, device="cuda", dtype=torch.bfloat16)
+        src_rows = torch.randperm(r, device="cuda")[:m]
+        dst_rows = torch.randperm(m, device="cuda")
+        ms = bench(lambda: K.swap_in(src, src_rows, dst, dst_rows), warmup=5, rep=40)
+        gbps = m * row_bytes / ms / 1e6
+        RESULTS["swap_in"].append({"row_bytes": row_bytes, "rows": m, "ms": ms, "GBps": gbps, "pct_bulk": 100 * gbps / h2d})
+        print(f"{row_bytes:6d} {m:8d} {ms:8.3f} {gbps:7.1f} {100 * gbps / h2d:6.1f}%", flush=True)
+        del src, dst
+    # fused dequant: D = 128 codes per row at 4 and 8 bits into bf16
+    for bits in (4, 8):
+        d = 128
+        p = K.packed_width(d, bits)
+        r = pool.numel() // p
+        packed = pool[: r * p].view(r, p)
+        rpb = 512
+        scale = torch.rand(r // rpb).pin_memory()
+        zero = torch.rand(r // rpb).pin_memory()
+        m = (64 << 20) // p
+        dst = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
+        src_rows = torch.randperm(r, device="cuda")[:m]
+        dst_rows = torch.arange(m, device="cuda")
+        ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows), warmup=5, rep=40)
+        gbps = m * p / ms / 1e6
+        RESULTS["swap_in"].append({"dequant_bits": bits, "row_bytes": p, "rows": m, "ms": ms, "GBps_packed": gbps,
+                                   "pct_bulk": 100 * gbps / h2d, "tokens_per_s": m / ms * 1e3})
+        print(f"dequant {bits}b row {p:3d} B: {ms:7.3f} ms {gbps:6.1f} GB/s of packed rows ({100 * gbps / h2d:5.1f}% bulk), "
+              f"{m / ms / 1e3:6.1f} M rows/s", flush=True)
+        del packed, dst
+
+
+def sparse_step(q, kmin, kmax, k_buf, v_buf, top_k: int, bs: int, window: int):
+    """One decode step of one layer: Quest scores, top blocks, slots, sparse attention.
+
+    q (B, Hq, D); kmin/kmax (B, Hkv, NB, D); hot buffer (B, Hkv, S, D). Tokens of the recent window
+    plus the top (top_k - window) // bs blocks; slot of token t is t % S (a stand-in for the hot
+    buffer's token->slot map, which the runtime keeps).
+    """
+    B, Hq, D = q.shape
+    Hkv, nb = kmin.shape[1], kmin.shape[2]
+    S = k_buf.shape[2]
+    scores = K.block_scores(q.view(B, Hkv, Hq // Hkv, D), kmin, kmax)          # (B, Hkv, NB)
+    n_blocks = (top_k - window) // bs
+    scores[..., nb - window // bs:] = float("-inf")                             # window is always in
+    top = scores.topk(n_blocks, dim=-1).indices                                 # (B, Hkv, n_blocks)
+    tok = (top[..., None] * bs + torch.arange(bs, device=q.device)).flatten(-2)
+    win = torch.arange(nb * bs - window, nb * bs, device=q.device).expand(B, Hkv, window)
+    slots = (torch.cat([tok, win], dim=-1) % S).to(torch.int32)
+    return K.sparse_decode_attention(q, k_buf, v_buf, slots)
+
+
+def sweep_attention(q, k_buf, v_buf, slots, nbytes: int, hbm: float) -> None:
+    """Tile and pipelining variants of the decode kernel at batch 64 (the default is the first)."""
+    from hi_sparse.kernels import _attention_triton as A
+    rows = []
+    for block_n, warps, stages in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (32, 2, 3), (64, 4, 4)]:
+        ms = bench(lambda: A.launch(q, k_buf, v_buf, slots, None, block_n=block_n, num_warps=warps, num_stages=stages))
+        rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "ms": ms,
+                     "pct_hbm": 100 * nbytes / ms / 1e6 / hbm})
+        print(f"    sweep block_n={block_n:3d} warps={warps} stages={stages}: {ms:.4f} ms "
+              f"{100 * nbytes / ms / 1e6 / hbm:5.1f}% HBM", flush=True)
+    RESULTS["attention_sweep"] = rows
+
+
+def bench_attention(hbm: float, quick: bool) -> None:
+    print("\nsparse decode attention: top_k 2048, 32 q / 8 kv heads, d 128, bf16, block 64, hot buffer 4096", flush=True)
+    print(f"{'B':>3} {'ctx':>8} {'attn ms':>8} {'attn GB/s':>9} {'%HBM':>5} {'step ms':>8} {'step graph':>10} "
+          f"{'dense ms':>9} {'dense/step':>10}")
+    Hq, Hkv, D, top_k, S, bs, window = 32, 8, 128, 2048, 4096, 64, 1024
+    free_bytes = torch.cuda.mem_get_info()[0]
+    for B in (1, 64):
+        for ctx in ([32 << 10, 1 << 20] if quick else [32 << 10, 128 << 10, 512 << 10, 1 << 20]):
+            torch.manual_seed(0)
+            nb = ctx // bs
+            q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+            k_buf = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+            v_buf = torch.randn_like(k_buf)
+            kmin = torch.randn(B, Hkv, nb, D, device="cuda", dtype=torch.bfloat16)
+            kmax = kmin + torch.rand_like(kmin)
+            slots = torch.randperm(S, device="cuda")[:top_k].to(torch.int32).repeat(B, Hkv, 1)
+            ms_attn = bench(lambda: K.sparse_decode_attention(q, k_buf, v_buf, slots))
+            bytes_attn = B * Hkv * top_k * D * 2 * 2 + slots.numel() * 4 + 2 * q.numel() * 2
+            gbps = bytes_attn / ms_attn / 1e6
+            if B == 64 and ctx == 32 << 10:
+                sweep_attention(q, k_buf, v_buf, slots, bytes_attn, hbm)
+            ms_step = bench(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
+            ms_graph = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
+            ms_scores = bench(lambda: K.block_scores(q.view(B, Hkv, Hq // Hkv, D), kmin, kmax))
+            bytes_scores = 2 * kmin.numel() * 2
+            kv_bytes = 2 * B * Hkv * ctx * D * 2
+            ms_dense = None
+            if kv_bytes * 1.1 < free_bytes - 8 * (1 << 30):
+                kd = torch.randn(B, Hkv, ctx, D, device="cuda", dtype=torch.bfloat16)
+                vd = torch.randn_like(kd)
+                q4 = q[:, :, None]
+                try:
+                    ms_dense = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q4, kd, vd, enable_gqa=True), warmup=5, rep=30)
+                except torch.OutOfMemoryError:
+                    ms_dense = None
+                del kd, vd
+            row = {"B": B, "context": ctx, "attn_ms": ms_attn, "attn_bytes": bytes_attn, "attn_GBps": gbps,
+                   "attn_pct_hbm": 100 * gbps / hbm, "attn_floor_ms": bytes_attn / hbm / 1e6,
+                   "scores_ms": ms_scores, "scores_GBps": bytes_scores / ms_scores / 1e6,
+                   "step_ms": ms_step, "step_graph_ms": ms_graph, "dense_ms": ms_dense,
+                   "dense_kv_GBps": kv_bytes / ms_dense / 1e6 if ms_dense else None,
+                   "speedup_vs_dense": ms_dense / ms_graph if ms_dense else None}
+            RESULTS["attention"].append(row)
+            dense = f"{ms_dense:9.3f} {ms_dense / ms_graph:9.1f}x" if ms_dense else f"{'no fit':>9} {'-':>10}"
+            print(f"{B:3d} {ctx:8d} {ms_attn:8.4f} {gbps:9.1f} {100 * gbps / hbm:4.0f}% {ms_step:8.4f} {ms_graph:10.4f} {dense}"
+                  f"   (scores {ms_scores:.4f} ms {bytes_scores / ms_scores / 1e6:.0f} GB/s)", flush=True)
+            del q, k_buf, v_buf, kmin, kmax
+            torch.cuda.empty_cache()
+
+
+def bench_quant(hbm: float) -> None:
+    print("\nblock quantize / dequantize: 2048 blocks x 512 tokens x 128, bf16 (bytes = in + out)", flush=True)
+    x = torch.randn(2048, 512, 128, device="cuda", dtype=torch.bfloat16)
+    for bits in (4, 5, 6, 8):
+        packed, scale, zero = K.quantize_blocks(x, bits)
+        ms_q = bench(lambda: K.quantize_blocks(x, bits))
+        ms_d = bench(lambda: K.dequantize_blocks(packed, scale, zero, bits, 128, dtype=torch.bfloat16))
+        moved = x.numel() * 2 + packed.numel()
+        gq, gd = moved / ms_q / 1e6, moved / ms_d / 1e6
+        RESULTS["quant"].append({"bits": bits, "quant_ms": ms_q, "quant_GBps": gq, "quant_pct_hbm": 100 * gq / hbm,
+                                 "dequant_ms": ms_d, "dequant_GBps": gd, "dequant_pct_hbm": 100 * gd / hbm,
+                                 "bytes": moved})
+        print(f"{bits}b: quantize {ms_q:7.3f} ms {gq:7.1f} GB/s ({100 * gq / hbm:4.1f}% HBM copy)   "
+              f"dequantize {ms_d:7.3f} ms {gd:7.1f} GB/s ({100 * gd / hbm:4.1f}%)", flush=True)
+
+
+def bench_hit_detection() -> None:
+    """Host round trip (selection to host, lookup in numpy, slots back) vs the same on the device."""
+    print("\nhit detection + slot assignment: host round trip vs device (torch ops), 8 kv heads, 2048 selected, 4096 slots", flush=True)
+    Hkv, top_k, S, ctx = 8, 2048, 4096, 128 << 10
+    for B in (1, 64):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        slot_of_token = torch.full((B, Hkv, ctx), -1, device="cuda", dtype=torch.int32)
+        resident = torch.randint(0, ctx, (B, Hkv, S), device="cuda", generator=g)
+        slot_of_token.scatter_(2, resident, torch.arange(S, device="cuda", dtype=torch.int32).expand(B, Hkv, S).contiguous())
+        lru = torch.argsort(torch.rand(B, Hkv, S, device="cuda", generator=g), dim=-1).to(torch.int32)
+        sel = torch.randint(0, ctx, (B, Hkv, top_k), device="cuda", generator=g)
+        host_map = slot_of_token.cpu().numpy()
+        host_lru = lru.cpu().numpy()
+
+        def device_path():
+            slot = slot_of_token.gather(2, sel)
+            miss = slot < 0
+            rank = miss.to(torch.int32).cumsum(-1) - 1
+            victim = lru.gather(2, rank.clamp(min=0).long())
+            return torch.where(miss, victim, slot), miss
+
+        def host_path():
+            sel_h = sel.cpu().numpy()                           # device -> host (syncs)
+            import numpy as np
+            slot = np.take_along_axis(host_map, sel_h, axis=2)
+            miss = slot < 0
+            rank = np.maximum(np.cumsum(miss, axis=-1) - 1, 0)
+            victim = np.take_along_axis(host_lru, rank, axis=2)
+            out = np.where(miss, victim, slot)
+            return torch.from_numpy(out).to("cuda", non_blocking=False)
+
+        ms_dev = bench(device_path)
+        ms_dev_graph = bench_graph(device_path)
+        for _ in range(3):
+            host_path()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            host_path()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms_host = sorted(times)[len(times) // 2]
+        a = device_path()[0].cpu()
+        b = host_path().cpu()
+        same = bool(torch.equal(a, b))
+        RESULTS["hit_detection"].append({"B": B, "device_ms": ms_dev, "device_graph_ms": ms_dev_graph,
+                                         "host_round_trip_ms": ms_host, "agree": same})
+        print(f"B={B:3d}: device {ms_dev:.4f} ms (graph {ms_dev_graph:.4f})  host round trip {ms_host:.4f} ms  "
+              f"ratio {ms_host / ms_dev_graph:.1f}x  results agree: {same}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write all numbers as JSON here")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--only", default="swap,attention,quant,hit", help="comma list of sections")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels needs a CUDA GPU; run it on the device machine (benchmarks/gpu_kernels.sh)")
+    props = torch.cuda.get_device_properties(0)
+    RESULTS["device"] = {"name": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                         "triton": triton.__version__}
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    only = set(args.only.split(","))
+    pool = pinned_pool()
+    c = ceilings(pool)
+    sections = [("swap", lambda: bench_swap_in(pool, c["h2d_bulk_GBps"], args.quick)),
+                ("attention", lambda: bench_attention(c["hbm_copy_GBps"], args.quick)),
+                ("quant", lambda: bench_quant(c["hbm_copy_GBps"])),
+                ("hit", bench_hit_detection)]
+    for name, fn in sections:
+        if name in only:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - keep the other sections' numbers
+                print(f"section {name} failed: {type(e).__name__}: {e}", flush=True)
+                RESULTS.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

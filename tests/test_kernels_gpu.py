@@ -1,0 +1,142 @@
+"""Triton kernels on a CUDA GPU against their fp32 references (run on the H200: pytest -m gpu).
+
+Odd shapes (T=63, D=60), both half dtypes, outputs poisoned with NaN before each call: in-place
+destinations are filled with NaN, and for ops that allocate their result the caching allocator is
+first handed a NaN-filled block, which torch.empty then reuses, so an unwritten element fails.
+"""
+import pytest
+import torch
+
+import hi_sparse.kernels as K
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+TOL = {torch.bfloat16: 1.6e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+def _poison_allocator(nbytes: int = 256 << 20) -> None:
+    """Leave a NaN-filled block in torch's caching allocator for the next torch.empty to reuse."""
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,Kn", [
+    (3, 32, 8, 300, 128, 63),       # few tokens, no split
+    (1, 32, 8, 4096, 128, 2048),    # the benchmark shape at batch 1: split-K + merge
+    (2, 8, 2, 257, 60, 200),        # non-power-of-2 head_dim
+    (4, 12, 4, 500, 64, 1000),      # G = 3 (not a power of 2)
+], ids=["k63", "k2048-split", "d60", "g3"])
+def test_sparse_decode_attention(dtype, B, Hq, Hkv, S, D, Kn):
+    torch.manual_seed(Kn + D)
+    q = torch.randn(B, Hq, D, device="cuda").to(dtype)
+    k = torch.randn(B, Hkv, S, D, device="cuda").to(dtype)
+    v = torch.randn(B, Hkv, S, D, device="cuda").to(dtype)
+    slots = torch.randint(0, S, (B, Hkv, Kn), device="cuda", dtype=torch.int32)
+    slots[..., 5::11] = -1
+    slots[-1, -1] = -1
+    _poison_allocator()
+    out = K.sparse_decode_attention(q, k, v, slots)
+    torch.cuda.synchronize()
+    ref = K.reference_sparse_decode_attention(q.float(), k.float(), v.float(), slots)
+    assert out.dtype == dtype and out.shape == (B, Hq, D)
+    assert _rel(out, ref) < TOL[dtype]
+    assert bool((out[-1, -(Hq // Hkv):] == 0).all())
+
+
+def test_sparse_decode_attention_64bit_offsets():
+    """A hot buffer of more than 2^31 elements: slots near its end must be addressed correctly."""
+    B, Hq, Hkv, D, S = 1, 4, 2, 128, (1 << 23) + 64          # 2.15e9 elements per buffer
+    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(S - 100, S, device="cuda").repeat(B, Hkv, 1)
+    out = K.sparse_decode_attention(q, k, v, slots)
+    ref = K.reference_sparse_decode_attention(q.float(), k[:, :, -100:].float(), v[:, :, -100:].float(),
+                                              torch.arange(100, device="cuda").repeat(B, Hkv, 1))
+    assert _rel(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype,W", [(torch.bfloat16, 576), (torch.bfloat16, 128), (torch.float32, 60),
+                                     (torch.uint8, 7), (torch.float16, 1000)],
+                         ids=["bf16-1152B", "bf16-256B", "fp32-d60", "u8-7B", "fp16-2000B"])
+def test_swap_in_from_pinned_host(dtype, W):
+    src = (torch.randn(1000, W) * 50).to(dtype).pin_memory()
+    dst = torch.zeros(300, W, device="cuda", dtype=dtype)
+    if dtype.is_floating_point:
+        dst.fill_(float("nan"))
+    src_rows = torch.randperm(1000)[:200]
+    dst_rows = torch.randperm(300)[:200].cuda()
+    K.swap_in(src, src_rows, dst, dst_rows)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[dst_rows].cpu(), src[src_rows])
+    rest = torch.ones(300, dtype=torch.bool)
+    rest[dst_rows.cpu()] = False
+    if dtype.is_floating_point:
+        assert bool(dst[rest.cuda()].isnan().all())
+
+
+def test_swap_in_device_to_device():
+    src = torch.randn(500, 128, device="cuda", dtype=torch.bfloat16)
+    dst = torch.full((64, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    rows = torch.randperm(500, device="cuda")[:64]
+    K.swap_in(src, rows, dst, torch.arange(64, device="cuda"))
+    assert torch.equal(dst, src[rows])
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [60, 128])
+def test_swap_in_dequant_from_pinned_host(bits, dtype, D):
+    t = 63
+    x = torch.randn(6, t, D)
+    packed, scale, zero = K.reference_quantize_blocks(x, bits)
+    flat = packed.reshape(6 * t, -1).pin_memory()
+    src_rows = torch.randperm(6 * t)[:100]
+    dst_rows = torch.randperm(150)[:100]
+    dst = torch.full((150, D), float("nan"), device="cuda", dtype=dtype)
+    K.swap_in_dequant(flat, scale.pin_memory(), zero.pin_memory(), bits, t, src_rows, dst, dst_rows.cuda())
+    ref = torch.full((150, D), float("nan"), dtype=dtype)
+    K.reference_swap_in_dequant(flat, scale, zero, bits, t, src_rows, ref, dst_rows)
+    assert torch.equal(dst.cpu().isnan(), ref.isnan())
+    assert _rel(dst.cpu()[dst_rows].float(), ref[dst_rows].float()) < 1e-3
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_dequantize(bits, dtype):
+    x = (torch.randn(5, 63, 60, device="cuda") * torch.arange(1, 6, device="cuda")[:, None, None]).to(dtype)
+    _poison_allocator()
+    packed, scale, zero = K.quantize_blocks(x, bits)
+    rp, rs, rz = K.reference_quantize_blocks(x, bits)
+    assert torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz)
+    diff = (K.unpack_codes(packed, bits, 60) - K.unpack_codes(rp, bits, 60)).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    _poison_allocator()
+    out = K.dequantize_blocks(rp, rs, rz, bits, 60, dtype=dtype)
+    ref = K.reference_dequantize_blocks(rp, rs, rz, bits, 60, dtype=torch.float32)
+    assert out.dtype == dtype and _rel(out, ref) < TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param(torch.float32, id="fp32")])
+@pytest.mark.parametrize("D,L,bs", [(60, 63, 16), (128, 1000, 64), (128, 4096, 512)], ids=["d60-t63", "d128", "bs512"])
+def test_block_bounds_and_scores(dtype, D, L, bs):
+    k = torch.randn(8, L, D, device="cuda").to(dtype)
+    _poison_allocator()
+    kmin, kmax = K.block_bounds(k, bs)
+    rmin, rmax = K.reference_block_bounds(k, bs)
+    assert torch.equal(kmin, rmin) and torch.equal(kmax, rmax)
+    q = torch.randn(3, 8, 4, D, device="cuda").to(dtype)
+    lo, hi = kmin.expand(3, -1, -1, -1), kmax.expand(3, -1, -1, -1)
+    _poison_allocator()
+    s = K.block_scores(q, lo, hi)
+    assert s.dtype == torch.float32 and _rel(s, K.reference_block_scores(q, lo, hi)) < 1e-5
