@@ -126,8 +126,9 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
     ax.set_title(f"{run.name}: {panel.title}", fontsize=10, loc="left")
     ax.set_ylabel(panel.unit)
     ax.set_xlabel(xlabel, fontsize=8)
-    if panel.unit in ("%",):
-        ax.set_ylim(bottom=0)
+    if panel.unit == "%":
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(0, max(105.0, hi) if hi > 50 else hi)  # ratios: keep values near 100 % off the frame
     ax.grid(True, color="#dee2e6", linewidth=0.6)
     ax.legend(loc="lower left", fontsize=7, framealpha=0.8, ncol=4)
     fig.tight_layout()
