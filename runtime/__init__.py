@@ -8,6 +8,8 @@ _LAZY = {
     "enable_hisparse_kv_cache": "integration",
     "disable_hisparse_kv_cache": "integration",
     "HiSparseCache": "integration",
+    "HiSparseEngine": "engine",
+    "HiSparseConfig": "config",
 }
 
 

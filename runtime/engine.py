@@ -1,0 +1,689 @@
+"""The HiSparse engine: host pool + per-sequence hot buffers + selection + sparse attention.
+
+Driven per layer by a model integration (no transformers import here)::
+
+    eng = HiSparseEngine(cfg, num_layers=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+    ids = eng.add_sequences(B)
+    eng.begin_step()
+    for layer in range(L):
+        eng.append(layer, ids, k, v)       # (B, Hkv, T, D): stored to host, made hot
+        out = eng.attend(layer, ids, q)    # (B, Hq, Tq, D): exact causal if Tq > 1, sparse if 1
+    eng.end_step()                         # timing, audit bookkeeping, recalibration, publish
+
+Decode, per sequence and layer: block upper bounds -> selection (window + anchors + top blocks)
+-> hot buffer lookup (hits, LRU misses) -> swap-in of misses from the host pool (dequantized)
+-> prefetch of next-ranked blocks -> sparse attention over the selected slots.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hi_sparse.kernels import block_bounds, block_scores, sparse_decode_attention
+
+from . import __version__
+from .audit import RecalibrationController, attention_mass, audit_hits
+from .block_pool import BlockPool
+from .config import HiSparseConfig
+from .host_pool import HostPool
+from .hot_buffer import HotBufferState
+from .metrics import DeviceCounters, Publisher, RuntimeStats
+from .page_table import PageTable, PoolExhausted, SequencePages
+from .probe import ImportanceProbe, probe_threshold
+from .selection import select
+
+_PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    row: int
+    first: int
+    tail: int
+    n: list[int]
+    hot: list[HotBufferState]
+    kmin: list[torch.Tensor]
+    kmax: list[torch.Tensor]
+    anchors: list[torch.Tensor]
+    anchor_p: list[torch.Tensor]
+    queries: list[torch.Tensor]
+    q_count: list[int]
+    importance: torch.Tensor
+    holes: torch.Tensor
+    bt: torch.Tensor | None = None
+    bt_version: int = -1
+    last_selection: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class HiSparseEngine:
+    def __init__(self, cfg: HiSparseConfig, num_layers: int, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 model_name: str = "llama", segment=None) -> None:
+        cfg.validate()
+        if num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
+            raise ValueError("num_layers, num_kv_heads and head_dim must be >= 1")
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads}) (grouped-query attention)")
+        self.cfg = cfg
+        self.L, self.Hq, self.Hkv, self.D = num_layers, num_q_heads, num_kv_heads, head_dim
+        self.G = num_q_heads // num_kv_heads
+        self.device = torch.device(device)
+        self.dtype = cfg.kv_dtype or dtype
+        self.meta_device = self.device if cfg.metadata_device == "device" else torch.device("cpu")
+        self.bs = cfg.cache_block_size
+        self.S = cfg.buffer_tokens
+        self.scale = head_dim ** -0.5
+        self.pool = BlockPool(0, grace_s=cfg.recycle_grace_s)
+        self.pages = PageTable(self.pool, self.bs)
+        self.host = HostPool(num_layers, num_kv_heads, head_dim, self.bs, self.dtype,
+                             pin=self.device.type == "cuda" and torch.cuda.is_available(),
+                             host_kv_bits=cfg.host_kv_bits, error_budget=cfg.quant_error_budget)
+        if cfg.host_pool_blocks:
+            self.pool.grow(cfg.host_pool_blocks)
+            self.host.grow(blocks=cfg.host_pool_blocks)
+        self.k_hot = [torch.zeros(0, num_kv_heads, self.S, head_dim, dtype=self.dtype, device=self.device)
+                      for _ in range(num_layers)]
+        self.v_hot = [t.clone() for t in self.k_hot]
+        self._free_rows: list[int] = []
+        self._free_tails: list[int] = []
+        self.probes = [ImportanceProbe(head_dim, seed=cfg.seed + i) for i in range(num_layers)]
+        self.seqs: dict[int, _Seq] = {}
+        self._removed: dict[int, tuple[float, _Seq, SequencePages]] = {}
+        self._next_id = 0
+        self._stats = RuntimeStats()
+        self._dev = DeviceCounters(self.device)
+        self.recal = RecalibrationController(cfg.recalibrate_every, cfg.drift_floor, cfg.drift_window)
+        self._rng = random.Random(cfg.seed)
+        self.decode_steps = 0
+        self.audits: list[tuple[int, int, int, int, int]] = []  # (step, layer, head, lookups, hits)
+        self._step_t0: float | None = None
+        self._step_decoded = False
+        self._audit_at: tuple[int, int] | None = None
+        self._last_kv: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_layers)]
+        self._pending_ack = None
+        self._owned_segment = False
+        if segment is None and cfg.telemetry:
+            from easymats import telemetry
+            segment = telemetry.open_segment(cfg.name or "hisparse", labels={"model": model_name})
+            self._owned_segment = True
+        self.publisher = Publisher(segment, cfg.publish_interval_s,
+                                   {"version": __version__, "model": model_name, "device": str(self.device)},
+                                   cfg.as_labels())
+        self._publish(force=True)
+
+    # -- sequences -----------------------------------------------------------------------------
+    def add_sequences(self, batch_size: int, pad_lengths: list[int] | None = None) -> list[int]:
+        """Register ``batch_size`` new sequences (left padding per sequence); returns their ids."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        pads = list(pad_lengths) if pad_lengths is not None else [0] * batch_size
+        if len(pads) != batch_size or any(p < 0 for p in pads):
+            raise ValueError(f"pad_lengths must be {batch_size} non-negative ints, got {pad_lengths!r}")
+        rows = self._take_rows(batch_size)
+        ids = []
+        for row, pad in zip(rows, pads):
+            sid = self._next_id
+            self._next_id += 1
+            self.pages.add_sequence(sid)
+            self.seqs[sid] = self._new_seq(sid, row, pad)
+            ids.append(sid)
+        return ids
+
+    def _new_seq(self, sid: int, row: int, pad: int) -> _Seq:
+        A, dev, meta = self.cfg.global_tokens, self.device, self.meta_device
+        tail = -1
+        if self.host.quantized:
+            if not self._free_tails:
+                n = self.host.num_tail
+                self.host.grow(tails=max(4, 2 * n))
+                self._free_tails.extend(range(n, self.host.num_tail))
+            tail = self._free_tails.pop(0)
+        return _Seq(
+            seq_id=sid, row=row, first=pad, tail=tail, n=[0] * self.L,
+            hot=[HotBufferState(self.Hkv, self.S, dev) for _ in range(self.L)],
+            kmin=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=dev) for _ in range(self.L)],
+            kmax=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=dev) for _ in range(self.L)],
+            anchors=[torch.full((self.Hkv, A), -1, dtype=torch.int64, device=dev) for _ in range(self.L)],
+            anchor_p=[torch.full((self.Hkv, A), -1.0, device=dev) for _ in range(self.L)],
+            queries=[torch.zeros(self.cfg.recalibrate_queries, self.Hq, self.D, device=dev)
+                     for _ in range(self.L)],
+            q_count=[0] * self.L,
+            importance=torch.zeros(0, device=meta), holes=torch.zeros(0, dtype=torch.bool, device=meta))
+
+    def _take_rows(self, n: int) -> list[int]:
+        free = sorted(self._free_rows)
+        for i in range(len(free) - n + 1):  # a contiguous run lets attend slice instead of copy
+            if free[i + n - 1] - free[i] == n - 1:
+                rows = free[i:i + n]
+                self._free_rows = [r for r in self._free_rows if r not in rows]
+                return rows
+        start = self.k_hot[0].shape[0]
+        cap = max(start + n, 2 * start)
+        for layer in range(self.L):
+            for bufs in (self.k_hot, self.v_hot):
+                new = torch.zeros(cap, self.Hkv, self.S, self.D, dtype=self.dtype, device=self.device)
+                new[:start] = bufs[layer]
+                bufs[layer] = new
+        self._free_rows.extend(range(start + n, cap))
+        return list(range(start, start + n))
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens held for a sequence (including its left padding)."""
+        return max(self._seq(seq_id).n)
+
+    def _seq(self, seq_id: int) -> _Seq:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence id {seq_id}: add it with add_sequences() first "
+                             "(or it was freed)") from None
+
+    def free_sequences(self, seq_ids: list[int]) -> None:
+        """Release sequences; their host blocks stay reclaimable for recycle_grace_s (resume)."""
+        now = time.monotonic()
+        for sid in seq_ids:
+            s = self._seq(sid)
+            del self.seqs[sid]
+            pages = self.pages.remove(sid)
+            self._free_rows.append(s.row)
+            s.hot = []  # device slots go back with the row; a resumed sequence starts cold
+            self._removed[sid] = (now, s, pages)
+            for layer in range(self.L):
+                self._last_kv[layer].pop(sid, None)
+        self._expire_removed(now)
+
+    def resume_sequence(self, seq_id: int) -> bool:
+        """Take back a freed sequence within its grace period (its blocks are reclaimed).
+
+        Returns False when it is too late (the blocks were recycled); the caller then re-prefills.
+        """
+        self._expire_removed(time.monotonic())
+        entry = self._removed.pop(seq_id, None)
+        if entry is None:
+            return False
+        _, s, pages = entry
+        if not self.pages.restore(seq_id, pages):
+            self._release_tail(s)
+            return False
+        s.row = self._take_rows(1)[0]
+        s.hot = [HotBufferState(self.Hkv, self.S, self.device, token_capacity=max(s.n))
+                 for _ in range(self.L)]
+        s.bt_version = -1
+        self.seqs[seq_id] = s
+        return True
+
+    def _expire_removed(self, now: float) -> None:
+        for sid in [k for k, (t, _, _) in self._removed.items() if now - t > self.cfg.recycle_grace_s]:
+            self._release_tail(self._removed.pop(sid)[1])
+
+    def _release_tail(self, s: _Seq) -> None:
+        if s.tail >= 0:
+            self._free_tails.append(s.tail)
+            s.tail = -1
+
+    def fork_ids(self) -> list[int]:
+        return sorted(self.seqs)
+
+    # -- storage -------------------------------------------------------------------------------
+    def _block_table(self, s: _Seq) -> torch.Tensor:
+        version = self.pages.seqs[s.seq_id].version
+        if s.bt_version != version:
+            s.bt = torch.tensor(self.pages.block_ids(s.seq_id), dtype=torch.int64)
+            s.bt_version = version
+        return s.bt
+
+    def _allocate(self, s: _Seq, need: int) -> list:
+        blocks = self.pool.get_new_blocks(need)
+        if blocks is None and self.cfg.host_pool_blocks is None:
+            more = max(need, self.pool.num_blocks, 16)
+            self.pool.grow(more)
+            self.host.grow(blocks=self.pool.num_blocks)
+            blocks = self.pool.get_new_blocks(need)
+        if blocks is None and self.pool.num_pending:
+            blocks = self.pool.get_new_blocks(need, cut_grace=True)
+        if blocks is None and self.cfg.streaming:
+            blocks = self._evict_blocks(need - self.pool.num_free)
+            if blocks is not None:
+                blocks += self.pool.get_new_blocks(need - len(blocks)) or []
+        if blocks is None or len(blocks) != need:
+            raise PoolExhausted(
+                f"host KV pool exhausted: {self.pool.num_blocks} blocks of {self.bs} tokens are all in "
+                f"use and sequence {s.seq_id} needs {need} more; raise host_pool_blocks, free "
+                "sequences, or set streaming=True to overwrite unimportant blocks")
+        return blocks
+
+    def _evict_blocks(self, n: int) -> list | None:
+        """Streaming mode: detach the n least important evictable blocks (never anchors, window, tail)."""
+        cands = []  # (importance, seq, logical block)
+        for s in self.seqs.values():
+            nmin = min(s.n)
+            limit = (nmin - self.cfg.window_size) // self.bs  # blocks wholly before the window
+            if limit <= 0:
+                continue
+            imp = s.importance[:limit].clone()
+            imp[s.holes[:limit]] = float("inf")
+            for layer in range(self.L):
+                a = s.anchors[layer]
+                a = a[a >= 0] // self.bs
+                imp[a[a < limit]] = float("inf")
+            imp[: -(-s.first // self.bs) if s.first else 0] = float("inf")  # keep pad blocks simple
+            for lb in torch.nonzero(torch.isfinite(imp)).squeeze(1).tolist():
+                cands.append((float(imp[lb]), s.seq_id, lb))
+        if len(cands) < n:
+            return None
+        cands.sort()
+        out = []
+        for _, sid, lb in cands[:n]:
+            s = self.seqs[sid]
+            out.append(self.pages.punch_hole(sid, lb))
+            s.holes[lb] = True
+            for hb in s.hot:
+                hb.invalidate(lb * self.bs, (lb + 1) * self.bs)
+            self._stats.block_evictions += 1
+        return out
+
+    def _grow_seq_meta(self, s: _Seq, nb: int) -> None:
+        cap = s.importance.shape[0]
+        if nb <= cap:
+            return
+        new = max(nb, 2 * cap, 8)
+        s.importance = torch.cat([s.importance, torch.zeros(new - cap, device=s.importance.device)])
+        s.holes = torch.cat([s.holes, torch.zeros(new - cap, dtype=torch.bool, device=s.holes.device)])
+
+    def _update_bounds(self, s: _Seq, layer: int, p0: int, k: torch.Tensor) -> None:
+        """Per-block key min/max of new tokens k (Hkv, T, D) starting at position p0."""
+        T, bs = k.shape[1], self.bs
+        nb = -(-(p0 + T) // bs)
+        cap = s.kmin[layer].shape[1]
+        if nb > cap:
+            new = max(nb, 2 * cap, 8)
+            for arr, fill in ((s.kmin, float("inf")), (s.kmax, float("-inf"))):
+                t = torch.full((self.Hkv, new, self.D), fill, dtype=self.dtype, device=self.device)
+                t[:, :cap] = arr[layer]
+                arr[layer] = t
+        r = (-p0) % bs
+        r = min(r, T)
+        if r:
+            blk = p0 // bs
+            lo, hi = block_bounds(k[:, :r], r)
+            s.kmin[layer][:, blk] = torch.minimum(s.kmin[layer][:, blk], lo[:, 0])
+            s.kmax[layer][:, blk] = torch.maximum(s.kmax[layer][:, blk], hi[:, 0])
+        if T > r:
+            lo, hi = block_bounds(k[:, r:], bs)
+            b0 = (p0 + r) // bs
+            s.kmin[layer][:, b0:b0 + lo.shape[1]] = lo
+            s.kmax[layer][:, b0:b0 + hi.shape[1]] = hi
+
+    # -- append --------------------------------------------------------------------------------
+    def append(self, layer: int, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens. k, v: (B, Hkv, T, D) for sequences ``seq_ids`` at ``layer``."""
+        self._check_layer(layer)
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != len(seq_ids) or k.shape[1] != self.Hkv \
+                or k.shape[3] != self.D:
+            raise ValueError(f"append expects k and v of shape (B={len(seq_ids)}, Hkv={self.Hkv}, T, "
+                             f"D={self.D}); got {tuple(k.shape)} and {tuple(v.shape)}")
+        T = k.shape[2]
+        if T == 0:
+            return
+        for b, sid in enumerate(seq_ids):
+            s = self._seq(sid)
+            p0 = s.n[layer]
+            n = p0 + T
+            if n > self.cfg.max_seq_len:
+                raise ValueError(f"sequence {sid} would hold {n} tokens, more than max_seq_len="
+                                 f"{self.cfg.max_seq_len}; raise max_seq_len")
+            have = self.pages.num_tokens(sid)
+            if n > have:
+                need = self.pages.blocks_needed(sid, n - have)
+                self.pages.extend(sid, n - have, self._allocate(s, need) if need else [])
+                self._grow_seq_meta(s, -(-n // self.bs))
+            kb, vb = k[b].to(self.device, self.dtype), v[b].to(self.device, self.dtype)
+            nbytes, events = self.host.write(layer, self._block_table(s), s.tail, p0, kb, vb)
+            st = self._stats
+            st.backup_bytes += nbytes
+            for bits, c in events.counts.items():
+                st.quant_blocks[bits] += c
+            for e in events.errors:
+                st.quant_error.observe(e)
+            self._update_bounds(s, layer, p0, kb)
+            slots = s.hot[layer].insert(torch.arange(p0, n, device=self.device))
+            Tn = slots.shape[1]
+            idx = slots[..., None].expand(-1, -1, self.D)
+            self.k_hot[layer][s.row].scatter_(1, idx, kb[:, T - Tn:])
+            self.v_hot[layer][s.row].scatter_(1, idx, vb[:, T - Tn:])
+            self._pin_anchors(s, layer, p0, kb, n)
+            s.n[layer] = n
+            self._last_kv[layer][sid] = (kb, vb)
+            if layer == 0:
+                if T > 1:
+                    st.tokens_prefill += T
+                else:
+                    st.tokens_decode += T
+                self.recal.on_tokens(T)
+
+    def _pin_anchors(self, s: _Seq, layer: int, p0: int, k: torch.Tensor, n: int) -> None:
+        """Tokens the probe scores above the threshold become anchors (the top global_tokens stay)."""
+        A = self.cfg.global_tokens
+        if A == 0 or not self.probes[layer].fitted:
+            return
+        p = self.probes[layer].predict(k)                                    # (Hkv, T)
+        thr = probe_threshold(n, self.cfg.threshold_base, self.cfg.threshold_min, self.cfg.threshold_max)
+        pos = torch.arange(p0, p0 + k.shape[1], device=self.device)[None].expand(self.Hkv, -1)
+        p = torch.where((p > thr) & (pos >= s.first), p, -1.0)
+        if p.shape[1] > A:
+            p, i = p.topk(A, dim=1)
+            pos = pos.gather(1, i)
+        all_p = torch.cat([s.anchor_p[layer], p], 1)
+        all_pos = torch.cat([s.anchors[layer], pos], 1)
+        top_p, i = all_p.topk(A, dim=1)
+        s.anchor_p[layer] = top_p
+        s.anchors[layer] = torch.where(top_p >= 0, all_pos.gather(1, i), -1)
+
+    # -- attend --------------------------------------------------------------------------------
+    def attend(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> torch.Tensor:
+        """Attention for the last Tq appended tokens. q (B, Hq, Tq, D) -> (B, Hq, Tq, D)."""
+        self._check_layer(layer)
+        if q.dim() != 4 or q.shape[0] != len(seq_ids) or q.shape[1] != self.Hq or q.shape[3] != self.D:
+            raise ValueError(f"attend expects q of shape (B={len(seq_ids)}, Hq={self.Hq}, Tq, D={self.D}); "
+                             f"got {tuple(q.shape)}")
+        Tq = q.shape[2]
+        for sid in seq_ids:
+            if self._seq(sid).n[layer] < Tq:
+                raise ValueError(f"attend at layer {layer}: sequence {sid} holds {self._seq(sid).n[layer]} "
+                                 f"tokens but q has {Tq}; append k/v for this layer first")
+        if Tq == 1:
+            return self._attend_decode(layer, seq_ids, q[:, :, 0])[:, :, None]
+        return torch.stack([self._attend_prefill(layer, self.seqs[sid], q[b])
+                            for b, sid in enumerate(seq_ids)])
+
+    def _context(self, s: _Seq, layer: int, heads: torch.Tensor, pos: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        full = self.pages.num_tokens(s.seq_id) // self.bs
+        k, v = self.host.read(layer, self._block_table(s), s.tail, full, heads.cpu(), pos.cpu(), dtype)
+        return k.to(self.device), v.to(self.device)
+
+    def _visible(self, s: _Seq, n: int) -> torch.Tensor:
+        pos = torch.arange(n, device=self.device)
+        vis = pos >= s.first
+        if s.holes.numel() and bool(s.holes.any()):
+            vis &= ~s.holes.to(self.device)[pos // self.bs]
+        return vis
+
+    def _attend_prefill(self, layer: int, s: _Seq, q: torch.Tensor) -> torch.Tensor:
+        """Exact causal attention of q (Hq, Tq, D) over the sequence's whole context."""
+        n, Tq = s.n[layer], q.shape[1]
+        kl, vl = self._last_kv[layer].get(s.seq_id, (None, None))
+        T_last = kl.shape[1] if kl is not None else 0
+        old = n - T_last
+        heads = torch.arange(self.Hkv)[:, None]
+        if old > 0:
+            ko, vo = self._context(s, layer, heads, torch.arange(old)[None], self.dtype)
+            k = torch.cat([ko, kl], 1) if T_last else ko
+            v = torch.cat([vo, vl], 1) if T_last else vo
+        else:
+            k, v = kl, vl
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        kpos = torch.arange(n, device=q.device)
+        vis = self._visible(s, n)
+        qpos = torch.arange(n - Tq, n, device=q.device)
+        chunk = max(1, _PREFILL_SCORE_BUDGET // max(1, self.Hq * n))
+        outs = []
+        for c in range(0, Tq, chunk):
+            qp = qpos[c:c + chunk]
+            mask = ((kpos[None] <= qp[:, None]) & vis[None]) | (kpos[None] == qp[:, None])
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q[None, :, c:c + chunk], k[None], v[None], attn_mask=mask[None, None],
+                enable_gqa=self.G > 1)[0])
+        self._remember_queries(s, layer, q.transpose(0, 1))
+        return torch.cat(outs, 1)
+
+    def _remember_queries(self, s: _Seq, layer: int, q: torch.Tensor) -> None:
+        """Keep the last recalibrate_queries queries, q (T, Hq, D), for recalibration."""
+        R = self.cfg.recalibrate_queries
+        q = q[-R:].float()
+        buf = s.queries[layer]
+        buf[:] = torch.cat([buf, q])[-R:]
+        s.q_count[layer] = min(R, s.q_count[layer] + q.shape[0])
+
+    def _attend_decode(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, D) -> (B, Hq, D) over each sequence's selected hot-buffer slots."""
+        cfg, bs, H = self.cfg, self.bs, self.Hkv
+        src_rows, src_tail, dst_rows, dst_tail = [], [], [], []
+        slot_lists = []
+        for b, sid in enumerate(seq_ids):
+            s = self.seqs[sid]
+            n = s.n[layer]
+            nb = -(-n // bs)
+            holes = s.holes[:nb].to(self.device) if s.holes.numel() else None
+            scores = None
+            if n - s.first > cfg.top_k:
+                qg = q[b].view(H, self.G, self.D)
+                scores = block_scores(qg, s.kmin[layer][:, :nb], s.kmax[layer][:, :nb])
+            sel = select(scores, n, s.first, cfg.window_size, cfg.top_k, bs, s.anchors[layer], holes,
+                         cfg.prefetch_blocks, num_heads=H)
+            s.last_selection[layer] = sel.tokens
+            hb = s.hot[layer]
+            look = hb.lookup(sel.tokens)
+            used = (sel.tokens >= 0).sum(1)
+            pf_h, pf_t, pf_s = hb.prefetch(sel.prefetch, self.S - used)
+            self._stats.prefetch_issued += int(pf_t.numel())
+            heads = torch.cat([look.miss_head, pf_h])
+            toks = torch.cat([look.miss_token, pf_t])
+            slots = torch.cat([look.miss_slot, pf_s])
+            self._plan_copy(s, heads, toks, slots, src_rows, src_tail, dst_rows, dst_tail)
+            self._dev.add(look.lookups, look.hits, look.prefetch_used, used.sum(), sel.loaded)
+            if sel.block_hits.numel():
+                s.importance[: sel.block_hits.shape[0]] += sel.block_hits.to(s.importance.device)
+            slot_lists.append(look.slots)
+            self._remember_queries(s, layer, q[b][None])
+        self._swap_in(layer, src_rows, src_tail, dst_rows, dst_tail)
+        K = max(t.shape[1] for t in slot_lists)
+        slots = torch.stack([torch.nn.functional.pad(t, (0, K - t.shape[1]), value=-1) for t in slot_lists])
+        rows = [self.seqs[sid].row for sid in seq_ids]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            kb, vb = self.k_hot[layer][rows[0]:rows[0] + len(rows)], self.v_hot[layer][rows[0]:rows[0] + len(rows)]
+        else:
+            ridx = torch.tensor(rows, device=self.device)
+            kb, vb = self.k_hot[layer][ridx], self.v_hot[layer][ridx]
+        out = sparse_decode_attention(q.to(self.dtype), kb, vb, slots, self.scale).to(q.dtype)
+        self._step_decoded = True
+        if self._audit_at is not None and self._audit_at[0] == layer:
+            self._audit(layer, seq_ids, q)
+        return out
+
+    def _plan_copy(self, s: _Seq, heads, toks, slots, src_rows, src_tail, dst_rows, dst_tail) -> None:
+        """Host rows of tokens to load and their flat hot-buffer rows (row, head, slot)."""
+        if toks.numel() == 0:
+            return
+        heads_c, toks_c = heads.cpu(), toks.cpu()
+        dst = ((s.row * self.Hkv + heads) * self.S + slots).cpu()
+        bt = self._block_table(s)
+        if self.host.quantized:
+            in_tail = toks_c // self.bs >= self.pages.num_tokens(s.seq_id) // self.bs
+            m, t = ~in_tail, in_tail
+            src_rows.append(self.host.rows(bt, heads_c[m], toks_c[m]))
+            dst_rows.append(dst[m])
+            src_tail.append(self.host.tail_rows(s.tail, heads_c[t], toks_c[t]))
+            dst_tail.append(dst[t])
+        else:
+            src_rows.append(self.host.rows(bt, heads_c, toks_c))
+            dst_rows.append(dst)
+
+    def _swap_in(self, layer: int, src_rows, src_tail, dst_rows, dst_tail) -> None:
+        if not src_rows and not src_tail:
+            return
+        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
+        dk = self.k_hot[layer].view(-1, self.D)
+        dv = self.v_hot[layer].view(-1, self.D)
+        dst_r, dst_t = cat(dst_rows).to(self.device), cat(dst_tail).to(self.device)
+        self._stats.swap_in_bytes += self.host.load(layer, cat(src_rows), cat(src_tail), dk, dv, dst_r, dst_t)
+
+    # -- audit and recalibration ---------------------------------------------------------------
+    def _audit(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> None:
+        head = self._audit_at[1]
+        h = head // self.G
+        for b, sid in enumerate(seq_ids):
+            s = self.seqs[sid]
+            n = s.n[layer]
+            keys, _ = self._context(s, layer, torch.tensor([h]), torch.arange(n))
+            look, hits = audit_hits(q[b, head], keys[0] if keys.dim() == 3 else keys, self._visible(s, n),
+                                    s.last_selection[layer][h], self.cfg.audit_top_m, self.scale)
+            self._stats.anchor_lookups += look
+            self._stats.anchor_hits += hits
+            self.recal.on_audit(look, hits)
+            self.audits.append((self.decode_steps, layer, head, look, hits))
+
+    def request_recalibration(self, reason: str = "request") -> None:
+        """Ask for a recalibration at the end of the current (or next) step."""
+        if reason not in ("schedule", "request", "drift"):
+            raise ValueError(f"reason must be schedule, request or drift, got {reason!r}")
+        self.recal.request(reason)
+
+    def _recalibrate(self) -> None:
+        """Re-score anchors from the attention mass recent queries gave, and refit each probe."""
+        cfg, A = self.cfg, self.cfg.global_tokens
+        for layer in range(self.L):
+            xs, ys, picks = [], [], []
+            for s in self.seqs.values():
+                nq, n = s.q_count[layer], s.n[layer]
+                if nq == 0 or n - s.first <= 0:
+                    continue
+                keys, _ = self._context(s, layer, torch.arange(self.Hkv)[:, None], torch.arange(n)[None])
+                vis = self._visible(s, n)
+                outside = vis & (torch.arange(n, device=self.device) < n - cfg.window_size)
+                qs = s.queries[layer][-nq:].view(nq, self.Hkv, self.G, self.D)
+                mass = torch.stack([attention_mass(qs[:, h].reshape(-1, self.D), keys[h], vis, self.scale)
+                                    for h in range(self.Hkv)])                       # (Hkv, n)
+                mass = torch.where(outside[None], mass, torch.zeros_like(mass))
+                m = min(cfg.recalibrate_topk, int(outside.sum()))
+                if m == 0:
+                    continue
+                kth = mass.topk(m, dim=1).values[:, -1:].clamp_min(1e-12)
+                target = (mass / kth).clamp(max=1.0)
+                picks.append((s, mass, int(outside.sum())))
+                # training set: every token at or above the k-th mass, plus a sample of the rest
+                g = torch.Generator().manual_seed(cfg.seed + layer)
+                for h in range(self.Hkv):
+                    cand = torch.nonzero(outside).squeeze(1)
+                    pos = cand[target[h, cand].cpu() >= 1.0] if cand.numel() else cand
+                    neg = cand[torch.randperm(cand.numel(), generator=g)[:1024]]
+                    idx = torch.cat([pos, neg])
+                    xs.append(keys[h, idx])
+                    ys.append(target[h, idx])
+            if xs:
+                self.probes[layer].fit(torch.cat(xs).cpu(), torch.cat(ys).cpu())
+            for s, mass, n_out in picks:
+                a = min(A, n_out)
+                if a == 0:
+                    continue
+                top = mass.topk(a, dim=1).indices                                          # (Hkv, a)
+                keys, _ = self._context(s, layer, torch.arange(self.Hkv)[:, None], top.cpu())
+                p = self.probes[layer].predict(keys).to(self.device)
+                s.anchors[layer] = torch.nn.functional.pad(top, (0, A - a), value=-1)
+                s.anchor_p[layer] = torch.nn.functional.pad(p, (0, A - a), value=-1.0)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Mark the start of one forward pass over all layers."""
+        self._step_t0 = time.perf_counter()
+        self._step_decoded = False
+        every = self.cfg.audit_every
+        if every and (self.decode_steps + 1) % every == 0:
+            self._audit_at = (self._rng.randrange(self.L), self._rng.randrange(self.Hq))
+        else:
+            self._audit_at = None
+
+    def end_step(self) -> None:
+        """Finish a step: time it, maybe recalibrate, answer control requests, publish."""
+        if self._step_decoded:
+            self.decode_steps += 1
+            if self._step_t0 is not None:
+                self._stats.step_duration.observe(time.perf_counter() - self._step_t0)
+        self._step_t0 = None
+        self._audit_at = None
+        req = self.publisher.poll_control()
+        if req is not None:
+            if req.action == "recalibrate":
+                self.recal.request("request")
+                self._pending_ack = req
+            else:
+                self.publisher.ack(req, status=1)  # unknown action: acknowledged as refused
+        ready = any(s.q_count[0] and s.n[0] - s.first > self.cfg.top_k for s in self.seqs.values())
+        reason = self.recal.due(ready)
+        if reason is not None:
+            self._recalibrate()
+            self.recal.done()
+            self._stats.recalibrations[reason] += 1
+            if reason == "request" and self._pending_ack is not None:
+                self.publisher.ack(self._pending_ack)
+                self._pending_ack = None
+        self.pool.recycle_expired()
+        self._expire_removed(time.monotonic())
+        self._publish()
+
+    # -- stats, memory, publish ----------------------------------------------------------------
+    @property
+    def stats(self) -> RuntimeStats:
+        """Current counters (device-side counts are read back now)."""
+        self._refresh_stats()
+        return self._stats
+
+    def _refresh_stats(self) -> None:
+        st = self._stats
+        self._dev.flush_into(st)
+        st.sequences = len(self.seqs)
+        st.context_tokens = sum(max(s.n) for s in self.seqs.values())
+        st.anchors = sum(int((a >= 0).sum()) for s in self.seqs.values() for a in s.anchors)
+        ctx = max((max(s.n) for s in self.seqs.values()), default=0)
+        st.anchor_threshold = probe_threshold(ctx, self.cfg.threshold_base, self.cfg.threshold_min,
+                                              self.cfg.threshold_max)
+        st.blocks_active, st.blocks_free = self.pool.num_active, self.pool.num_free
+        st.blocks_pending = self.pool.num_pending
+        st.block_allocations, st.block_recycles = self.pool.allocations, self.pool.recycles
+        st.block_reclaims = self.pool.reclaims
+        st.hot_buffer_resident = sum(hb.resident() for s in self.seqs.values() for hb in s.hot)
+        st.hot_buffer_capacity = len(self.seqs) * self.L * self.Hkv * self.S
+        st.memory = self.memory_bytes()
+
+    def memory_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes held by tier ('device'/'host') and kind ('data'/'metadata')."""
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        dev_data = sum(nbytes(t) for t in self.k_hot + self.v_hot)
+        dev_meta = host_meta = 0
+        for s in self.seqs.values():
+            dev_meta += sum(hb.memory_bytes() for hb in s.hot)
+            dev_meta += sum(nbytes(t) for t in s.kmin + s.kmax + s.anchors + s.anchor_p + s.queries)
+            pt = 8 * len(self.pages.seqs[s.seq_id].blocks) + nbytes(s.importance) + nbytes(s.holes)
+            if self.meta_device.type == "cpu":
+                host_meta += pt
+            else:
+                dev_meta += pt
+        host_data, pool_meta = self.host.bytes()
+        return {("device", "data"): dev_data, ("device", "metadata"): dev_meta,
+                ("host", "data"): host_data, ("host", "metadata"): host_meta + pool_meta}
+
+    def _publish(self, force: bool = False) -> None:
+        if self.publisher.due(force):
+            self._refresh_stats()
+            self.publisher.publish(self._stats)
+
+    def selection(self, layer: int, seq_id: int) -> torch.Tensor | None:
+        """The token positions (Hkv, K), -1 padded, selected at the last decode step (for tests)."""
+        return self._seq(seq_id).last_selection.get(layer)
+
+    def close(self) -> None:
+        """Publish a last snapshot and remove the segment (if the engine opened it)."""
+        if self.publisher.enabled:
+            self._refresh_stats()
+            self.publisher.publish(self._stats)
+        self.publisher.close(self._owned_segment)
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.L:
+            raise ValueError(f"layer {layer} out of range: the engine has {self.L} layers (0..{self.L - 1})")

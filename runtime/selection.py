@@ -1,0 +1,96 @@
+"""Token selection for one decode step of one sequence and layer, per KV head (GQA group).
+
+At most ``top_k`` tokens per KV head: the last ``window`` tokens, the pinned anchors, then tokens
+of the blocks with the highest upper bound of q.k (Quest: per-block elementwise min/max keys),
+in rank order, until ``top_k`` is reached (the last block may be taken in part)::
+
+    tokens:  |pad| ........ candidate blocks ranked by bound ........ | window |
+                      ^anchors pinned anywhere before the window
+
+Tokens before ``first`` (left padding) and tokens of holes (blocks streaming mode overwrote)
+are never selected. With ``top_k`` >= the visible context every visible token is selected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Selection:
+    """tokens: (Hkv, K) selected positions, -1 padded, unique per row.
+    prefetch: (Hkv, P) positions predicted for the next step (next-ranked blocks), -1 padded.
+    block_hits: (NB,) selected tokens per logical block over all heads (importance for streaming).
+    loaded: 0-dim, tokens in the blocks the selection touched, summed over heads.
+    """
+    tokens: torch.Tensor
+    prefetch: torch.Tensor
+    block_hits: torch.Tensor
+    loaded: torch.Tensor
+
+
+def select(scores: torch.Tensor | None, n_tokens: int, first: int, window: int, top_k: int,
+           block_size: int, anchors: torch.Tensor, holes: torch.Tensor | None,
+           prefetch_blocks: int = 0, num_heads: int | None = None) -> Selection:
+    """Select tokens for each KV head.
+
+    scores: (Hkv, NB) fp32 block upper bounds (NB = ceil(n_tokens / block_size)), or None when
+    everything visible fits. anchors: (Hkv, A) positions, -1 padded. holes: (NB,) bool or None.
+    """
+    device = anchors.device
+    H = anchors.shape[0] if num_heads is None else num_heads
+    bs = block_size
+    nb = -(-n_tokens // bs)
+    visible = n_tokens - first - (0 if holes is None else int(holes.sum()) * bs)
+    if scores is None or visible <= top_k:
+        pos = torch.arange(first, n_tokens, device=device)
+        if holes is not None and bool(holes.any()):
+            pos = pos[~holes[pos // bs]]
+        tokens = pos[None].expand(H, -1)
+        counts = torch.bincount(pos // bs, minlength=nb) * H
+        e = torch.empty(H, 0, dtype=torch.int64, device=device)
+        return Selection(tokens, e, counts, torch.tensor(pos.numel() * H))
+    w0 = max(first, n_tokens - window)
+    win = torch.arange(w0, n_tokens, device=device)[None].expand(H, -1)
+    anc = torch.where((anchors >= first) & (anchors < w0), anchors, -1)
+    if holes is not None:
+        anc = torch.where(holes[anc.clamp(min=0) // bs], -1, anc)
+    budget = top_k - win.shape[1] - (anc >= 0).sum(1)                        # (H,)
+    # blocks that hold candidates: before the window, not holes
+    blk = torch.arange(nb, device=device)
+    cand_blk = (blk * bs < w0) & ((blk + 1) * bs > first)
+    if holes is not None:
+        cand_blk &= ~holes
+    s = torch.where(cand_blk[None], scores.float(), float("-inf"))
+    take = min(int(cand_blk.sum()), -(-(int(budget.max()) + anc.shape[1]) // bs) + 2 + prefetch_blocks)
+    top = s.topk(take, dim=1).indices                                         # (H, take) ranked
+    pos = (top[:, :, None] * bs + torch.arange(bs, device=device)).reshape(H, -1)  # rank order
+    ok = (pos >= first) & (pos < w0) & torch.isfinite(s.gather(1, top)).repeat_interleave(bs, 1)
+    if anc.shape[1]:
+        ok &= ~(pos[:, :, None] == anc[:, None, :]).any(-1)
+    rank = ok.long().cumsum(1)
+    keep = ok & (rank <= budget[:, None])
+    chosen = _pack(pos, keep)
+    tokens = torch.cat([win, anc, chosen], 1)
+    # prefetch: candidates after the kept ones, up to prefetch_blocks blocks' worth
+    pf = ok & (rank > budget[:, None]) & (rank <= budget[:, None] + prefetch_blocks * bs)
+    prefetch = _pack(pos, pf)
+    valid = tokens >= 0
+    flat = tokens[valid] // bs
+    block_hits = torch.bincount(flat, minlength=nb)
+    touched = torch.zeros(H, nb, dtype=torch.bool, device=device)
+    touched[torch.arange(H, device=device)[:, None].expand_as(tokens)[valid], flat] = True
+    sizes = torch.clamp(n_tokens - blk * bs, max=bs)
+    loaded = (touched.long() * sizes[None]).sum()
+    return Selection(tokens, prefetch, block_hits, loaded)
+
+
+def _pack(pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Left-pack ``pos[keep]`` per row into (H, max kept), -1 padded, keeping order."""
+    width = int(keep.sum(1).max()) if keep.numel() else 0
+    key = torch.where(keep, torch.arange(pos.shape[1], device=pos.device)[None], pos.shape[1])
+    order = key.sort(dim=1, stable=True).indices[:, :width]
+    out = pos.gather(1, order)
+    return torch.where(keep.gather(1, order), out, -1)
