@@ -195,6 +195,9 @@ class Agent:
         self._stop.set()
         for t in self._threads[1:]:
             t.join(timeout=2.0)
+        hook = getattr(self, "webhook", None)  # set by easymats.webhook.start_webhook
+        if hook is not None and hasattr(hook, "close"):
+            hook.close()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -39,6 +39,20 @@ def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+_FAST = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
+    if isinstance(obj, float):
+        return _num(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def metric_value(value: float | Histogram) -> Any:
     if isinstance(value, Histogram):
         return {"bounds": [_num(b) for b in value.bounds], "counts": [_num(c) for c in value.counts],
@@ -74,7 +88,12 @@ class LogWriter:
 
     @staticmethod
     def _encode(obj: Mapping[str, Any]) -> bytes:
-        return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
+        try:
+            # The C encoder in one go; a NaN or infinity (rare) takes the slow path below.
+            text = _FAST.encode(obj)
+        except ValueError:
+            text = json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
+        return (text + "\n").encode("utf-8")
 
     def _write_now(self, data: bytes) -> None:
         view = memoryview(data)

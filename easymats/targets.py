@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from . import procinfo
-from .logwriter import LOG_VERSION, metric_value, series_key
+from .logwriter import LOG_VERSION, series_key
 from .nvml import ProcessGpuReading
 from .procmetrics import ProcessProbe, ProcessReading
 from .segment import SegmentError, SegmentReader, Snapshot
@@ -54,27 +54,12 @@ class PeakWindow:
         return q[0][1] if q else None
 
 
-def _active_blocks(snap: Snapshot) -> float | None:
-    v = snap.get("hisparse_kv_blocks", state="active")
-    return v if isinstance(v, float) else None
-
-
-def _resident_tokens(snap: Snapshot) -> float | None:
-    v = snap.get("hisparse_hot_buffer_resident_tokens")
-    return v if isinstance(v, float) else None
-
-
-def _device_kv_bytes(snap: Snapshot) -> float | None:
-    vals = [s.value for s in snap.series
-            if s.name == "hisparse_kv_memory_bytes" and s.labels.get("tier") == "device"]
-    return float(sum(vals)) if vals else None  # type: ignore[arg-type]
-
-
-# easymats peak gauge -> how to read the underlying value from one snapshot
-PEAK_SOURCES = {
-    "easymats_kv_active_blocks_max": _active_blocks,
-    "easymats_hot_buffer_resident_tokens_max": _resident_tokens,
-    "easymats_device_kv_bytes_max": _device_kv_bytes,
+# easymats peak gauge -> (runtime gauge, labels to match); matching series are summed per sample
+# (device KV bytes = data + metadata of the device tier).
+PEAK_SOURCES: dict[str, tuple[str, dict[str, str]]] = {
+    "easymats_kv_active_blocks_max": ("hisparse_kv_blocks", {"state": "active"}),
+    "easymats_hot_buffer_resident_tokens_max": ("hisparse_hot_buffer_resident_tokens", {}),
+    "easymats_device_kv_bytes_max": ("hisparse_kv_memory_bytes", {"tier": "device"}),
 }
 
 
@@ -105,6 +90,8 @@ class Target:
         self.peaks: dict[str, float] = {}
         self._probe = ProcessProbe(pid)
         self._keys: tuple[int, int, list[str]] | None = None
+        self.exposition_cache: tuple | None = None  # owned by the exporter's fast path
+        self._peak_cache: tuple | None = None
         if path:
             # SegmentError (stale, bad mode ...) propagates: the caller decides what it means.
             self.reader = SegmentReader(path, max_retries=READ_RETRIES, proc_root=proc_root)
@@ -140,37 +127,59 @@ class Target:
         """Take one sample. Returns (went_down, error). A dead process marks the target gone."""
         if self.gone:
             return False, self.error
-        if not self.alive():
-            if self.reader is not None:
-                # The descriptor still reads the file even after a clean exit unlinked it: the
-                # final publish (made just before exit) is the last sample worth logging.
-                try:
-                    self.snapshot = self.reader.read()
-                    self.samples += 1
-                except SegmentError:
-                    pass
+        snap = None
+        if self.reader is not None:
+            try:
+                snap = self.reader.read()
+            except SegmentError as exc:
+                snap = exc
+        # A heartbeat that moved since the last sample proves the writer was alive moments ago;
+        # only a still heartbeat (idle or exited writer) costs a /proc read.
+        fresh = (isinstance(snap, Snapshot) and self.snapshot is not None
+                 and snap.heartbeat_mono_ns != self.snapshot.heartbeat_mono_ns)
+        if not fresh and not self.alive():
+            if isinstance(snap, Snapshot):
+                # The descriptor still reads the file after a clean exit unlinked it: the final
+                # publish (made just before exit) is the last sample worth logging.
+                self.snapshot = snap
+                self.samples += 1
             self.gone, self.up = True, False
             self.sample_t = t
             self.error = f"process {self.pid} exited"
             return True, self.error
         self.sample_t = t
-        if self.reader is None:
+        if snap is None:
             return False, self.error
-        try:
-            snap = self.reader.read()
-        except SegmentError as exc:
+        if isinstance(snap, SegmentError):
             self.errors += 1
-            self.up, self.error = False, str(exc)
+            self.up, self.error = False, str(snap)
             return False, self.error
         self.samples += 1
         self.retries += snap.retries
         self.snapshot, self.up, self.error = snap, True, None
-        for name, source in PEAK_SOURCES.items():
-            value = source(snap)
-            if value is not None:
-                self._peaks[name].push(t, value)
-        self.peaks = {n: v for n, w in self._peaks.items() if (v := w.max(t)) is not None}
+        peaks = {}
+        for name, indices in self._peak_indices(snap).items():
+            if indices:
+                window = self._peaks[name]
+                window.push(t, sum(snap.series[i].value for i in indices))  # type: ignore[misc]
+                peaks[name] = window.max(t)
+        self.peaks = peaks
         return False, None
+
+    def _peak_indices(self, snap: Snapshot) -> dict[str, list[int]]:
+        """Which series feed each peak gauge, cached per segment layout."""
+        key = (snap.layout_generation, len(snap.series))
+        cached = self._peak_cache
+        if cached is None or cached[0] != key:
+            found: dict[str, list[int]] = {name: [] for name in PEAK_SOURCES}
+            for i, s in enumerate(snap.series):
+                if s.type != "gauge":
+                    continue
+                for name, (metric, labels) in PEAK_SOURCES.items():
+                    if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items()):
+                        found[name].append(i)
+            self._peak_cache = cached = (key, found)
+        return cached[1]
 
     def metric_keys(self, snap: Snapshot) -> list[str]:
         """Log keys of the snapshot's series, cached per layout generation."""
@@ -188,8 +197,9 @@ class Target:
         if snap is not None:
             line["heartbeat_t"] = snap.heartbeat_unix_ns / 1e9
             line["seq"] = snap.seq
-            line["metrics"] = {k: metric_value(s.value)
-                               for k, s in zip(self.metric_keys(snap), snap.series)}
+            line["metrics"] = {k: (v if v.__class__ is float else
+                                   {"bounds": v.bounds, "counts": v.counts, "sum": v.sum})
+                               for k, v in zip(self.metric_keys(snap), [s.value for s in snap.series])}
         else:
             line["metrics"] = {}
         if self.error:

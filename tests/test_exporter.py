@@ -136,3 +136,53 @@ def test_lag_histogram_buckets():
         h.observe(v)
     snap = h.snapshot()
     assert snap.count == 3 and snap.counts[0] == 1 and snap.counts[-1] == 1
+
+
+def families(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_fast_text_path_equals_prometheus_client_rendering(seg):
+    seg.counter("hisparse_tokens_total", phase="decode").inc(3)
+    seg.gauge("hisparse_kv_blocks", state="active").set(5)
+    seg.histogram("hisparse_quant_block_relative_error").observe(0.03)
+    seg.info("hisparse_runtime_info", version='1"x\\', model="a\nb", device="cpu")
+    seg.publish()
+    tg = Target(os.getpid(), seg.path, peak_window_s=15)
+    tg.sample(time.time())
+    tg.read_process()
+    lag = LagHistogram()
+    lag.observe(0.001)
+    gpu = NvmlSnapshot(time.time(), (GpuReading("0", "GPU-1", 0.5, 1.0, 2.0),), ())
+    col = AgentCollector(lambda: [tg], lag, lambda: gpu, 15.0)
+    reg = make_registry(col)
+    fast = reg.render().decode()
+    slow = generate_latest(reg).decode()
+    assert families(fast) == families(slow)
+    assert len(families(fast)) > 30
+    # The cache is keyed by layout: a series added later appears in the next scrape.
+    seg.gauge("hisparse_sequences").set(2)
+    seg.publish()
+    tg.sample(time.time())
+    assert families(reg.render().decode())[("hisparse_sequences", (("target", "decode-0"),))] == 2.0
+
+
+def test_extra_collectors_are_served_beside_the_agent(seg):
+    from prometheus_client.core import CounterMetricFamily
+
+    class Extra:
+        def describe(self):
+            return []
+
+        def collect(self):
+            fam = CounterMetricFamily("easymats_webhook_requests", "x", labels=["code"])
+            fam.add_metric(["200"], 3)
+            yield fam
+
+    col = AgentCollector(lambda: [], LagHistogram(), lambda: None, 15.0)
+    reg = make_registry(col)
+    reg.register(Extra())
+    text = reg.render().decode()
+    assert families(text)[("easymats_webhook_requests_total", (("code", "200"),))] == 3.0
+    assert ("easymats_build_info", (("version", "0.1.0"),)) in families(text)
