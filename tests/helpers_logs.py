@@ -306,3 +306,38 @@ def stretch_log(samples: list[dict[str, Any]], path: str, *, min_bytes: int, int
                 else:
                     offset[key] = (offset.get(key) or 0.0) + sp
     return {"bytes": float(written), "lines": float(lines), "seconds": t - t0}
+
+
+def rotate_file(path: str, max_bytes: int) -> list[str]:
+    """Split ``path`` as the agent's rotation would have: ``path.N`` (oldest) ... ``path``, each
+    at most about ``max_bytes`` and each starting with a header line. Returns the files, oldest first."""
+    import os
+
+    chunks: list[str] = []
+    head = None
+    out = None
+    size = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if head is None:
+                head = line
+                continue
+            if out is None or size + len(line) > max_bytes:
+                if out is not None:
+                    out.close()
+                chunks.append(f"{path}.part{len(chunks)}")
+                out = open(chunks[-1], "w", encoding="utf-8")
+                out.write(head)
+                size = len(head)
+            out.write(line)
+            size += len(line)
+    if out is not None:
+        out.close()
+    os.remove(path)
+    names = []
+    for i, part in enumerate(chunks):
+        n = len(chunks) - 1 - i  # the newest is path itself, the oldest has the highest number
+        dest = f"{path}.{n}" if n else path
+        os.replace(part, dest)
+        names.append(dest)
+    return names

@@ -14,6 +14,9 @@ import math
 from dataclasses import dataclass, field
 
 
+_log = math.log
+
+
 class Sketch:
     """Quantiles of a stream of finite floats (relative accuracy ``alpha``)."""
 
@@ -29,16 +32,22 @@ class Sketch:
         self.max = -math.inf
 
     def add(self, v: float) -> None:
-        if not math.isfinite(v):
+        # The hot path of a report (every derived value of every sample): plain comparisons only.
+        if v != v or v in (math.inf, -math.inf):
             return
         self.count += 1
-        self.min = min(self.min, v)
-        self.max = max(self.max, v)
-        if abs(v) < 1e-12:
+        if v < self.min:
+            self.min = v
+        if v > self.max:
+            self.max = v
+        if -1e-12 < v < 1e-12:
             self.zeros += 1
             return
-        side = self._pos if v > 0 else self._neg
-        k = math.ceil(math.log(abs(v)) / self._gamma_log)
+        if v > 0:
+            side = self._pos
+        else:
+            side, v = self._neg, -v
+        k = math.ceil(_log(v) / self._gamma_log)
         side[k] = side.get(k, 0) + 1
 
     def _value(self, k: int) -> float:
@@ -89,20 +98,23 @@ class Downsampler:
         self.buckets: dict[int, Bucket] = {}
 
     def add(self, t: float, v: float) -> None:
-        if not math.isfinite(v):
+        if v != v or v in (math.inf, -math.inf):
             return
-        if self.t0 is None:
-            self.t0 = t
-        i = int((t - self.t0) // self.width) if t >= self.t0 else 0
+        t0 = self.t0
+        if t0 is None:
+            t0 = self.t0 = t
+        i = int((t - t0) // self.width) if t >= t0 else 0
         while i >= self.n:
             self._halve()
-            i = int((t - self.t0) // self.width)
+            i = int((t - t0) // self.width)
         b = self.buckets.get(i)
         if b is None:
-            self.buckets[i] = Bucket(self.t0 + i * self.width, v, v, v, 1)
+            self.buckets[i] = Bucket(t0 + i * self.width, v, v, v, 1)
         else:
-            b.lo = min(b.lo, v)
-            b.hi = max(b.hi, v)
+            if v < b.lo:
+                b.lo = v
+            if v > b.hi:
+                b.hi = v
             b.total += v
             b.n += 1
 

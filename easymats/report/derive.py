@@ -29,6 +29,7 @@ _COUNTERS = (
     ("decode_tokens", series_key("hisparse_tokens_total", {"phase": "decode"})),
 )
 _CI = {name: i for i, (name, _) in enumerate(_COUNTERS)}
+_COUNTER_KEYS = tuple(k for _, k in _COUNTERS)
 _HISTOGRAMS = (
     ("step", series_key("hisparse_step_duration_seconds")),
     ("quant_error", series_key("hisparse_quant_block_relative_error")),
@@ -144,13 +145,16 @@ class Deriver:
         if not up:
             return out  # a down sample carries stale metrics: nothing to derive from it
         metrics: Mapping[str, Any] = rec.get("metrics") or {}
-        counters = tuple(_num(metrics.get(k)) for _, k in _COUNTERS)
+        get = metrics.get
+        counters = tuple([_num(get(k)) for k in _COUNTER_KEYS])
         hists = []
         for name, key in _HISTOGRAMS:
             h = metrics.get(key)
-            if isinstance(h, dict) and isinstance(h.get("counts"), list):
-                self._bounds[name] = [float(b) for b in h.get("bounds", [])]
-                hists.append(tuple(_num(c) for c in h["counts"]))
+            counts = h.get("counts") if isinstance(h, dict) else None
+            if isinstance(counts, list) and None not in counts:
+                if name not in self._bounds or len(self._bounds[name]) + 1 != len(counts):
+                    self._bounds[name] = [float(b) for b in h.get("bounds") or []]  # type: ignore[union-attr]
+                hists.append(tuple(counts))
             else:
                 hists.append(())
         if self._recal_keys[0] != len(metrics):  # the series set changes rarely: scan keys only then
