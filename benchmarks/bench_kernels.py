@@ -65,6 +65,12 @@ def ceilings(pool: torch.Tensor) -> dict:
     return c
 
 
+def runs_of(r: int, m: int, run: int) -> torch.Tensor:
+    """m distinct source rows in runs of `run` consecutive rows at random run starts (run=1: random rows)."""
+    starts = torch.randperm(r // run, device="cuda")[: m // run] * run
+    return (starts[:, None] + torch.arange(run, device="cuda")).flatten()
+
+
 def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
     print("\nswap-in (scattered rows, pinned host -> device over UVA)", flush=True)
     print(f"{'row B':>6} {'rows':>8} {'ms':>8} {'GB/s':>7} {'% bulk':>7}")
@@ -75,12 +81,14 @@ def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
         assert src.is_pinned(), "the host pool must be pinned for the UVA path"
         m = (256 << 20) // row_bytes                       # 256 MiB moved per call
         dst = torch.empty(m, w, device="cuda", dtype=torch.bfloat16)
-        src_rows = torch.randperm(r, device="cuda")[:m]
         dst_rows = torch.randperm(m, device="cuda")
-        ms = bench(lambda: K.swap_in(src, src_rows, dst, dst_rows), warmup=5, rep=40)
-        gbps = m * row_bytes / ms / 1e6
-        RESULTS["swap_in"].append({"row_bytes": row_bytes, "rows": m, "ms": ms, "GBps": gbps, "pct_bulk": 100 * gbps / h2d})
-        print(f"{row_bytes:6d} {m:8d} {ms:8.3f} {gbps:7.1f} {100 * gbps / h2d:6.1f}%", flush=True)
+        for pattern in ("random", "runs64"):
+            src_rows = runs_of(r, m, 1 if pattern == "random" else 64)
+            ms = bench(lambda: K.swap_in(src, src_rows, dst, dst_rows), warmup=5, rep=40)
+            gbps = m * row_bytes / ms / 1e6
+            RESULTS["swap_in"].append({"row_bytes": row_bytes, "rows": m, "pattern": pattern, "ms": ms, "GBps": gbps,
+                                       "pct_bulk": 100 * gbps / h2d})
+            print(f"{row_bytes:6d} {m:8d} {ms:8.3f} {gbps:7.1f} {100 * gbps / h2d:6.1f}%  {pattern}", flush=True)
         del src, dst
     # fused dequant: D = 128 codes per row at 4 and 8 bits into bf16
     for bits in (4, 8):
@@ -93,18 +101,19 @@ def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
         zero = torch.rand(r // rpb).pin_memory()
         m = (64 << 20) // p
         dst = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
-        src_rows = torch.randperm(r, device="cuda")[:m]
         dst_rows = torch.arange(m, device="cuda")
-        ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows), warmup=5, rep=40)
-        gbps = m * p / ms / 1e6
-        RESULTS["swap_in"].append({"dequant_bits": bits, "row_bytes": p, "rows": m, "ms": ms, "GBps_packed": gbps,
-                                   "pct_bulk": 100 * gbps / h2d, "tokens_per_s": m / ms * 1e3})
-        print(f"dequant {bits}b row {p:3d} B: {ms:7.3f} ms {gbps:6.1f} GB/s of packed rows ({100 * gbps / h2d:5.1f}% bulk), "
-              f"{m / ms / 1e3:6.1f} M rows/s", flush=True)
+        for pattern in ("random", "runs64"):
+            src_rows = runs_of(r, m, 1 if pattern == "random" else 64)
+            ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows), warmup=5, rep=40)
+            gbps = m * p / ms / 1e6
+            RESULTS["swap_in"].append({"dequant_bits": bits, "row_bytes": p, "rows": m, "pattern": pattern, "ms": ms,
+                                       "GBps_packed": gbps, "pct_bulk": 100 * gbps / h2d, "rows_per_s": m / ms * 1e3})
+            print(f"dequant {bits}b row {p:3d} B {pattern:>7}: {ms:7.3f} ms {gbps:6.1f} GB/s of packed rows "
+                  f"({100 * gbps / h2d:5.1f}% bulk), {m / ms / 1e3:6.1f} M rows/s", flush=True)
         del packed, dst
 
 
-def sparse_step(q, kmin, kmax, k_buf, v_buf, top_k: int, bs: int, window: int):
+def sparse_step(q, kmin, kmax, k_buf, v_buf, top_k: int, bs: int, window: int, two_stage: bool = True):
     """One decode step of one layer: Quest scores, top blocks, slots, sparse attention.
 
     q (B, Hq, D); kmin/kmax (B, Hkv, NB, D); hot buffer (B, Hkv, S, D). Tokens of the recent window
@@ -117,7 +126,7 @@ def sparse_step(q, kmin, kmax, k_buf, v_buf, top_k: int, bs: int, window: int):
     scores = K.block_scores(q.view(B, Hkv, Hq // Hkv, D), kmin, kmax)          # (B, Hkv, NB)
     n_blocks = (top_k - window) // bs
     scores[..., nb - window // bs:] = float("-inf")                             # window is always in
-    top = scores.topk(n_blocks, dim=-1).indices                                 # (B, Hkv, n_blocks)
+    top = K.top_blocks(scores, n_blocks) if two_stage else scores.topk(n_blocks, dim=-1).indices
     tok = (top[..., None] * bs + torch.arange(bs, device=q.device)).flatten(-2)
     win = torch.arange(nb * bs - window, nb * bs, device=q.device).expand(B, Hkv, window)
     slots = (torch.cat([tok, win], dim=-1) % S).to(torch.int32)
@@ -160,7 +169,15 @@ def bench_attention(hbm: float, quick: bool) -> None:
                 sweep_attention(q, k_buf, v_buf, slots, bytes_attn, hbm)
             ms_step = bench(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
             ms_graph = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
-            ms_scores = bench(lambda: K.block_scores(q.view(B, Hkv, Hq // Hkv, D), kmin, kmax))
+            ms_graph_plain = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window, False))
+            qg = q.view(B, Hkv, Hq // Hkv, D)
+            sc = K.block_scores(qg, kmin, kmax)
+            n_blocks = (top_k - window) // bs
+            ms_scores = bench(lambda: K.block_scores(qg, kmin, kmax))
+            g_scores = bench_graph(lambda: K.block_scores(qg, kmin, kmax))
+            g_topk = bench_graph(lambda: sc.topk(n_blocks, dim=-1))
+            g_top2 = bench_graph(lambda: K.top_blocks(sc, n_blocks))
+            g_attn = bench_graph(lambda: K.sparse_decode_attention(q, k_buf, v_buf, slots))
             bytes_scores = 2 * kmin.numel() * 2
             kv_bytes = 2 * B * Hkv * ctx * D * 2
             ms_dense = None
@@ -177,27 +194,35 @@ def bench_attention(hbm: float, quick: bool) -> None:
             row = {"B": B, "context": ctx, "attn_ms": ms_attn, "attn_bytes": bytes_attn, "attn_GBps": gbps,
                    "attn_pct_hbm": 100 * gbps / hbm, "attn_floor_ms": bytes_attn / hbm / 1e6,
                    "scores_ms": ms_scores, "scores_GBps": bytes_scores / ms_scores / 1e6,
-                   "step_ms": ms_step, "step_graph_ms": ms_graph, "dense_ms": ms_dense,
+                   "step_ms": ms_step, "step_graph_ms": ms_graph, "step_graph_plain_topk_ms": ms_graph_plain,
+                   "graph_scores_ms": g_scores, "graph_topk_ms": g_topk, "graph_top_blocks_ms": g_top2,
+                   "graph_attn_ms": g_attn, "dense_ms": ms_dense,
                    "dense_kv_GBps": kv_bytes / ms_dense / 1e6 if ms_dense else None,
                    "speedup_vs_dense": ms_dense / ms_graph if ms_dense else None}
             RESULTS["attention"].append(row)
             dense = f"{ms_dense:9.3f} {ms_dense / ms_graph:9.1f}x" if ms_dense else f"{'no fit':>9} {'-':>10}"
             print(f"{B:3d} {ctx:8d} {ms_attn:8.4f} {gbps:9.1f} {100 * gbps / hbm:4.0f}% {ms_step:8.4f} {ms_graph:10.4f} {dense}"
-                  f"   (scores {ms_scores:.4f} ms {bytes_scores / ms_scores / 1e6:.0f} GB/s)", flush=True)
+                  f"\n      graph: scores {g_scores:.4f} ms ({bytes_scores / g_scores / 1e6:.0f} GB/s), topk {g_topk:.4f}, "
+                  f"top_blocks {g_top2:.4f}, attention {g_attn:.4f}; step with plain topk {ms_graph_plain:.4f}", flush=True)
             del q, k_buf, v_buf, kmin, kmax
             torch.cuda.empty_cache()
 
 
 def bench_quant(hbm: float) -> None:
-    print("\nblock quantize / dequantize: 2048 blocks x 512 tokens x 128, bf16 (bytes = in + out)", flush=True)
-    x = torch.randn(2048, 512, 128, device="cuda", dtype=torch.bfloat16)
+    for shape in ((2048, 512, 128), (16384, 64, 128)):
+        bench_quant_shape(hbm, shape)
+
+
+def bench_quant_shape(hbm: float, shape: tuple[int, int, int]) -> None:
+    print(f"\nblock quantize / dequantize: {shape[0]} blocks x {shape[1]} tokens x {shape[2]}, bf16 (bytes = in + out)", flush=True)
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     for bits in (4, 5, 6, 8):
         packed, scale, zero = K.quantize_blocks(x, bits)
         ms_q = bench(lambda: K.quantize_blocks(x, bits))
         ms_d = bench(lambda: K.dequantize_blocks(packed, scale, zero, bits, 128, dtype=torch.bfloat16))
         moved = x.numel() * 2 + packed.numel()
         gq, gd = moved / ms_q / 1e6, moved / ms_d / 1e6
-        RESULTS["quant"].append({"bits": bits, "quant_ms": ms_q, "quant_GBps": gq, "quant_pct_hbm": 100 * gq / hbm,
+        RESULTS["quant"].append({"shape": list(shape), "bits": bits, "quant_ms": ms_q, "quant_GBps": gq, "quant_pct_hbm": 100 * gq / hbm,
                                  "dequant_ms": ms_d, "dequant_GBps": gd, "dequant_pct_hbm": 100 * gd / hbm,
                                  "bytes": moved})
         print(f"{bits}b: quantize {ms_q:7.3f} ms {gq:7.1f} GB/s ({100 * gq / hbm:4.1f}% HBM copy)   "

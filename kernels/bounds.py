@@ -35,6 +35,25 @@ def reference_block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
     return s.amax(dim=-2)
 
 
+def top_blocks(scores: torch.Tensor, n: int, chunk: int = 1024) -> torch.Tensor:
+    """Indices (..., n) int64 of the n highest scores along the last dim (same set as torch.topk).
+
+    One torch.topk over a long row runs on few thread blocks when the batch is small (one decode
+    sequence), so long rows go in two exact stages: the top n of each chunk, then the top n of
+    those candidates (every global top-n element is in its chunk's top n). Order is unspecified.
+    """
+    nb = scores.shape[-1]
+    check(0 < n <= nb, f"n={n} must be in 1..{nb} (the number of blocks)")
+    if nb <= 4 * chunk or n > chunk // 4:
+        return scores.topk(n, dim=-1, sorted=False).indices
+    n_chunks = -(-nb // chunk)
+    padded = torch.nn.functional.pad(scores, (0, n_chunks * chunk - nb), value=float("-inf"))
+    vals, idx = padded.view(*scores.shape[:-1], n_chunks, chunk).topk(n, dim=-1, sorted=False)
+    idx = idx + torch.arange(0, n_chunks * chunk, chunk, device=scores.device)[:, None]
+    best = vals.flatten(-2).topk(n, dim=-1, sorted=False).indices
+    return idx.flatten(-2).gather(-1, best)
+
+
 def block_bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Elementwise min and max of the keys of each block of block_size tokens.
 

@@ -60,8 +60,8 @@ def _swap(W: int, dtype: torch.dtype) -> None:
           "rows outside dst_rows were written")
 
 
-def _swap_dequant(bits: int) -> None:
-    n, t, d = 3, 8, 60
+def _swap_dequant(bits: int, d: int = 60) -> None:
+    n, t = 3, 8
     x = torch.randn(n, t, d)
     packed, scale, zero = K.reference_quantize_blocks(x, bits)
     flat = packed.reshape(n * t, -1)
@@ -74,23 +74,23 @@ def _swap_dequant(bits: int) -> None:
     _need(bool(dst[[3, 4]].isnan().all()), "rows outside dst_rows were written")
 
 
-def _quantize(bits: int) -> None:
-    x = torch.randn(2, 63, 60) * torch.tensor([1.0, 30.0])[:, None, None]
+def _quantize(bits: int, d: int = 60, t: int = 63) -> None:
+    x = torch.randn(2, t, d) * torch.tensor([1.0, 30.0])[:, None, None]
     packed, scale, zero = K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
     _need(packed.shape == rp.shape and packed.dtype == torch.uint8, f"packed shape {tuple(packed.shape)}")
     _need(torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz), "scale/zero differ")
-    dq = (K.unpack_codes(packed, bits, 60) - K.unpack_codes(rp, bits, 60)).abs()
+    dq = (K.unpack_codes(packed, bits, d) - K.unpack_codes(rp, bits, d)).abs()
     _need(int(dq.max()) <= 1 and float((dq > 0).float().mean()) < 1e-3,
           f"codes differ: max {int(dq.max())}, fraction {float((dq > 0).float().mean()):.2e}")
 
 
-def _dequantize(bits: int) -> None:
-    x = torch.randn(2, 63, 60)
+def _dequantize(bits: int, d: int = 60) -> None:
+    x = torch.randn(2, 63, d)
     packed, scale, zero = K.reference_quantize_blocks(x, bits)
     for dtype in (torch.float32, torch.float16):
-        out = K.dequantize_blocks(packed, scale, zero, bits, 60, dtype=dtype)
-        ref = K.reference_dequantize_blocks(packed, scale, zero, bits, 60, dtype=dtype)
+        out = K.dequantize_blocks(packed, scale, zero, bits, d, dtype=dtype)
+        ref = K.reference_dequantize_blocks(packed, scale, zero, bits, d, dtype=dtype)
         _need(out.dtype == dtype and torch.allclose(out.float(), ref.float(), rtol=1e-3, atol=1e-6),
               f"{dtype}: dequantized values differ")
 
@@ -116,8 +116,12 @@ CASES: dict[str, Callable[[], None]] = {
     "swap_in-fp32-w60": lambda: _swap(60, torch.float32),
     "swap_in-uint8-w7": lambda: _swap(7, torch.uint8),
     **{f"swap_in_dequant-{b}bit": (lambda b=b: _swap_dequant(b)) for b in (4, 5, 6, 8)},
+    **{f"swap_in_dequant-{b}bit-d64": (lambda b=b: _swap_dequant(b, 64)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit": (lambda b=b: _quantize(b)) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d64-t200": (lambda b=b: _quantize(b, 64, 200)) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d64-one-tile": (lambda b=b: _quantize(b, 64, 16)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
+    **{f"dequantize-{b}bit-d64": (lambda b=b: _dequantize(b, 64)) for b in (4, 5, 6, 8)},
     "block_bounds-t63-d60": _bounds,
     "block_scores-d60": _scores,
 }

@@ -113,17 +113,18 @@ def test_swap_in_dequant_from_pinned_host(bits, dtype, D):
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_dequantize(bits, dtype):
-    x = (torch.randn(5, 63, 60, device="cuda") * torch.arange(1, 6, device="cuda")[:, None, None]).to(dtype)
+@pytest.mark.parametrize("T,D", [(63, 60), (63, 128), (512, 128)], ids=["t63-d60", "t63-d128", "t512-d128"])
+def test_quantize_dequantize(bits, dtype, T, D):
+    x = (torch.randn(5, T, D, device="cuda") * torch.arange(1, 6, device="cuda")[:, None, None]).to(dtype)
     _poison_allocator()
     packed, scale, zero = K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
     assert torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz)
-    diff = (K.unpack_codes(packed, bits, 60) - K.unpack_codes(rp, bits, 60)).abs()
+    diff = (K.unpack_codes(packed, bits, D) - K.unpack_codes(rp, bits, D)).abs()
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
     _poison_allocator()
-    out = K.dequantize_blocks(rp, rs, rz, bits, 60, dtype=dtype)
-    ref = K.reference_dequantize_blocks(rp, rs, rz, bits, 60, dtype=torch.float32)
+    out = K.dequantize_blocks(rp, rs, rz, bits, D, dtype=dtype)
+    ref = K.reference_dequantize_blocks(rp, rs, rz, bits, D, dtype=torch.float32)
     assert out.dtype == dtype and _rel(out, ref) < TOL[dtype] / 4
 
 

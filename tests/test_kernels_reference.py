@@ -212,3 +212,16 @@ def test_package_imports_and_runs_without_triton_installed():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "(1, 3, 4)"
+
+
+@pytest.mark.parametrize("nb,n", [(100, 7), (20000, 16), (5000, 300)], ids=["short", "two-stage", "large-n"])
+def test_top_blocks_selects_the_same_set_as_topk(nb, n):
+    from hi_sparse.kernels import top_blocks
+    s = torch.randn(3, 2, nb)
+    s[..., -5:] = float("-inf")
+    got = top_blocks(s, n)
+    want = s.topk(n, dim=-1).indices
+    assert got.shape == (3, 2, n)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    with pytest.raises(ValueError, match="must be in 1"):
+        top_blocks(s, nb + 1)
