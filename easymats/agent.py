@@ -351,11 +351,11 @@ class Agent:
             if gpu is not None:
                 tg.gpu = gpu.for_pid(tg.pid)
             if self.log is not None:
-                lines.append(tg.log_line(t, lag))
+                lines.append(tg.log_json(t, lag))
             if went_down:
                 downs.append(tg)
         if self.log is not None:
-            self.log.write_lines(lines)
+            self.log.write_text_lines(lines)
         for tg in downs:
             self._event("down", tg, detail=tg.error or "")
             self._rejected.clear()  # a segment skipped before may be this target's restart

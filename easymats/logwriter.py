@@ -118,7 +118,9 @@ class LogWriter:
 
     def write_lines(self, objs: Iterable[Mapping[str, Any]]) -> None:
         """Write several lines; each is complete on disk when this returns."""
-        encoded = [self._encode(o) for o in objs]
+        self._write_encoded([self._encode(o) for o in objs])
+
+    def _write_encoded(self, encoded: list[bytes]) -> None:
         if not encoded:
             return
         with self._lock:
@@ -138,6 +140,10 @@ class LogWriter:
             # One write for the tick's lines: complete lines reach the kernel together.
             self._write_now(b"".join(batch))
             self.lines_written += len(encoded)
+
+    def write_text_lines(self, texts: Iterable[str]) -> None:
+        """Like :meth:`write_lines` for lines already encoded as JSON text (no newline)."""
+        self._write_encoded([(t + "\n").encode("utf-8") for t in texts])
 
     def write(self, obj: Mapping[str, Any]) -> None:
         self.write_lines([obj])

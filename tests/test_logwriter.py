@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -112,3 +113,34 @@ def test_sigkill_of_the_agent_leaves_only_complete_lines(tmp_path):
     assert raw.endswith(b"\n")
     lines = [json.loads(line) for line in raw.splitlines()]
     assert len(lines) > 20 and all(validate_line(x) == [] for x in lines)
+
+
+def test_fast_sample_text_parses_to_the_same_line(segment_dir):
+    """Target.log_json (hand-built text, reused number texts) == json of Target.log_line."""
+    from easymats import telemetry
+    from easymats.nvml import ProcessGpuReading
+    from easymats.targets import Target
+
+    seg = telemetry.open_segment(name='we"ird\\name', labels={})
+    try:
+        c = seg.counter("hisparse_tokens_total", phase="decode")
+        g = seg.gauge("hisparse_anchor_threshold_ratio")
+        h = seg.histogram("hisparse_quant_block_relative_error")
+        seg.info("hisparse_runtime_info", version="1", model='m"q', device="cpu")
+        tg = Target(os.getpid(), seg.path, peak_window_s=15)
+        for i, gv in enumerate([0.1, 0.1, 1e300 * 10, float("nan"), 2.5, 1e-7]):
+            c.inc(i)
+            g.set(gv)
+            h.observe(0.003 * i)
+            seg.publish()
+            tg.sample(time.time())
+            tg.read_process()
+            tg.gpu = [ProcessGpuReading("0", os.getpid(), 1e9, None)] if i % 2 else None
+            fast = json.loads(tg.log_json(1795990000.123 + i, 0.0001))
+            slow = json.loads(json.dumps(tg.log_line(1795990000.123 + i, 0.0001), default=list))
+            slow["metrics"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                               for k, v in slow["metrics"].items()}
+            assert fast == slow, i
+            assert validate_line(fast) == []
+    finally:
+        seg.close()
