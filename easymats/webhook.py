@@ -221,6 +221,10 @@ class Webhook:
         class Handler(BaseHTTPRequestHandler):
             server_version = "easymats-webhook"
             protocol_version = "HTTP/1.1"
+            # Headers and body leave in one segment (buffered, flushed after each request) and
+            # without Nagle: on a keep-alive connection a split reply waits ~40 ms for delayed ACKs.
+            wbufsize = 1 << 16
+            disable_nagle_algorithm = True
 
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 try:
