@@ -181,7 +181,11 @@ class SegmentReader:
         self._valid_header: tuple[bytes, bytes] | None = None
         self._open()
         if check_writer:
-            self.check_writer()
+            try:
+                self.check_writer()
+            except SegmentError:
+                self.close()
+                raise
 
     # -- opening and validation ----------------------------------------------------------------
     def _open(self) -> None:

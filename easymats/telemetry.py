@@ -26,7 +26,6 @@ import struct
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -301,7 +300,7 @@ class Segment:
                 self._pack = struct.Struct(f"<{len(vals)}d")
             try:
                 self._begin()
-                # One slice assignment per area: a reader never sees a half-written double.
+                # Written in place while seq is odd: a reader that overlaps discards what it read.
                 self._pack.pack_into(mm, self._values_off, *vals)
                 mm[L.OFF_HEARTBEAT_UNIX_NS:L.OFF_HEARTBEAT_MONO_NS + 8] = struct.pack(
                     "<QQ", time.time_ns(), time.monotonic_ns())
@@ -529,7 +528,9 @@ def _stale_own_file(path: str) -> bool:
     return h[6] != me or h[7] != (procinfo.start_ticks(me) or 0) or h[8] != procinfo.boot_id()
 
 
-_LIVE: "weakref.WeakSet[Segment]" = weakref.WeakSet()
+# Strong references: a segment stays published until close() or exit, even if the program
+# dropped its handle (``open_segment(...).counter(...)``), and atexit still removes its files.
+_LIVE: "set[Segment]" = set()
 
 
 @atexit.register
