@@ -13,6 +13,7 @@ import operator
 import os
 import stat
 import struct
+import time
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Callable, Iterator, NamedTuple
@@ -27,6 +28,8 @@ MAX_HEADER_BYTES = 65536
 MAX_ENTRY_BYTES = 4096
 _U64_UNPACK = L.U64.unpack
 _tuple_new = tuple.__new__
+_YIELD_RETRIES = 16
+_RETRY_SLEEP_S = 100e-6
 _dict_copy = dict.copy
 _ALWAYS_REAL = ("io", "empty", "truncated")
 _HISTOGRAM = L.TYPE_NAMES[L.TYPE_HISTOGRAM]
@@ -361,7 +364,12 @@ class SegmentReader:
             raise SegmentError("io", self.path, "reader is closed")
         for attempt in range(self.max_retries + 1):
             if attempt:
-                os.sched_yield()  # let a writer on a busy core finish its publish
+                # Let a writer that was preempted mid-publish finish: yield first; if it stays
+                # busy (a loaded machine), sleep 100 us a try, bounding a read to ~5 ms in all.
+                if attempt <= _YIELD_RETRIES:
+                    os.sched_yield()
+                else:
+                    time.sleep(_RETRY_SLEEP_S)
             seq = self._seq()
             if seq & 1:
                 continue
