@@ -18,6 +18,7 @@ import triton.testing
 
 import hi_sparse.kernels as K
 
+SWEEP = False         # --sweep: tile/pipelining variants of the decode kernel
 RESULTS: dict[str, list | dict] = {"ceilings": {}, "swap_in": [], "attention": [], "quant": [], "hit_detection": []}
 
 
@@ -79,7 +80,7 @@ def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
         r = pool.numel() // row_bytes
         src = pool[: r * row_bytes].view(torch.bfloat16).view(r, w)
         assert src.is_pinned(), "the host pool must be pinned for the UVA path"
-        m = (256 << 20) // row_bytes                       # 256 MiB moved per call
+        m = (256 << 20) // row_bytes // 64 * 64             # ~256 MiB moved per call, whole runs of 64
         dst = torch.empty(m, w, device="cuda", dtype=torch.bfloat16)
         dst_rows = torch.randperm(m, device="cuda")
         for pattern in ("random", "runs64"):
@@ -99,7 +100,7 @@ def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
         rpb = 512
         scale = torch.rand(r // rpb).pin_memory()
         zero = torch.rand(r // rpb).pin_memory()
-        m = (64 << 20) // p
+        m = (64 << 20) // p // 64 * 64
         dst = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
         dst_rows = torch.arange(m, device="cuda")
         for pattern in ("random", "runs64"):
@@ -165,7 +166,7 @@ def bench_attention(hbm: float, quick: bool) -> None:
             ms_attn = bench(lambda: K.sparse_decode_attention(q, k_buf, v_buf, slots))
             bytes_attn = B * Hkv * top_k * D * 2 * 2 + slots.numel() * 4 + 2 * q.numel() * 2
             gbps = bytes_attn / ms_attn / 1e6
-            if B == 64 and ctx == 32 << 10:
+            if B == 64 and ctx == 32 << 10 and SWEEP:
                 sweep_attention(q, k_buf, v_buf, slots, bytes_attn, hbm)
             ms_step = bench(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
             ms_graph = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
@@ -285,8 +286,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write all numbers as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--sweep", action="store_true", help="also time decode-kernel tile variants at batch 64")
     ap.add_argument("--only", default="swap,attention,quant,hit", help="comma list of sections")
     args = ap.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU; run it on the device machine (benchmarks/gpu_kernels.sh)")
     props = torch.cuda.get_device_properties(0)

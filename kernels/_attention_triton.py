@@ -87,37 +87,34 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     p_part_o, p_part_ml, p_out, stride_ob, stride_oh, Hkv, D, n_split,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    """One program per (sequence, query head): all splits' partials in one tile, no serial loop."""
     i_bh = tl.program_id(0)
+    i_g = tl.program_id(1)
     i_b = (i_bh // Hkv).to(tl.int64)
     i_h = (i_bh % Hkv).to(tl.int64)
-    o_g = tl.arange(0, BLOCK_G)
+    o_s = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
-    b_m = tl.full([BLOCK_G], -1e30, tl.float32)
-    b_l = tl.zeros([BLOCK_G], tl.float32)
-    b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i_s in range(0, n_split):
-        o_part = i_bh.to(tl.int64) * n_split + i_s
-        p_pml = p_part_ml + (o_part * 2) * BLOCK_G + o_g
-        b_ms = tl.load(p_pml)
-        b_ls = tl.load(p_pml + BLOCK_G)
-        b_os = tl.load(p_part_o + (o_part * BLOCK_G + o_g)[:, None] * BLOCK_D + o_d[None, :])
-        b_m_new = tl.maximum(b_m, b_ms)
-        b_a = tl.exp(b_m - b_m_new)
-        b_b = tl.exp(b_ms - b_m_new)
-        b_l = b_l * b_a + b_ls * b_b
-        b_acc = b_acc * b_a[:, None] + b_os * b_b[:, None]
-        b_m = b_m_new
-    b_o = tl.where(b_l[:, None] > 0, b_acc / tl.maximum(b_l, 1e-30)[:, None], 0.0)
-    m_o = (o_g < G)[:, None] & (o_d < D)[None, :]
-    p_o = p_out + i_b * stride_ob + (i_h * G + o_g).to(tl.int64)[:, None] * stride_oh + o_d[None, :]
-    tl.store(p_o, b_o.to(p_out.dtype.element_ty), mask=m_o)
+    m_s = o_s < n_split
+    o_part = i_bh.to(tl.int64) * n_split + o_s
+    b_m = tl.load(p_part_ml + (o_part * 2) * BLOCK_G + i_g, mask=m_s, other=-1e30)
+    b_l = tl.load(p_part_ml + (o_part * 2 + 1) * BLOCK_G + i_g, mask=m_s, other=0.0)
+    b_o = tl.load(p_part_o + ((o_part * BLOCK_G + i_g) * BLOCK_D)[:, None] + o_d[None, :], mask=m_s[:, None], other=0.0)
+    b_w = tl.exp(b_m - tl.max(b_m, 0))
+    b_sum = tl.sum(b_l * b_w, 0)
+    b_acc = tl.sum(b_o * b_w[:, None], 0)
+    b_res = tl.where(b_sum > 0, b_acc / tl.maximum(b_sum, 1e-30), 0.0)
+    p_o = p_out + i_b * stride_ob + (i_h * G + i_g) * stride_oh + o_d
+    tl.store(p_o, b_res.to(p_out.dtype.element_ty), mask=o_d < D)
+
+
+MAX_SPLIT = 64        # the merge holds all splits of one head in registers
 
 
 def plan_splits(batch_heads: int, k: int, sms: int, block_n: int = BLOCK_N) -> tuple[int, int]:
     """(n_split, chunk): split the K selected tokens only as far as needed to give ~2 programs per SM."""
-    max_split = max(1, triton.cdiv(k, block_n))
+    max_split = max(1, min(MAX_SPLIT, triton.cdiv(k, block_n)))
     n_split = min(max_split, max(1, triton.cdiv(2 * sms, batch_heads)))
     chunk = triton.cdiv(triton.cdiv(k, n_split), block_n) * block_n
     return triton.cdiv(k, chunk), chunk
@@ -143,7 +140,7 @@ def launch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: tor
     if n_split is None:
         n_split, chunk = plan_splits(B * Hkv, K, sm_count(q.device), block_n)
     else:
-        chunk = triton.cdiv(triton.cdiv(K, n_split), block_n) * block_n
+        chunk = triton.cdiv(triton.cdiv(K, min(n_split, MAX_SPLIT)), block_n) * block_n
         n_split = triton.cdiv(K, chunk)
     split = n_split > 1
     if split:
@@ -161,6 +158,7 @@ def launch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: tor
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        _merge_kernel[(B * Hkv,)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, D, n_split,
-                                  G=G, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, num_warps=4)
+        _merge_kernel[(B * Hkv, G)](part_o, part_ml, out, out.stride(0), out.stride(1), Hkv, D, n_split,
+                                    G=G, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(n_split)),
+                                    num_warps=4)
     return out

@@ -100,17 +100,17 @@ def _dequant_rows_kernel(
 @triton.jit
 def _quantize_grouped_kernel(
     p_x, p_packed, p_scale, p_zero, T, D, P,
-    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, ONE_TILE: tl.constexpr,
+    BITS: tl.constexpr, NC: tl.constexpr, NBYTES: tl.constexpr, PAD: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
-    """D % 8 == 0: 8 codes make exactly BITS bytes, so a group packs into one int64 word."""
+    """D % NC == 0: NC codes make exactly NBYTES bytes, packed through one integer word."""
     i_n = tl.program_id(0).to(tl.int64)
     p_xn = p_x + i_n * T * D
     o_t = tl.arange(0, BLOCK_T)
     o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, 8)
-    n_g = D // 8
-    o_val = o_g[None, :, None] * 8 + o_i[None, None, :]                  # (1, G, 8) column index
-    m_g = (o_g < n_g)[None, :, None]
+    o_i = tl.arange(0, NC)
+    o_val = o_g[None, :, None] * NC + o_i[None, None, :]                 # (1, G, NC) column index
+    m_g = (o_g < D // NC)[None, :, None]
     if ONE_TILE:
         # the whole block fits one tile: read it from HBM exactly once
         m = (o_t < T)[:, None, None] & m_g
@@ -118,8 +118,8 @@ def _quantize_grouped_kernel(
         lo = tl.min(tl.min(tl.min(tl.where(m, b_x1, float("inf")), 2), 1), 0)
         hi = tl.max(tl.max(tl.max(tl.where(m, b_x1, float("-inf")), 2), 1), 0)
     else:
-        b_lo = tl.full([BLOCK_T, BLOCK_G, 8], float("inf"), tl.float32)
-        b_hi = tl.full([BLOCK_T, BLOCK_G, 8], float("-inf"), tl.float32)
+        b_lo = tl.full([BLOCK_T, BLOCK_G, NC], float("inf"), tl.float32)
+        b_hi = tl.full([BLOCK_T, BLOCK_G, NC], float("-inf"), tl.float32)
         for t0 in range(0, T, BLOCK_T):
             m = ((t0 + o_t) < T)[:, None, None] & m_g
             b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_val, mask=m, other=0.0).to(tl.float32)
@@ -131,30 +131,36 @@ def _quantize_grouped_kernel(
     scale = (hi - lo) / levels
     tl.store(p_scale + i_n, scale)
     tl.store(p_zero + i_n, lo)
-    safe = tl.where(scale > 0, scale, 1.0)
+    # one exact reciprocal per block; codes then cost a multiply (a tie may round either way)
+    inv = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
     p_out = p_packed + i_n * T * P
-    o_byte = o_g[None, :, None] * BITS + o_i[None, None, :]              # (1, G, 8), valid where i < BITS
+    o_b = tl.arange(0, PAD)
+    o_byte = o_g[None, :, None] * NBYTES + o_b[None, None, :]            # (1, G, PAD)
     for t0 in range(0, T, BLOCK_T):
         m_t = ((t0 + o_t) < T)[:, None, None]
         if ONE_TILE:
             b_x = b_x1
         else:
             b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_val, mask=m_t & m_g, other=0.0).to(tl.float32)
-        b_c = tl.floor((b_x - lo) / safe + 0.5)
+        b_c = tl.floor((b_x - lo) * inv + 0.5)
         b_c = tl.minimum(tl.maximum(b_c, 0.0), levels * 1.0)
-        b_c = tl.where(scale > 0, b_c, 0.0).to(tl.int64)
-        b_w = tl.sum(b_c << (o_i * BITS).to(tl.int64)[None, None, :], 2)        # (T, G) packed words
-        b_bytes = (b_w[:, :, None] >> (o_i * 8).to(tl.int64)[None, None, :]) & 0xFF
-        m_o = m_t & m_g & (o_i < BITS)[None, None, :]
+        if WIDE:                                   # 8 five-bit codes = 40 bits
+            b_c = b_c.to(tl.int64)
+        else:
+            b_c = b_c.to(tl.int32)
+        b_w = tl.sum(b_c << (o_i * BITS).to(b_c.dtype)[None, None, :], 2)           # (T, G) packed words
+        b_bytes = (b_w[:, :, None] >> (o_b * 8).to(b_c.dtype)[None, None, :]) & 0xFF
+        m_o = m_t & m_g & (o_b < NBYTES)[None, None, :]
         tl.store(p_out + (t0 + o_t)[:, None, None] * P + o_byte, b_bytes.to(tl.uint8), mask=m_o)
 
 
 @triton.jit
 def _dequant_grouped_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
-    BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    BITS: tl.constexpr, NC: tl.constexpr, NBYTES: tl.constexpr, PAD: tl.constexpr, WIDE: tl.constexpr,
+    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
-    """D % 8 == 0: each group of BITS bytes is read once as one int64 word and yields 8 codes."""
+    """D % NC == 0: each group of NBYTES bytes is read once into one word and yields NC codes."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -168,21 +174,32 @@ def _dequant_grouped_kernel(
     b_scale = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
     b_zero = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
     o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, 8)
-    m_g = (o_g < D // 8)[None, :, None]
+    o_i = tl.arange(0, NC)
+    o_b = tl.arange(0, PAD)
+    m_g = (o_g < D // NC)[None, :, None]
     m_row = m_m[:, None, None]
-    m_b = m_row & m_g & (o_i < BITS)[None, None, :]
-    p_b = p_packed + o_src[:, None, None] * stride_src + (o_g[None, :, None] * BITS + o_i[None, None, :])
-    b_b = tl.load(p_b, mask=m_b, other=0).to(tl.int64)
-    b_w = tl.sum(b_b << (o_i * 8).to(tl.int64)[None, None, :], 2)                  # (M, G)
-    b_c = (b_w[:, :, None] >> (o_i * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)
+    p_b = p_packed + o_src[:, None, None] * stride_src + (o_g[None, :, None] * NBYTES + o_b[None, None, :])
+    b_b = tl.load(p_b, mask=m_row & m_g & (o_b < NBYTES)[None, None, :], other=0)
+    if WIDE:
+        b_b = b_b.to(tl.int64)
+    else:
+        b_b = b_b.to(tl.int32)
+    b_w = tl.sum(b_b << (o_b * 8).to(b_b.dtype)[None, None, :], 2)                  # (M, G)
+    b_c = (b_w[:, :, None] >> (o_i * BITS).to(b_b.dtype)[None, None, :]) & ((1 << BITS) - 1)
     b_x = b_c.to(tl.float32) * b_scale[:, None, None] + b_zero[:, None, None]
-    p_o = p_dst + o_dst[:, None, None] * stride_dst + (o_g[None, :, None] * 8 + o_i[None, None, :])
+    p_o = p_dst + o_dst[:, None, None] * stride_dst + (o_g[None, :, None] * NC + o_i[None, None, :])
     tl.store(p_o, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_g)
 
 
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
 ONE_TILE_MAX = 8192      # values of one block held in registers by one program
+# codes per group -> (bytes per group, padded to a power of 2, needs an int64 word)
+_GROUP = {4: (4, 2, 2, False), 5: (8, 5, 8, True), 6: (4, 3, 4, False), 8: (2, 2, 2, False)}
+
+
+def _group(bits: int, d: int) -> tuple[int, int, int, bool] | None:
+    nc = _GROUP[bits][0]
+    return _GROUP[bits] if d % nc == 0 else None
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,12 +210,14 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     packed = torch.empty(n, t, p, device=x.device, dtype=torch.uint8)
     scale = torch.empty(n, device=x.device, dtype=torch.float32)
     zero = torch.empty_like(scale)
-    if d % 8 == 0:
-        BLOCK_G = next_pow2(d // 8)
-        one_tile = next_pow2(t) * BLOCK_G * 8 <= ONE_TILE_MAX
-        BLOCK_T = next_pow2(t) if one_tile else max(1, 4096 // (BLOCK_G * 8))
-        _quantize_grouped_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
-                                       ONE_TILE=one_tile, num_warps=8)
+    group = _group(bits, d)
+    if group is not None:
+        nc, nbytes, pad, wide = group
+        BLOCK_G = next_pow2(d // nc)
+        one_tile = next_pow2(t) * BLOCK_G * nc <= ONE_TILE_MAX
+        BLOCK_T = next_pow2(t) if one_tile else max(1, 4096 // (BLOCK_G * nc))
+        _quantize_grouped_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, NC=nc, NBYTES=nbytes, PAD=pad,
+                                       WIDE=wide, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, ONE_TILE=one_tile, num_warps=8)
         return packed, scale, zero
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
     BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
@@ -209,12 +228,15 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather):
     d, p = dst2d.shape[1], packed2d.shape[1]
-    if d % 8 == 0:
-        BLOCK_G = next_pow2(d // 8)
-        BLOCK_M = max(1, min(64, 2048 // (BLOCK_G * 8)))
+    group = _group(bits, d)
+    if group is not None:
+        nc, nbytes, pad, wide = group
+        BLOCK_G = next_pow2(d // nc)
+        BLOCK_M = max(1, min(64, 2048 // (BLOCK_G * nc)))
         _dequant_grouped_kernel[(triton.cdiv(m, BLOCK_M),)](
             packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, packed2d.stride(0),
-            dst2d.stride(0), BITS=bits, GATHER=gather, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=4)
+            dst2d.stride(0), BITS=bits, NC=nc, NBYTES=nbytes, PAD=pad, WIDE=wide, GATHER=gather,
+            BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=4)
         return
     BLOCK_D = min(next_pow2(d), 256)
     BLOCK_M = max(1, min(64, 4096 // BLOCK_D))

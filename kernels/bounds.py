@@ -44,7 +44,8 @@ def top_blocks(scores: torch.Tensor, n: int, chunk: int = 1024) -> torch.Tensor:
     """
     nb = scores.shape[-1]
     check(0 < n <= nb, f"n={n} must be in 1..{nb} (the number of blocks)")
-    if nb <= 4 * chunk or n > chunk // 4:
+    rows = scores.numel() // max(nb, 1)
+    if nb <= 4 * chunk or n > chunk // 4 or rows > 64:      # many rows already fill the GPU
         return scores.topk(n, dim=-1, sorted=False).indices
     n_chunks = -(-nb // chunk)
     padded = torch.nn.functional.pad(scores, (0, n_chunks * chunk - nb), value=float("-inf"))

@@ -74,15 +74,30 @@ def _swap_dequant(bits: int, d: int = 60) -> None:
     _need(bool(dst[[3, 4]].isnan().all()), "rows outside dst_rows were written")
 
 
+def _valid_rounding(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> None:
+    """Each code is a correct rounding of (x - zero) / scale: within half a step (plus float slack)."""
+    d = x.shape[-1]
+    codes = K.unpack_codes(packed, bits, d).double()
+    exact = (x.double() - zero.double()[:, None, None]) / scale.double().clamp_min(1e-30)[:, None, None]
+    exact = torch.where(scale[:, None, None] > 0, exact, torch.zeros_like(exact))
+    worst = float((codes - exact).abs().max())
+    _need(worst <= 0.5 + 1e-3, f"a code is {worst:.4f} steps from its value")
+
+
 def _quantize(bits: int, d: int = 60, t: int = 63) -> None:
     x = torch.randn(2, t, d) * torch.tensor([1.0, 30.0])[:, None, None]
     packed, scale, zero = K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
     _need(packed.shape == rp.shape and packed.dtype == torch.uint8, f"packed shape {tuple(packed.shape)}")
     _need(torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz), "scale/zero differ")
-    dq = (K.unpack_codes(packed, bits, d) - K.unpack_codes(rp, bits, d)).abs()
-    _need(int(dq.max()) <= 1 and float((dq > 0).float().mean()) < 1e-3,
-          f"codes differ: max {int(dq.max())}, fraction {float((dq > 0).float().mean()):.2e}")
+    _valid_rounding(x, packed, scale, zero, bits)
+
+
+def _constant_block() -> None:
+    x = torch.full((2, 16, 64), -1.5)
+    packed, scale, zero = K.quantize_blocks(x, 6)
+    _need(torch.equal(scale, torch.zeros(2)) and torch.equal(zero, x[:, 0, 0]), "constant block: scale must be 0")
+    _need(torch.equal(K.dequantize_blocks(packed, scale, zero, 6, 64), x), "constant block must round-trip exactly")
 
 
 def _dequantize(bits: int, d: int = 60) -> None:
@@ -120,8 +135,11 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"quantize-{b}bit": (lambda b=b: _quantize(b)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d64-t200": (lambda b=b: _quantize(b, 64, 200)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d64-one-tile": (lambda b=b: _quantize(b, 64, 16)) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d7": (lambda b=b: _quantize(b, 7, 9)) for b in (4, 5, 6, 8)},
+    "quantize-constant-block": _constant_block,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit-d64": (lambda b=b: _dequantize(b, 64)) for b in (4, 5, 6, 8)},
+    **{f"dequantize-{b}bit-d7": (lambda b=b: _dequantize(b, 7)) for b in (4, 5, 6, 8)},
     "block_bounds-t63-d60": _bounds,
     "block_scores-d60": _scores,
 }

@@ -120,8 +120,12 @@ def test_quantize_dequantize(bits, dtype, T, D):
     packed, scale, zero = K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
     assert torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz)
-    diff = (K.unpack_codes(packed, bits, D) - K.unpack_codes(rp, bits, D)).abs()
-    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    # a tie may round either way (the kernel multiplies by an exact reciprocal): require a correct
+    # rounding of the exact value, and codes at most one step from the reference's
+    codes = K.unpack_codes(packed, bits, D)
+    exact = (x.double() - zero.double()[:, None, None]) / scale.double()[:, None, None]
+    assert float((codes.double() - exact).abs().max()) <= 0.5 + 1e-3
+    assert int((codes - K.unpack_codes(rp, bits, D)).abs().max()) <= 1
     _poison_allocator()
     out = K.dequantize_blocks(rp, rs, rz, bits, D, dtype=dtype)
     ref = K.reference_dequantize_blocks(rp, rs, rz, bits, D, dtype=torch.float32)
