@@ -1,0 +1,254 @@
+"""End to end: HiSparse against dense SDPA on a Llama-3-8B-shaped model (issue 9).
+
+    python benchmarks/e2e_h200.py --contexts 32768,131072 --decode-steps 16 --json out.json
+    python benchmarks/e2e_h200.py --tiny            # a few-second CPU smoke run of the same code
+
+Random bf16 weights (no download is possible), 32 layers, 32 query / 8 KV heads, d = 128. In one
+process and on one device:
+
+1. Full-budget check first: a short prompt, teacher-forced decode with dense attention and with
+   HiSparse (top_k and hot buffer >= context, no quantization); exits 1 if the logits diverge.
+2. Per context: chunked prefill through the model, then timed decode steps (one sequence), dense
+   and HiSparse (and HiSparse with host_kv_bits=8); device memory per sequence from the allocator
+   (dense KV) and from the engine (HiSparse tiers), host bytes per sequence.
+3. Capacity: sequences per GPU at each context from the measured bytes per sequence, against
+   device memory (dense) and device + host memory (HiSparse), and a projection for 1-2 TiB hosts.
+
+Prints a table; --json writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+GiB = 1 << 30
+
+
+def build_model(tiny: bool, dtype: torch.dtype, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                          max_position_embeddings=1 << 20, rope_theta=500000.0)
+    else:
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          vocab_size=128256, max_position_embeddings=1 << 20, rope_theta=500000.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.eval()
+    return model
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prefill(model, ids: torch.Tensor, cache, chunk: int):
+    out = None
+    for start in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        cache = out.past_key_values
+    return out, cache
+
+
+def decode(model, cache, first: torch.Tensor, steps: int, device: str) -> tuple[list[float], torch.Tensor]:
+    """Greedy decode ``steps`` tokens; returns per-step seconds and the logits of each step."""
+    times, logits = [], []
+    tok = first
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        cache = out.past_key_values
+        logits.append(out.logits[:, -1].float())
+        tok = out.logits[:, -1:].argmax(-1)
+    return times, torch.stack(logits, 1)
+
+
+def teacher_forced(model, prompt: torch.Tensor, forced: torch.Tensor, cache) -> torch.Tensor:
+    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1].float()]
+    cache = out.past_key_values
+    for i in range(forced.shape[1] - 1):
+        out = model(input_ids=forced[:, i:i + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits, 1)
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke run of this script")
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens per forward)")
+    ap.add_argument("--top-k", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--host-ram-gib", type=float, default=None, help="host RAM for capacity (default: this machine's)")
+    ap.add_argument("--skip-quant", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import hi_sparse as hs
+
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.tiny:
+        contexts = [min(c, 512) for c in contexts]
+        args.top_k, args.window, args.block_size, args.chunk = 64, 16, 16, 128
+    results: dict = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
+                     "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     "runs": []}
+    t_build = time.perf_counter()
+    model = build_model(args.tiny, dtype, device)
+    cfg = model.config
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    results.update(weights_bytes=weights_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                   build_s=time.perf_counter() - t_build)
+    print(f"model: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}q/{cfg.num_key_value_heads}kv heads, "
+          f"d={cfg.head_dim}, weights {weights_bytes / GiB:.1f} GiB, dense KV {kv_bytes_per_token} B/token", flush=True)
+    from transformers import DynamicCache
+
+    # 1. Full-budget check -----------------------------------------------------------------------
+    g = torch.Generator().manual_seed(1)
+    n_check = 64 if args.tiny else 1024
+    prompt = torch.randint(0, cfg.vocab_size, (1, n_check), generator=g).to(device)
+    forced = torch.randint(0, cfg.vocab_size, (1, 8), generator=g).to(device)
+    with torch.no_grad():
+        dense_logits = teacher_forced(model, prompt, forced, DynamicCache(config=cfg))
+        hs.enable_hisparse_kv_cache(model, max_seq_len=4 * n_check, block_size=args.block_size,
+                                    window_size=args.window, top_k=max(args.top_k, 2 * n_check),
+                                    device_buffer_tokens=max(args.top_k, 2 * n_check) * 2,
+                                    telemetry=False)
+        hs_logits = teacher_forced(model, prompt, forced, None)
+        hs.disable_hisparse_kv_cache(model)
+    err = float((dense_logits - hs_logits).abs().max() / dense_logits.abs().max())
+    agree = float((dense_logits.argmax(-1) == hs_logits.argmax(-1)).float().mean())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    results["check"] = {"rel_max_err": err, "top1_agreement": agree, "tolerance": tol}
+    print(f"full-budget check: max |dlogit| / max |logit| = {err:.2e} (tol {tol}), top-1 agreement {agree:.2f}",
+          flush=True)
+    if not err <= tol:
+        print("FAIL: HiSparse with a full budget diverges from dense attention", file=sys.stderr)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 1
+
+    # 2. Single-sequence decode per context ----------------------------------------------------
+    variants = [("dense", None), ("hisparse", None)] + ([] if args.skip_quant else [("hisparse-int8", 8)])
+    for ctx in contexts:
+        ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
+        for label, bits in variants:
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            row = {"context": ctx, "variant": label}
+            try:
+                with torch.no_grad():
+                    if label == "dense":
+                        cache = DynamicCache(config=cfg)
+                    else:
+                        hs.enable_hisparse_kv_cache(model, max_seq_len=ctx + 4 * args.decode_steps,
+                                                    block_size=args.block_size, window_size=args.window,
+                                                    top_k=args.top_k, host_kv_bits=bits, telemetry=False,
+                                                    audit_every=0)
+                        cache = None
+                    t0 = time.perf_counter()
+                    out, cache = prefill(model, ids, cache, args.chunk)
+                    sync(device)
+                    row["prefill_s"] = time.perf_counter() - t0
+                    first = out.logits[:, -1:].argmax(-1)
+                    times, _ = decode(model, out.past_key_values, first, args.decode_steps, device)
+                    steady = times[2:] or times
+                    row["decode_step_ms_median"] = 1e3 * median(steady)
+                    row["decode_tokens_per_s"] = 1.0 / median(steady)
+                    if device == "cuda":
+                        row["device_peak_bytes_over_weights"] = torch.cuda.max_memory_allocated() - base
+                    if label == "dense":
+                        row["device_kv_bytes"] = kv_bytes_per_token * (ctx + args.decode_steps)
+                        row["host_kv_bytes"] = 0
+                    else:
+                        b = hs.integration.binding_of(model)
+                        mem = b.engine.memory_bytes()
+                        row["device_kv_bytes"] = mem[("device", "data")] + mem[("device", "metadata")]
+                        row["host_kv_bytes"] = mem[("host", "data")] + mem[("host", "metadata")]
+                        row["memory_by_tier"] = {f"{t}/{k}": v for (t, k), v in mem.items()}
+                        st = b.engine.stats
+                        lookups = getattr(st, "hot_buffer_lookups", 0) or 0
+                        hits = getattr(st, "hot_buffer_hits", 0) or 0
+                        row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
+                        hs.disable_hisparse_kv_cache(model)
+                    del cache, out
+            except torch.cuda.OutOfMemoryError as exc:
+                row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
+                try:
+                    hs.disable_hisparse_kv_cache(model)
+                except ValueError:
+                    pass
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:  # partial results survive a time limit
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+
+    # 3. Capacity from measured bytes per sequence ---------------------------------------------
+    if device != "cuda":
+        return 0
+    hbm = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
+    host_ram = (args.host_ram_gib * GiB) if args.host_ram_gib else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    reserve = 8 * GiB  # activations, allocator slack, CUDA context
+    cap = []
+    for row in results["runs"]:
+        if "error" in row:
+            continue
+        dev_free = hbm - weights_bytes - reserve
+        by_dev = int(dev_free // row["device_kv_bytes"]) if row["device_kv_bytes"] else 0
+        by_host = int((host_ram - 16 * GiB) // row["host_kv_bytes"]) if row["host_kv_bytes"] else None
+        fit = by_dev if by_host is None else min(by_dev, by_host)
+        proj = {f"{t}TiB_host": (min(by_dev, int((t * 1024 - 16) * GiB // row["host_kv_bytes"]))
+                                  if row["host_kv_bytes"] else by_dev) for t in (1, 2)}
+        cap.append({"context": row["context"], "variant": row["variant"], "sequences_by_device": by_dev,
+                    "sequences_by_host": by_host, "sequences_fit": fit, **proj})
+    results["capacity"] = cap
+    print("\n| context | variant | decode tok/s (1 seq) | device B/seq | host B/seq | seqs fit (device, host) | 1 TiB / 2 TiB host |")
+    print("|---|---|---|---|---|---|---|")
+    for row, c in zip([r for r in results["runs"] if "error" not in r], cap):
+        print(f"| {row['context']} | {row['variant']} | {row['decode_tokens_per_s']:.1f} | "
+              f"{row['device_kv_bytes'] / GiB:.2f} GiB | {row['host_kv_bytes'] / GiB:.2f} GiB | "
+              f"{c['sequences_fit']} ({c['sequences_by_device']}, {c['sequences_by_host']}) | "
+              f"{c['1TiB_host']} / {c['2TiB_host']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
