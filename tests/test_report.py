@@ -177,17 +177,21 @@ def test_histogram_quantile_interpolates():
 
 # -- scenarios -----------------------------------------------------------------------------------------
 
+SCENARIO_S = 240.0
+
+
 @pytest.fixture(scope="module")
-def scenario_logs(tmp_path_factory):
+def scenarios(tmp_path_factory):
+    """name -> (Analysis, ReadStats) of each constructed run, written to a file and read back."""
     d = tmp_path_factory.mktemp("scenarios")
     out = {}
     for name in H.SCENARIOS:
         path = str(d / f"{name}.log")
-        recs = list(H.scenario_records(name, 300.0))
-        for r in recs[:50] + recs[-50:]:
+        recs = list(H.scenario_records(name, SCENARIO_S))
+        for r in recs[:50] + recs[-50:] + [r for r in recs if r["kind"] != "sample"]:
             assert validate_line(r) == [], (name, r.get("kind"), validate_line(r))
         H.write_lines(path, recs)
-        out[name] = path
+        out[name] = analyse_file(path)
     return out
 
 
@@ -198,9 +202,9 @@ EXPECTED = {
 }
 
 
-def test_healthy_run_has_no_findings(scenario_logs):
-    a, stats = analyse_file(scenario_logs["healthy"])
-    assert stats.samples == 3000 and stats.skipped == 0
+def test_healthy_run_has_no_findings(scenarios):
+    a, stats = scenarios["healthy"]
+    assert stats.samples == SCENARIO_S * 10 and stats.skipped == 0
     assert diagnose_all(a.targets) == []
     run = a.targets["decode-0"]
     assert run.sketches["anchor_hit_rate"].quantile(0.5) == pytest.approx(0.86, abs=0.01)
@@ -208,8 +212,8 @@ def test_healthy_run_has_no_findings(scenario_logs):
 
 
 @pytest.mark.parametrize("scenario", sorted(EXPECTED))
-def test_each_scenario_produces_its_finding(scenario_logs, scenario):
-    a, _ = analyse_file(scenario_logs[scenario])
+def test_each_scenario_produces_its_finding(scenarios, scenario):
+    a, _ = scenarios[scenario]
     found = diagnose_all(a.targets)
     assert [f.rule for f in found] == [EXPECTED[scenario]], [(f.rule, f.evidence) for f in found]
     f = found[0]
@@ -217,20 +221,19 @@ def test_each_scenario_produces_its_finding(scenario_logs, scenario):
     assert "UTC" in f.evidence[0]  # says when
 
 
-def test_findings_carry_measured_evidence(scenario_logs):
-    a, _ = analyse_file(scenario_logs["slow_recycle"])
-    (f,) = diagnose_all(a.targets)
-    # the scenario recycles 1 %/s of active blocks while 30 wait, for the whole 300 s
+def test_findings_carry_measured_evidence(scenarios):
+    (f,) = diagnose_all(scenarios["slow_recycle"][0].targets)
+    # the scenario recycles 1 %/s of active blocks while 30 wait, for the whole run
     assert f.worst == pytest.approx(0.01, rel=0.1) and f.threshold == thresholds.BLOCK_RECYCLE_RATE_MIN
-    assert f.duration_s == pytest.approx(300, abs=2)
+    assert f.duration_s == pytest.approx(SCENARIO_S, abs=2)
     assert "cache_block_size (now 512) e.g. 256" in f.change
-    a, _ = analyse_file(scenario_logs["anchor_decay"])
-    (f,) = diagnose_all(a.targets)
+    (f,) = diagnose_all(scenarios["anchor_decay"][0].targets)
     assert "90.0% in the first half" in f.evidence[0] and "recalibrate_every" in f.change
-    a, _ = analyse_file(scenario_logs["target_restart"])
-    (f,) = diagnose_all(a.targets)
+    (f,) = diagnose_all(scenarios["target_restart"][0].targets)
     assert "pid 4242 -> 5242" in f.evidence[0] and "down 3." in f.evidence[0]
-    assert f.start_t == pytest.approx(H.T0 + 150, abs=4)
+    assert f.start_t == pytest.approx(H.T0 + SCENARIO_S / 2, abs=4)
+    (f,) = diagnose_all(scenarios["metadata_growth"][0].targets)
+    assert "from 2.00 MiB to 8.00 MiB" in f.evidence[0] and 'metadata_device="cpu"' in f.change
 
 
 def test_problem_in_one_target_only(tmp_path):
@@ -243,8 +246,8 @@ def test_problem_in_one_target_only(tmp_path):
 
 
 def test_short_problem_is_not_a_finding(tmp_path):
-    # 20 s of poor prefetch inside a 300 s run is below the rule's required duration
-    recs = list(H.scenario_records("healthy", 300.0))
+    # 20 s of poor prefetch inside a 200 s run is below the rule's required duration (50 s)
+    recs = list(H.scenario_records("healthy", 200.0))
     # counters are cumulative: halve the increase of "used" between +100 s and +120 s
     path = str(tmp_path / "run.log")
     bent = []
@@ -279,14 +282,31 @@ def _peak_traced(path: str) -> int:
 
 def test_memory_does_not_grow_with_log_size(tmp_path):
     src = str(tmp_path / "src.log")
-    H.write_scenario(src, "healthy", 30.0)
+    H.write_scenario(src, "healthy", 20.0)
     samples = H.read_samples(src)
     small, large = str(tmp_path / "small.log"), str(tmp_path / "large.log")
-    s = H.stretch_log(samples, small, min_bytes=2 << 20)
-    big = H.stretch_log(samples, large, min_bytes=8 << 20)
+    s = H.stretch_log(samples, small, min_bytes=1 << 20)
+    big = H.stretch_log(samples, large, min_bytes=4 << 20)
     assert big["lines"] >= 3.5 * s["lines"]
     a, stats = analyse_file(large)
     assert stats.skipped == 0 and diagnose_all(a.targets) == []  # stretched counters stay monotonic
     peak_small, peak_large = _peak_traced(small), _peak_traced(large)
     # 4x the lines: the peak may grow by the plot buckets' doubling slack, never in proportion
     assert peak_large < 1.5 * peak_small + (1 << 20), (peak_small, peak_large)
+
+
+def test_live_diagnosis_names_the_most_urgent_problem():
+    from easymats.report.live import LiveDiagnosis
+
+    for scenario, expect in (("healthy", None), ("pool_exhaustion", "KV block pool nearly exhausted")):
+        live = LiveDiagnosis(horizon_s=60.0)
+        seen = []
+        for i, rec in enumerate(H.scenario_records(scenario, 240.0)):
+            live.feed(rec)
+            if i % 100 == 0:
+                seen.append(live.urgent(now=float(i)))
+        if expect is None:
+            assert set(seen) == {None}
+        else:
+            assert seen[0] is None and seen[-1] is not None and expect in seen[-1], seen[-1]
+            assert "Enlarge the host pool" in seen[-1]

@@ -195,4 +195,6 @@ class Episodes:
             self.dropped += 1
 
     def longer_than(self, seconds: float) -> list[Span]:
-        return [s for s in self.spans if s.duration >= seconds]
+        """Closed spans, and the open one (a live run is judged before it ends), of ``seconds`` or more."""
+        spans = self.spans + ([self._open] if self._open is not None else [])
+        return [s for s in spans if s.duration >= seconds]

@@ -98,7 +98,9 @@ def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_f
     if lo is not None and hi is not None and lo >= hi:
         raise Usage(f"--from ({fmt_t(lo)}) must be before --to ({fmt_t(hi)})")
     stats = reader.ReadStats()
-    interval = 0.1
+    head = reader.peek_header(files) or {}
+    interval = head.get("interval_s") if isinstance(head.get("interval_s"), (int, float)) else 0.1
+    interval = min(max(float(interval), 0.001), 60.0)
     analysis = Analysis(window_s=window_s, interval_s=interval)
     try:
         analysis.feed_all(reader.iter_records(files, stats, target=target, t_from=lo, t_to=hi))

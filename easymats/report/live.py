@@ -93,3 +93,48 @@ def sample(readers: list[tuple[str, segment.SegmentReader]], window_s: float,
                 live.remove((name, r))
                 r.close()
         k += 1
+
+
+class LiveDiagnosis:
+    """The diagnosis rules over the last minutes of a live run, for the agent's live view.
+
+    Feed it the sample and event records the agent writes; :meth:`urgent` returns one line about
+    the most urgent finding (or None). Two overlapping analyses, started ``horizon_s`` apart, give
+    a trailing view in bounded memory: findings are judged on the older one, which covers between
+    one and two horizons, and a condition must hold for half a horizon.
+    """
+
+    def __init__(self, horizon_s: float = 120.0, window_s: float = 10.0, interval_s: float = 0.1,
+                 every_s: float = 1.0):
+        from .analyse import Analysis
+
+        self._new = lambda: Analysis(window_s=window_s, interval_s=interval_s, plot_points=8)
+        self.horizon_s = horizon_s
+        self.every_s = every_s
+        self._runs: list[tuple[float, Any]] = []  # (start t, Analysis), oldest first
+        self._cached: tuple[float, str | None] = (-1e18, None)
+
+    def feed(self, rec: dict[str, Any]) -> None:
+        t = float(rec.get("t", 0.0))
+        if not self._runs or t - self._runs[-1][0] >= self.horizon_s:
+            self._runs.append((t, self._new()))
+            if len(self._runs) > 2:
+                self._runs.pop(0)
+        for _, a in self._runs:
+            a.feed(rec)
+
+    def findings(self) -> list:
+        from .findings import RuleConfig, diagnose_all
+
+        if not self._runs:
+            return []
+        return diagnose_all(self._runs[0][1].targets, RuleConfig(min_duration_s=self.horizon_s / 2))
+
+    def urgent(self, now: float | None = None) -> str | None:
+        """One line for the most urgent finding; re-judged at most every ``every_s`` seconds."""
+        from .cli import most_urgent
+
+        now = time.monotonic() if now is None else now
+        if now - self._cached[0] >= self.every_s:
+            self._cached = (now, most_urgent(self.findings()))
+        return self._cached[1]

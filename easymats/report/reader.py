@@ -165,6 +165,18 @@ def _read_lines(path: str) -> Iterator[tuple[int, bytes | None]]:
             yield lineno, line
 
 
+def peek_header(files: list[str]) -> dict[str, Any] | None:
+    """The header line of the oldest file, if its first readable line is one."""
+    for path in files:
+        for _, line in _read_lines(path):
+            try:
+                obj = json.loads(line) if line is not None else None
+            except ValueError:
+                obj = None
+            return obj if isinstance(obj, dict) and obj.get("kind") == "header" else None
+    return None
+
+
 def first_time(files: list[str]) -> float | None:
     """The time of the first record of the oldest file (for ``+5m`` style arguments)."""
     for path in files:
