@@ -51,7 +51,7 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def bench_agent(n: int, seconds: float, rate: float, workdir: str) -> dict:
+def bench_agent(n: int, seconds: float, rate: float, workdir: str, log_on: bool = True) -> dict:
     targets = [start_target(f"decode-{i}", rate=rate, duration=0)[0] for i in range(n)]
     log = os.path.join(workdir, f"agent-{n}.log")
     port = free_port()
@@ -59,7 +59,8 @@ def bench_agent(n: int, seconds: float, rate: float, workdir: str) -> dict:
         t_start = time.time()
         agent = subprocess.Popen([sys.executable, "-c", "from easymats.cli import main; main()",
                                   "--pid", ",".join(str(t.pid) for t in targets), "--interval", "0.1",
-                                  "--output", log, "--listen", f"127.0.0.1:{port}", "--quiet"],
+                                  *(["--output", log] if log_on else []), "--listen", f"127.0.0.1:{port}",
+                                  "--quiet"],
                                  stderr=subprocess.PIPE, text=True)
         proc = psutil.Process(agent.pid)
         time.sleep(2.0)  # warm-up: imports, first discovery, first NVML probe
@@ -79,7 +80,7 @@ def bench_agent(n: int, seconds: float, rate: float, workdir: str) -> dict:
         agent.wait(timeout=10)
         first_t = None
         lags: dict[float, float] = {}
-        with open(log) as f:
+        with open(log if log_on else os.devnull) as f:
             for line in f:
                 obj = json.loads(line)
                 if obj.get("kind") == "sample":
@@ -188,23 +189,27 @@ def main() -> None:
     ap.add_argument("--targets", default="1,16,64")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--target-rate", type=float, default=10.0, help="publishes per second per target")
+    ap.add_argument("--no-log", action="store_true", help="run the agent without --output (no lag/first sample)")
+    ap.add_argument("--no-multiprocess", action="store_true", help="skip the prometheus_client comparison")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     seg_dir = tempfile.mkdtemp(prefix="bench-seg-")
     os.chmod(seg_dir, 0o700)
     os.environ["EASYMATS_SEGMENT_DIR"] = seg_dir
     workdir = tempfile.mkdtemp(prefix="bench-agent-")
-    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+    print(f"log: {'off' if args.no_log else 'on'}; machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
           f"python {platform.python_version()}; targets publish at {args.target_rate:g} Hz; agent at 10 Hz")
     results = []
     for n in [int(x) for x in args.targets.split(",")]:
-        a = bench_agent(n, args.seconds, args.target_rate, workdir)
-        m = bench_multiprocess(n, args.seconds, args.target_rate)
+        a = bench_agent(n, args.seconds, args.target_rate, workdir, log_on=not args.no_log)
+        m = None if args.no_multiprocess else bench_multiprocess(n, args.seconds, args.target_rate)
         results.append({"agent": a, "multiprocess": m})
         print(f"{n:>3} targets | easymats: cpu {a['cpu_pct']:.2f} % core, lag p50 {a['lag_p50_ms']:.2f} ms "
               f"p99 {a['lag_p99_ms']:.2f} ms, render {a['render_p50_ms']:.2f} ms (HTTP scrape p50 "
               f"{a['scrape_http_p50_ms']:.2f} ms, max {a['scrape_http_max_ms']:.2f} ms, {a['metrics_bytes']} B), "
               f"RSS {a['rss_mb']:.1f} MB, first sample {a['first_sample_s']:.3f} s", flush=True)
+        if m is None:
+            continue
         print(f"{'':>3}         | prometheus_client multiprocess collecting {n} at 10 Hz: cpu "
               f"{m['cpu_pct']:.2f} % core, render p50 {m['render_p50_ms']:.2f} ms p99 {m['render_p99_ms']:.2f} ms, "
               f"RSS {m['rss_mb']:.1f} MB", flush=True)

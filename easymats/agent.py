@@ -257,7 +257,8 @@ class Agent:
                 continue
             if (path, ino) in self._rejected:
                 continue
-            if pid not in watched and not (self.keep_serving and down_names):
+            watch_all = not self.pids  # --keep-serving without --pid: a sidecar for every runtime
+            if not watch_all and pid not in watched and not (self.keep_serving and down_names):
                 continue
             try:
                 tg = Target(pid, path, peak_window_s=self.peak_window)
@@ -266,7 +267,7 @@ class Agent:
                 if pid in watched and exc.kind not in ("dead_pid", "pid_reused", "not_found"):
                     self._warn(path, str(exc))
                 continue
-            if pid not in watched and tg.name not in down_names:
+            if not watch_all and pid not in watched and tg.name not in down_names:
                 tg.close()
                 self._rejected.add((path, ino))
                 continue

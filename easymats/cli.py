@@ -164,7 +164,8 @@ def check_interval(value: float, option: str = "--interval") -> float:
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop after this many seconds.")
 @click.option("--keep-serving", is_flag=True,
-              help="Keep running when every target is gone; pick up new segments.")
+              help="Keep running when every target is gone; pick up new segments (without --pid: "
+                   "every segment of this user).")
 @click.option("--quiet", "-q", is_flag=True, help="No live view and no summary lines.")
 @click.option("--peak-window", type=click.FloatRange(min=0, min_open=True), default=15.0,
               show_default=True, help="Seconds over which the *_max peak gauges take their maximum.")

@@ -271,3 +271,22 @@ def test_duration_and_first_sample_fast(tmp_path):
     finally:
         a.send_signal(signal.SIGTERM)
         a.wait()
+
+
+def test_keep_serving_without_pid_attaches_every_new_segment(tmp_path):
+    port = free_port()
+    agent = start_agent("--keep-serving", "--listen", f"127.0.0.1:{port}", "--quiet", "--duration", "6")
+    try:
+        scrape(port)
+        a, _ = start_target("late-0", duration=0)
+        try:
+            m = wait_for(lambda: (lambda s: s if value(s, "easymats_target_up", target="late-0") == 1.0
+                                  else None)(scrape(port)))
+            assert value(m, "easymats_target_info", target="late-0", pid=str(a.pid)) == 1.0
+        finally:
+            a.send_signal(signal.SIGTERM)
+            a.wait()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        code, _, err = finish(agent)
+    assert code == 0, err
