@@ -86,7 +86,10 @@ class HostPool:
     # -- addressing ----------------------------------------------------------------------------
     def rows(self, block_table: torch.Tensor, heads: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Main-pool rows of tokens ``pos`` at KV heads ``heads`` (broadcastable int64 tensors)."""
-        blk = block_table[pos // self.bs]
+        # A hole (-1: streaming mode overwrote the block) would index out of range; read block 0
+        # instead. Every caller masks holes out (selection never picks them; the audit,
+        # recalibration and prefill drop them through the visibility mask).
+        blk = block_table[pos // self.bs].clamp_min(0)
         return (blk * self.H + heads) * self.bs + pos % self.bs
 
     def tail_rows(self, tail_slot: int, heads: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
