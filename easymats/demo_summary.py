@@ -83,6 +83,10 @@ def windowed_hit_rate(ts: TargetSeries, window_s: float) -> list[tuple[float, fl
     return out
 
 
+DEVICE_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="device"}'
+HOST_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="host"}'
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
 
@@ -116,8 +120,7 @@ def summarise_target(ts: TargetSeries) -> list[str]:
         f"{_delta(ts, 'hisparse_kv_block_reclaims_total'):.0f} reclaimed, "
         f"{_delta(ts, 'hisparse_kv_block_evictions_total'):.0f} evicted; "
         f"recalibrations: " + ", ".join(f"{v:.0f} {r}" for r, v in recal.items()),
-        f"  KV memory peak: device {_bytes(_max(ts, 'hisparse_kv_memory_bytes{kind=\"data\",tier=\"device\"}'))}, "
-        f"host {_bytes(_max(ts, 'hisparse_kv_memory_bytes{kind=\"data\",tier=\"host\"}'))}; "
+        f"  KV memory peak: device {_bytes(_max(ts, DEVICE_DATA))}, host {_bytes(_max(ts, HOST_DATA))}; "
         f"quantized blocks: " + (", ".join(f"{v:.0f} x INT{b}" for b, v in quant.items() if v) or "none"),
     ]
     rates = windowed_hit_rate(ts, max(2.0, span / 12))

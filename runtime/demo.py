@@ -1,0 +1,149 @@
+"""``python -m hi_sparse.demo``: the HiSparse workload that ``easymats demo`` watches.
+
+Two engines run side by side in this process, each publishing its own telemetry segment:
+
+- **demo-generate**: a small random-weight Llama-like model (no download) generating through
+  :func:`hi_sparse.enable_hisparse_kv_cache`. Requests have prompts several times longer than
+  ``top_k``, some are left-padded batches of two; full host blocks are quantized by the seed's
+  bimodal rule; each finished request frees its blocks, which wait out their recycle grace.
+- **demo-longctx**: the planted-structure long-context decode driver of
+  :mod:`hi_sparse.workloads` (needles, anchors, a topic shift part-way through) on a bounded
+  host pool in streaming mode. The shift makes the audited anchor hit rate drop, the drift
+  check recalibrates, and the rate recovers; ``easymats demo`` also sends a recalibration
+  request through the control file.
+
+The two alternate in short slices until ``--duration`` is over; SIGINT or SIGTERM end it
+cleanly (segments removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+GENERATE_NAME = "demo-generate"
+LONGCTX_NAME = "demo-longctx"
+
+# A Llama-shaped model small enough for a laptop CPU: 2 layers, 8 query heads over 2 KV heads.
+MODEL_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                    max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Random weights attend diffusely, so the audited hit rate is low by nature: no drift floor here
+# (the long-context driver shows drift), one scheduled calibration, then the probe as fitted.
+GENERATE_OPTIONS = dict(max_seq_len=4096, block_size=32, window_size=64, global_tokens=8,
+                        top_k=128, device_buffer_tokens=192, host_kv_bits="auto",
+                        recalibrate_every=1 << 20, recalibrate_topk=16, audit_every=4,
+                        drift_floor=0.0, name=GENERATE_NAME)
+NEW_TOKENS = 12
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit("hi_sparse.demo: --device cuda but no CUDA device is available; "
+                             "use --device cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class GenerateWorkload:
+    """Requests to a random-weight model through ``enable_hisparse_kv_cache``."""
+
+    def __init__(self, device: torch.device, seed: int):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from .integration import enable_hisparse_kv_cache
+
+        torch.manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.device = device
+        model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG)).to(device).eval()
+        model.generation_config.eos_token_id = None  # random weights: never stop early
+        model.generation_config.pad_token_id = 0
+        self.model = enable_hisparse_kv_cache(model, **GENERATE_OPTIONS)
+        self.vocab = MODEL_CONFIG["vocab_size"]
+        self.requests = 0
+        self.new_tokens = 0
+
+    def request(self) -> None:
+        """One generate() call: 1 or 2 prompts of 3-6 x top_k tokens, NEW_TOKENS new tokens each."""
+        batch = self.rng.choice((1, 1, 2))
+        length = self.rng.randint(3, 6) * GENERATE_OPTIONS["top_k"]
+        ids = torch.randint(3, self.vocab, (batch, length), device=self.device)
+        mask = torch.ones_like(ids)
+        if batch == 2:  # the second prompt is shorter: left padding
+            pad = self.rng.randint(1, length // 3)
+            ids[1, :pad] = 0
+            mask[1, :pad] = 0
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                      do_sample=True, top_k=50)
+        self.requests += 1
+        self.new_tokens += (out.shape[1] - length) * batch
+
+    def close(self) -> None:
+        from .integration import disable_hisparse_kv_cache
+
+        disable_hisparse_kv_cache(self.model)
+
+
+def _stop_on_sigterm() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hi_sparse.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds to run (default 60)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.duration <= 0:
+        parser.error("--duration must be > 0 seconds")
+    _stop_on_sigterm()
+    device = pick_device(args.device)
+    if device.type == "cpu":
+        # The demo's tensors are tiny: one thread is as fast, and it does not collapse when the
+        # machine is busy (spinning OpenMP workers on an oversubscribed CPU cost 10-30x).
+        torch.set_num_threads(1)
+    from .demo_longctx import LongContextWorkload
+
+    generate = longctx = None
+    try:
+        generate = GenerateWorkload(device, args.seed)
+        longctx = LongContextWorkload(device, args.seed, duration_s=args.duration,
+                                      name=LONGCTX_NAME)
+        print(f"hi_sparse.demo: running on {device} for {args.duration:g} s "
+              f"(segments {GENERATE_NAME}, {LONGCTX_NAME})", flush=True)
+        # The clock starts once both workloads are built: --duration is time spent working.
+        deadline = time.monotonic() + args.duration
+        longctx.restart_clock()
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            generate.request()
+            # Equal time to both: the driver gets as long as the request took.
+            slice_s = max(0.3, time.monotonic() - t0)
+            longctx.run_for(min(slice_s, max(0.0, deadline - time.monotonic())))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for workload in (generate, longctx):
+            if workload is not None:
+                workload.close()
+    if generate is not None:
+        print(f"hi_sparse.demo: {generate.requests} generate requests "
+              f"({generate.new_tokens} new tokens); {longctx.describe() if longctx else ''}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
