@@ -155,7 +155,7 @@ class SimRuntime:
         m[series_key("hisparse_kv_memory_bytes", {"kind": "metadata", "tier": "host"})] = ctx * 2.0
         for name, (bounds, counts, total) in self.hist.items():
             m[name] = {"bounds": list(bounds), "counts": list(counts), "sum": round(total[0], 6)}
-        m[series_key("hisparse_runtime_info", {"device": "cpu", "model": "llama-tiny", "version": "0.1.0"})] = 1.0
+        m[series_key("hisparse_runtime_info", {"device": "cuda:0", "model": "llama-tiny", "version": "0.1.0"})] = 1.0
         m[series_key("hisparse_config_info", {
             "block_size": "512", "device_buffer_tokens": "4096", "global_tokens": "16",
             "host_kv_bits": "5", "top_k": "2048", "window_size": "1024"})] = 1.0

@@ -310,3 +310,31 @@ def test_live_diagnosis_names_the_most_urgent_problem():
         else:
             assert seen[0] is None and seen[-1] is not None and expect in seen[-1], seen[-1]
             assert "Enlarge the host pool" in seen[-1]
+
+
+def _rewrite(records, fn):
+    for r in records:
+        if r["kind"] == "sample" and r.get("metrics"):
+            r = dict(r, metrics=fn(r["t"] - H.T0, dict(r["metrics"])))
+        yield r
+
+
+def test_metadata_rule_ignores_cpu_runtimes_and_startup_steps(tmp_path):
+    meta = reader.series_key("hisparse_kv_memory_bytes", {"kind": "metadata", "tier": "device"})
+    gpu = reader.series_key("hisparse_runtime_info", {"device": "cuda:0", "model": "llama-tiny", "version": "0.1.0"})
+    cpu = reader.series_key("hisparse_runtime_info", {"device": "cpu", "model": "llama-tiny", "version": "0.1.0"})
+
+    def on_cpu(t, m):
+        m[cpu] = m.pop(gpu)
+        return m
+
+    def step(t, m):  # allocated once at start-up, then flat: not growth
+        m[meta] = 0.0 if t < 5 else float(6 << 20)
+        return m
+
+    for name, fn in (("cpu", on_cpu), ("step", step)):
+        base = "metadata_growth" if name == "cpu" else "healthy"
+        path = str(tmp_path / f"{name}.log")
+        H.write_lines(path, _rewrite(H.scenario_records(base, 200.0), fn))
+        an, _ = analyse_file(path)
+        assert diagnose_all(an.targets) == [], name

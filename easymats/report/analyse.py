@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 from easymats import thresholds
 
 from .accum import Downsampler, Episodes, Sketch
-from .derive import RATE_WINDOW_S, SERIES, Derived, Deriver, config_of
+from .derive import RATE_WINDOW_S, SERIES, Derived, Deriver, config_of, info_labels
 
 MAX_MARKERS = 500
 PLOT_POINTS = 600
@@ -142,7 +142,7 @@ class DocumentTracker:
 
 @dataclass(slots=True)
 class Trend:
-    """First/last/peak of a gauge within one process, and when it first grew past 25 %."""
+    """A gauge within one process: first/last/peak and a 16-bucket outline to judge growth."""
 
     pid: int | None
     first_t: float
@@ -150,23 +150,30 @@ class Trend:
     last_t: float = 0.0
     last: float = 0.0
     peak: float = 0.0
-    grew_t: float | None = None  # when it first passed first * 1.25
-    rises: int = 0  # samples where it went up
-    falls: int = 0  # samples where it went down
+    outline: Downsampler = field(default_factory=lambda: Downsampler(16, 0.1))
 
     def add(self, t: float, v: float) -> None:
-        if self.last_t and v > self.last:
-            self.rises += 1
-        elif self.last_t and v < self.last:
-            self.falls += 1
         self.last_t, self.last = t, v
         self.peak = max(self.peak, v)
-        if self.grew_t is None and v > self.first * 1.25 and v > self.first:
-            self.grew_t = t
+        self.outline.add(t, v)
+
+    def quarter_means(self) -> list[float]:
+        """Mean of each quarter of the process's time (fewer when it was short)."""
+        pts = self.outline.points()
+        if len(pts) < 4:
+            return []
+        span = (pts[-1].t - pts[0].t) or 1.0
+        sums = [[0.0, 0] for _ in range(4)]
+        for b in pts:
+            q = min(3, int(4 * (b.t - pts[0].t) / span))
+            sums[q][0] += b.total
+            sums[q][1] += b.n
+        return [t / n for t, n in sums if n]
 
     @property
     def growth(self) -> float:
-        return self.last - self.first
+        q = self.quarter_means()
+        return q[-1] - q[0] if len(q) == 4 else 0.0
 
 
 @dataclass
@@ -304,6 +311,7 @@ class Analysis:
         metrics = rec.get("metrics") or {}
         if run.config is None or d.restart is not None:
             run.config = config_of(metrics) or run.config
+            run.runtime = info_labels(metrics, "hisparse_runtime_info") or run.runtime
         for reason, n in d.recalibrations.items():
             run.recal_counts[reason] = run.recal_counts.get(reason, 0.0) + n
             if len(run.recals) < MAX_MARKERS:

@@ -265,11 +265,15 @@ class Deriver:
         return out
 
 
-def config_of(metrics: Mapping[str, Any]) -> dict[str, str] | None:
-    """The labels of ``hisparse_config_info`` in a sample's metrics, if present."""
+def info_labels(metrics: Mapping[str, Any], name: str) -> dict[str, str] | None:
+    """The labels of the info metric ``name`` (e.g. hisparse_config_info) in a sample, if present."""
     for key in metrics:
-        if key.startswith("hisparse_config_info"):
+        if key.startswith(name):
             parsed = parse_key(key)
-            if parsed and parsed[0] == "hisparse_config_info":
+            if parsed and parsed[0] == name:
                 return parsed[1]
     return None
+
+
+def config_of(metrics: Mapping[str, Any]) -> dict[str, str] | None:
+    return info_labels(metrics, "hisparse_config_info")
