@@ -1,4 +1,4 @@
-"""Triton block quantize (fused min/max + pack, one program per block) and row dequantize.
+"""Triton block quantize (partial min/max, then pack) and row dequantize.
 
 The dequantize kernel serves both `dequantize_blocks` (rows in order) and the fused
 `swap_in_dequant` (rows gathered through index tensors, source possibly pinned host memory).
@@ -98,69 +98,66 @@ def _dequant_rows_kernel(
 
 
 @triton.jit
-def _quantize_grouped_kernel(
-    p_x, p_packed, p_scale, p_zero, T, D, P,
-    BITS: tl.constexpr, NC: tl.constexpr, NBYTES: tl.constexpr, PAD: tl.constexpr, WIDE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, ONE_TILE: tl.constexpr,
-):
-    """D % NC == 0: NC codes make exactly NBYTES bytes, packed through one integer word."""
+def _minmax_kernel(p_x, p_part, numel, C, CHUNK: tl.constexpr):
+    """Partial min / max of chunk c of block n (blocks flattened to numel values): part (N, C, 2)."""
     i_n = tl.program_id(0).to(tl.int64)
-    p_xn = p_x + i_n * T * D
-    o_t = tl.arange(0, BLOCK_T)
-    o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, NC)
-    o_val = o_g[None, :, None] * NC + o_i[None, None, :]                 # (1, G, NC) column index
-    m_g = (o_g < D // NC)[None, :, None]
-    if ONE_TILE:
-        # the whole block fits one tile: read it from HBM exactly once
-        m = (o_t < T)[:, None, None] & m_g
-        b_x1 = tl.load(p_xn + o_t[:, None, None] * D + o_val, mask=m, other=0.0).to(tl.float32)
-        lo = tl.min(tl.min(tl.min(tl.where(m, b_x1, float("inf")), 2), 1), 0)
-        hi = tl.max(tl.max(tl.max(tl.where(m, b_x1, float("-inf")), 2), 1), 0)
-    else:
-        b_lo = tl.full([BLOCK_T, BLOCK_G, NC], float("inf"), tl.float32)
-        b_hi = tl.full([BLOCK_T, BLOCK_G, NC], float("-inf"), tl.float32)
-        for t0 in range(0, T, BLOCK_T):
-            m = ((t0 + o_t) < T)[:, None, None] & m_g
-            b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_val, mask=m, other=0.0).to(tl.float32)
-            b_lo = tl.minimum(b_lo, tl.where(m, b_x, float("inf")))
-            b_hi = tl.maximum(b_hi, tl.where(m, b_x, float("-inf")))
-        lo = tl.min(tl.min(tl.min(b_lo, 2), 1), 0)
-        hi = tl.max(tl.max(tl.max(b_hi, 2), 1), 0)
+    i_c = tl.program_id(1)
+    o = i_c * CHUNK + tl.arange(0, CHUNK)
+    m = o < numel
+    b_x = tl.load(p_x + i_n * numel + o, mask=m, other=0.0).to(tl.float32)
+    p_out = p_part + (i_n * C + i_c) * 2
+    tl.store(p_out, tl.min(tl.where(m, b_x, float("inf")), 0))
+    tl.store(p_out + 1, tl.max(tl.where(m, b_x, float("-inf")), 0))
+
+
+@triton.jit
+def _pack_grouped_kernel(
+    p_x, p_part, p_packed, p_scale, p_zero, T, D, P, C,
+    BITS: tl.constexpr, NBYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """D % 8 == 0: 8 codes make exactly BITS bytes, packed through one int64 word.
+
+    One program per (block, tile of BLOCK_T rows): small programs keep enough loads in flight;
+    each first folds its block's C partial min/max (written by _minmax_kernel).
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    i_t = tl.program_id(1)
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    p_pn = p_part + (i_n * C + o_c) * 2
+    lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf")), 0)
+    hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf")), 0)
     levels = (1 << BITS) - 1
     scale = (hi - lo) / levels
-    tl.store(p_scale + i_n, scale)
-    tl.store(p_zero + i_n, lo)
-    # one exact reciprocal per block; codes then cost a multiply (a tie may round either way)
+    if i_t == 0:
+        tl.store(p_scale + i_n, scale)
+        tl.store(p_zero + i_n, lo)
+    # one exact reciprocal per program; codes then cost a multiply (a tie may round either way)
     inv = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
-    p_out = p_packed + i_n * T * P
-    o_b = tl.arange(0, PAD)
-    o_byte = o_g[None, :, None] * NBYTES + o_b[None, None, :]            # (1, G, PAD)
-    for t0 in range(0, T, BLOCK_T):
-        m_t = ((t0 + o_t) < T)[:, None, None]
-        if ONE_TILE:
-            b_x = b_x1
-        else:
-            b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_val, mask=m_t & m_g, other=0.0).to(tl.float32)
-        b_c = tl.floor((b_x - lo) * inv + 0.5)
-        b_c = tl.minimum(tl.maximum(b_c, 0.0), levels * 1.0)
-        if WIDE:                                   # 8 five-bit codes = 40 bits
-            b_c = b_c.to(tl.int64)
-        else:
-            b_c = b_c.to(tl.int32)
-        b_w = tl.sum(b_c << (o_i * BITS).to(b_c.dtype)[None, None, :], 2)           # (T, G) packed words
-        b_bytes = (b_w[:, :, None] >> (o_b * 8).to(b_c.dtype)[None, None, :]) & 0xFF
-        m_o = m_t & m_g & (o_b < NBYTES)[None, None, :]
-        tl.store(p_out + (t0 + o_t)[:, None, None] * P + o_byte, b_bytes.to(tl.uint8), mask=m_o)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_g = tl.arange(0, BLOCK_G)
+    o_i = tl.arange(0, 8)
+    m = (o_t < T)[:, None, None] & (o_g < D // 8)[None, :, None]
+    b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + (o_g[None, :, None] * 8 + o_i[None, None, :]),
+                  mask=m, other=0.0).to(tl.float32)
+    b_c = tl.floor((b_x - lo) * inv + 0.5)
+    b_c = tl.minimum(tl.maximum(b_c, 0.0), levels * 1.0).to(tl.int64)
+    b_w = tl.sum(b_c << (o_i * BITS).to(tl.int64)[None, None, :], 2)                # (T, G) packed words
+    b_bytes = (b_w[:, :, None] >> (o_i * 8).to(tl.int64)[None, None, :]) & 0xFF
+    m_o = m & (o_i < NBYTES)[None, None, :]
+    p_o = p_packed + i_n * T * P + o_t[:, None, None] * P + (o_g[None, :, None] * NBYTES + o_i[None, None, :])
+    tl.store(p_o, b_bytes.to(tl.uint8), mask=m_o)
 
 
 @triton.jit
 def _dequant_grouped_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
-    BITS: tl.constexpr, NC: tl.constexpr, NBYTES: tl.constexpr, PAD: tl.constexpr, WIDE: tl.constexpr,
-    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
-    """D % NC == 0: each group of NBYTES bytes is read once into one word and yields NC codes."""
+    """D % 8 == 0: each group of BITS bytes is read once into one int64 word and yields 8 codes.
+
+    (Groups of 2 or 4 codes in int32 words measured 2-3x slower on the H200: narrower vectors.)
+    """
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -174,32 +171,20 @@ def _dequant_grouped_kernel(
     b_scale = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
     b_zero = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
     o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, NC)
-    o_b = tl.arange(0, PAD)
-    m_g = (o_g < D // NC)[None, :, None]
+    o_i = tl.arange(0, 8)
+    m_g = (o_g < D // 8)[None, :, None]
     m_row = m_m[:, None, None]
-    p_b = p_packed + o_src[:, None, None] * stride_src + (o_g[None, :, None] * NBYTES + o_b[None, None, :])
-    b_b = tl.load(p_b, mask=m_row & m_g & (o_b < NBYTES)[None, None, :], other=0)
-    if WIDE:
-        b_b = b_b.to(tl.int64)
-    else:
-        b_b = b_b.to(tl.int32)
-    b_w = tl.sum(b_b << (o_b * 8).to(b_b.dtype)[None, None, :], 2)                  # (M, G)
-    b_c = (b_w[:, :, None] >> (o_i * BITS).to(b_b.dtype)[None, None, :]) & ((1 << BITS) - 1)
+    p_b = p_packed + o_src[:, None, None] * stride_src + (o_g[None, :, None] * BITS + o_i[None, None, :])
+    b_b = tl.load(p_b, mask=m_row & m_g & (o_i < BITS)[None, None, :], other=0).to(tl.int64)
+    b_w = tl.sum(b_b << (o_i * 8).to(tl.int64)[None, None, :], 2)                  # (M, G)
+    b_c = (b_w[:, :, None] >> (o_i * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)
     b_x = b_c.to(tl.float32) * b_scale[:, None, None] + b_zero[:, None, None]
-    p_o = p_dst + o_dst[:, None, None] * stride_dst + (o_g[None, :, None] * NC + o_i[None, None, :])
+    p_o = p_dst + o_dst[:, None, None] * stride_dst + (o_g[None, :, None] * 8 + o_i[None, None, :])
     tl.store(p_o, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_g)
 
 
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
-ONE_TILE_MAX = 8192      # values of one block held in registers by one program
-# codes per group -> (bytes per group, padded to a power of 2, needs an int64 word)
-_GROUP = {4: (4, 2, 2, False), 5: (8, 5, 8, True), 6: (4, 3, 4, False), 8: (2, 2, 2, False)}
-
-
-def _group(bits: int, d: int) -> tuple[int, int, int, bool] | None:
-    nc = _GROUP[bits][0]
-    return _GROUP[bits] if d % nc == 0 else None
+MINMAX_CHUNK = 4096      # values per partial min/max program
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,14 +195,16 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     packed = torch.empty(n, t, p, device=x.device, dtype=torch.uint8)
     scale = torch.empty(n, device=x.device, dtype=torch.float32)
     zero = torch.empty_like(scale)
-    group = _group(bits, d)
-    if group is not None:
-        nc, nbytes, pad, wide = group
-        BLOCK_G = next_pow2(d // nc)
-        one_tile = next_pow2(t) * BLOCK_G * nc <= ONE_TILE_MAX
-        BLOCK_T = next_pow2(t) if one_tile else max(1, 4096 // (BLOCK_G * nc))
-        _quantize_grouped_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, NC=nc, NBYTES=nbytes, PAD=pad,
-                                       WIDE=wide, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, ONE_TILE=one_tile, num_warps=8)
+    if d % 8 == 0:
+        # two streaming passes of small programs beat one long program per block (occupancy)
+        c = triton.cdiv(t * d, MINMAX_CHUNK)
+        part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
+        _minmax_kernel[(n, c)](x, part, t * d, c, CHUNK=MINMAX_CHUNK, num_warps=4)
+        BLOCK_G = next_pow2(d // 8)
+        BLOCK_T = max(1, min(next_pow2(t), 2048 // (BLOCK_G * 8)))
+        _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
+            x, part, packed, scale, zero, t, d, p, c, BITS=bits, NBYTES=bits, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
+            BLOCK_C=max(2, next_pow2(c)), num_warps=4)
         return packed, scale, zero
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
     BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
@@ -228,15 +215,12 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather):
     d, p = dst2d.shape[1], packed2d.shape[1]
-    group = _group(bits, d)
-    if group is not None:
-        nc, nbytes, pad, wide = group
-        BLOCK_G = next_pow2(d // nc)
-        BLOCK_M = max(1, min(64, 2048 // (BLOCK_G * nc)))
+    if d % 8 == 0:
+        BLOCK_G = next_pow2(d // 8)
+        BLOCK_M = max(1, min(64, 2048 // (BLOCK_G * 8)))
         _dequant_grouped_kernel[(triton.cdiv(m, BLOCK_M),)](
             packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, packed2d.stride(0),
-            dst2d.stride(0), BITS=bits, NC=nc, NBYTES=nbytes, PAD=pad, WIDE=wide, GATHER=gather,
-            BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=4)
+            dst2d.stride(0), BITS=bits, GATHER=gather, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=4)
         return
     BLOCK_D = min(next_pow2(d), 256)
     BLOCK_M = max(1, min(64, 4096 // BLOCK_D))

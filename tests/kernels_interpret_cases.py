@@ -134,7 +134,7 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"swap_in_dequant-{b}bit-d64": (lambda b=b: _swap_dequant(b, 64)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit": (lambda b=b: _quantize(b)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d64-t200": (lambda b=b: _quantize(b, 64, 200)) for b in (4, 5, 6, 8)},
-    **{f"quantize-{b}bit-d64-one-tile": (lambda b=b: _quantize(b, 64, 16)) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d64-t16": (lambda b=b: _quantize(b, 64, 16)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d7": (lambda b=b: _quantize(b, 7, 9)) for b in (4, 5, 6, 8)},
     "quantize-constant-block": _constant_block,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
