@@ -182,3 +182,15 @@ def test_report_on_the_demo_log(tmp_path):
         assert re.search(rf"<td>{title}</td><td>[\d.]+", page), title
     assert len(os.listdir(pngs)) >= 6 and page.count("data:image/png;base64,") == len(os.listdir(pngs))
     assert "Findings</h2>" in page
+
+
+def test_doctor_reports_a_target_that_exits_mid_window():
+    import threading
+
+    proc, _ = start_target("decode-0", duration=1.0)
+    reaper = threading.Thread(target=proc.wait)  # as a real parent would: no zombie left behind
+    reaper.start()
+    p = run("doctor", "--pid", str(proc.pid), "--window", "4")
+    reaper.join()
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "decode-0 went down during the window" in p.stdout

@@ -176,4 +176,7 @@ def doctor(pid: int, window_s: float, interval_s: float) -> None:
     n = sum(r.samples for r in runs)
     click.echo(f"{n} samples over {fmt_s(max((r.duration_s for r in runs), default=0.0))}")
     click.echo(format_findings(findings))
-    sys.exit(1 if findings else 0)
+    gone = [(r.name, r.downs[0]) for r in runs if r.downs]
+    for name, (t, detail) in gone:
+        click.echo(f"{name} went down during the window at {fmt_t(t)}: {detail}")
+    sys.exit(1 if findings or gone else 0)

@@ -140,7 +140,7 @@ def slow_recycle(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
         return []
     bs = _cfg(run, "block_size")
     now = f"cache_block_size (now {bs})" if bs else "cache_block_size"
-    smaller = f" e.g. {max(16, int(bs) // 2)}" if bs and bs.isdigit() else ""
+    smaller = f" e.g. {max(1, int(bs) // 2)}" if bs and bs.isdigit() and int(bs) > 1 else ""
     pend = run.sketches["pending_blocks"]
     more = [f"Blocks waited in pending_recycle meanwhile (up to {pend.max:.0f} blocks)."] if pend.count else []
     return [_finding_from(

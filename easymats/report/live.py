@@ -82,6 +82,9 @@ def sample(readers: list[tuple[str, segment.SegmentReader]], window_s: float,
                 pids[name] = snap.pid
                 yield snapshot_record(snap, name, t, lag)
                 if k % 10 == 9:
+                    if not os.path.exists(r.path):  # a clean exit removes the segment; our fd still reads it
+                        raise SegmentError("not_found", r.path, "the segment was removed: the process closed "
+                                           "its telemetry (it exited)")
                     r.check_writer()  # a crash leaves the segment behind: notice it
             except SegmentError as exc:
                 if exc.kind == "busy":
