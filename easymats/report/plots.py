@@ -95,17 +95,20 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
     ax = fig.add_subplot(1, 1, 1)
     origin, div, xlabel = _time_axis(run)
     scale = _SCALE[panel.unit]
+    data_max = 0.0
     for i, key in enumerate(panel.series):
         pts = run.plots[key].points()
         if not pts:
             continue
         xs = [(b.t - origin) / div for b in pts]
+        data_max = max(data_max, max(b.hi for b in pts) * scale)
         color = SERIES_COLORS[i % len(SERIES_COLORS)]
         ax.fill_between(xs, [b.lo * scale for b in pts], [b.hi * scale for b in pts], color=color,
                         alpha=0.25, linewidth=0, step="post")
         ax.plot(xs, [b.mean * scale for b in pts], color=color, linewidth=1.2, drawstyle="steps-post",
                 label=key.replace("_", " "))
     th = thresholds.BY_NAME.get(panel.threshold) if panel.threshold else None
+    level = None
     if th is not None:
         if panel.threshold == "kv_free_blocks_ratio":
             pool = run.sketches["pool_blocks"]
@@ -114,8 +117,12 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
                 ax.axhline(level, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
                            label=f"pool - {th.limit:.0%} (exhaustion)")
         else:
-            ax.axhline(th.limit * scale, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
-                       label=f"threshold {th.limit * scale:g} {panel.unit}")
+            level = th.limit * scale
+            ax.axhline(level, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
+                       label=f"threshold {level:g} {panel.unit}")
+    # Every plotted quantity is >= 0: start at 0 and keep the threshold line inside the frame.
+    _, top = ax.get_ylim()
+    ax.set_ylim(0, max(top, (level or 0.0) * 1.15, data_max * 1.1) or 1.0)
     if panel.recal_markers:
         for i, r in enumerate(run.recals):
             ax.axvline((r.t - origin) / div, color=RECAL_COLOR, linewidth=1.0, linestyle="--",
@@ -127,8 +134,9 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
     ax.set_ylabel(panel.unit)
     ax.set_xlabel(xlabel, fontsize=8)
     if panel.unit == "%":
-        lo, hi = ax.get_ylim()
-        ax.set_ylim(0, max(105.0, hi) if hi > 50 else hi)  # ratios: keep values near 100 % off the frame
+        _, hi = ax.get_ylim()
+        if hi > 50:
+            ax.set_ylim(0, max(105.0, hi))  # ratios: keep values near 100 % off the frame
     ax.grid(True, color="#dee2e6", linewidth=0.6)
     ax.legend(loc="lower left", fontsize=7, framealpha=0.8, ncol=4)
     fig.tight_layout()
