@@ -1,0 +1,241 @@
+"""enable_hisparse_kv_cache on real (small, random-weight) transformers models of each family."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import (DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+import hi_sparse as hs
+from easymats.segment import SegmentReader, segments_for_pid
+from hi_sparse.hf_support import UnsupportedModelError
+from hi_sparse.integration import binding_of
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+VOCAB = 128
+# Budget covering the whole context, no quantization: HiSparse must equal dense attention.
+FULL_BUDGET = dict(max_seq_len=256, block_size=8, window_size=8, global_tokens=2, top_k=128)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is as fast, and on a busy 2-core CI machine spinning
+    OpenMP workers make these tests 5-10x slower. Restored for the modules after this one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_pair(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config_kw):
+    """(reference model, identical copy) of a tiny random-weight model: 2 layers, hidden 64,
+    4 query heads sharing 2 KV heads (GQA)."""
+    config_cls, model_cls = FAMILIES[family]
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=512,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "mistral":
+        kw["sliding_window"] = None
+    kw.update(config_kw)
+    torch.manual_seed(seed)
+    ref = model_cls(config_cls(**kw)).to(dtype).eval()
+    # A config of its own: enabling HiSparse changes the model's config._attn_implementation.
+    model = model_cls(config_cls(**kw)).to(dtype).eval()
+    model.load_state_dict(ref.state_dict())
+    # No early stop on a random eos: both models generate exactly max_new_tokens.
+    for m in (ref, model):
+        m.generation_config.eos_token_id = None
+        m.generation_config.pad_token_id = 0
+    return ref, model
+
+
+def prompt(batch: int, length: int, pads: list[int] | None = None, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads or []):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generate_equals_unmodified_model_with_full_budget(family):
+    ref, model = make_pair(family)
+    hs.enable_hisparse_kv_cache(model, name=f"test-{family}", **FULL_BUDGET)
+    assert model.config._attn_implementation == "hisparse"
+    ids, mask = prompt(2, 21, pads=[0, 5])  # a left-padded batch
+    with torch.no_grad():
+        want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want)
+    # Logits of a prefill and of decode steps: forward with a cache, then token by token.
+    with torch.no_grad():
+        seq = want[:1]
+        r = ref(seq[:, :15], use_cache=True)
+        h = model(seq[:, :15], use_cache=True)
+        assert type(h.past_key_values.layers[0]).__name__ == "HiSparseLayer"
+        torch.testing.assert_close(h.logits, r.logits, rtol=1e-4, atol=1e-4)
+        for t in range(15, seq.shape[1]):
+            r = ref(seq[:, t:t + 1], past_key_values=r.past_key_values, use_cache=True)
+            h = model(seq[:, t:t + 1], past_key_values=h.past_key_values, use_cache=True)
+            torch.testing.assert_close(h.logits, r.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_models_run_and_match(dtype):
+    ref, model = make_pair("llama", dtype=dtype)
+    hs.enable_hisparse_kv_cache(model, **FULL_BUDGET)
+    ids, mask = prompt(1, 17)
+    with torch.no_grad():
+        r = ref(ids, attention_mask=mask).logits.float()
+        h = model(ids, attention_mask=mask).logits.float()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 21)
+    # Half-precision rounding differs between SDPA and the engine's fp32-accumulated attention.
+    assert (h - r).abs().max() <= 0.05 * r.abs().max()
+
+
+def test_generate_with_a_cache_passed_by_the_caller():
+    ref, model = make_pair("qwen3")
+    hs.enable_hisparse_kv_cache(model, **FULL_BUDGET)
+    ids, mask = prompt(1, 12)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        want = ref.generate(**kw)
+        ours = hs.HiSparseCache(model)
+        assert torch.equal(model.generate(**kw, past_key_values=ours), want)
+        assert ours.get_seq_length() == want.shape[1] - 1
+        dynamic = DynamicCache()  # the caller's own empty cache is switched to HiSparse layers
+        assert torch.equal(model.generate(**kw, past_key_values=dynamic), want)
+        assert type(dynamic.layers[0]).__name__ == "HiSparseLayer"
+        filled = DynamicCache()
+        ref(ids, past_key_values=filled, use_cache=True)
+        with pytest.raises(UnsupportedModelError, match="already holds 12 tokens"):
+            model(ids, past_key_values=filled, use_cache=True)
+        # Without a cache there is nothing to hold; the forward still matches.
+        torch.testing.assert_close(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
+
+
+def test_small_budget_long_prompt_bounds_device_memory_and_moves_counters():
+    _, model = make_pair("llama")
+    top_k, buffer = 24, 32
+    hs.enable_hisparse_kv_cache(model, max_seq_len=1024, block_size=8, window_size=8,
+                                global_tokens=4, top_k=top_k, device_buffer_tokens=buffer,
+                                name="small-budget")
+    engine = binding_of(model).engine
+    (path,) = segments_for_pid(os.getpid())
+    before = _counters(path)
+    ids, mask = prompt(2, 6 * top_k, pads=[0, 7])  # a prompt six times top_k
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        assert out.shape == (2, 6 * top_k + 12)
+        mem = engine.memory_bytes()
+    cfg = model.config
+    # Device data: per sequence, layer and KV head, at most `buffer` slots of K and V.
+    bound = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * buffer * 16 * 2 * 4
+    assert 0 < mem[("device", "data")] <= bound
+    assert mem[("host", "data")] > mem[("device", "data")]  # the full context lives on the host
+    engine.end_step()  # nothing open: only forces a publish of the latest counters
+    after = _counters(path)
+    for name in ("hisparse_tokens_total{phase=\"decode\"}", "hisparse_tokens_total{phase=\"prefill\"}",
+                 "hisparse_hot_buffer_lookups_total", "hisparse_kv_tokens_loaded_total",
+                 "hisparse_kv_tokens_used_total", "hisparse_swap_in_bytes_total",
+                 "hisparse_kv_block_allocations_total"):
+        assert after[name] > before.get(name, 0.0), name
+    assert after["hisparse_tokens_total{phase=\"decode\"}"] - before.get(
+        "hisparse_tokens_total{phase=\"decode\"}", 0.0) == 2 * 11  # 11 decode forwards of 2 rows
+    # Selection touched fewer tokens than the context holds: the budget is really small.
+    assert after["hisparse_kv_tokens_used_total"] <= 2 * 11 * top_k * 2 * cfg.num_key_value_heads
+
+
+def _counters(path: str) -> dict[str, float]:
+    snap = SegmentReader(path).read()
+    out = {}
+    for s in snap.series:
+        if isinstance(s.value, float | int):
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+def test_unsupported_models_and_modes_get_clear_errors():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(UnsupportedModelError, match="got model_type 'gpt2'"):
+        hs.enable_hisparse_kv_cache(gpt2)
+    _, sliding = make_pair("mistral", sliding_window=32)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=32 is shorter than max_seq_len=256"):
+        hs.enable_hisparse_kv_cache(sliding, **FULL_BUDGET)
+    _, fp64 = make_pair("llama", dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError, match="dtype float64 is not supported"):
+        hs.enable_hisparse_kv_cache(fp64, **FULL_BUDGET)
+
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, **FULL_BUDGET)
+    with pytest.raises(UnsupportedModelError, match="already enabled"):
+        hs.enable_hisparse_kv_cache(model, **FULL_BUDGET)
+    ids, mask = prompt(1, 10)
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="beam search"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2)
+    right = torch.tensor([[1] * 8 + [0] * 2])
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="left padding only"):
+        model(ids, attention_mask=right)
+    hs.disable_hisparse_kv_cache(model)
+    assert model.config._attn_implementation != "hisparse"
+    with torch.no_grad():
+        model(ids)  # a plain model again
+
+
+def test_segment_lives_with_the_model_in_process():
+    _, model = make_pair("qwen2")
+    hs.enable_hisparse_kv_cache(model, name="lifetime", **FULL_BUDGET)
+    (path,) = segments_for_pid(os.getpid())
+    assert SegmentReader(path).read().name == "lifetime"
+    del model
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_segment_gone_after_clean_exit_of_a_process():
+    script = textwrap.dedent("""
+        import sys, torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        import hi_sparse as hs
+        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        model = hs.enable_hisparse_kv_cache(LlamaForCausalLM(cfg).eval(), max_seq_len=64,
+                                            block_size=8, window_size=8, global_tokens=0, top_k=16,
+                                            name="exit-test")
+        with torch.no_grad():
+            model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3)
+        print("ready", flush=True)
+        sys.stdin.readline()  # the model stays alive until the test says go
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        (path,) = segments_for_pid(proc.pid)
+        assert SegmentReader(path).read().name == "exit-test"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+        assert not os.path.exists(path)
+        assert segments_for_pid(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
