@@ -212,6 +212,43 @@ def bench_attention(hbm: float, quick: bool) -> None:
 def bench_quant(hbm: float) -> None:
     for shape in ((2048, 512, 128), (16384, 64, 128)):
         bench_quant_shape(hbm, shape)
+    if SWEEP:
+        sweep_quant(hbm)
+
+
+def sweep_quant(hbm: float) -> None:
+    """Quantizer variants (4-bit, 2048 x 512 x 128 bf16): the two passes alone and tile sizes."""
+    from hi_sparse.kernels import _quant_triton as Q
+    x = torch.randn(2048, 512, 128, device="cuda", dtype=torch.bfloat16)
+    moved = x.numel() * 2 + x.numel() // 2
+    part = torch.empty(2048, 16, 2, device="cuda")
+    ms_mm = bench(lambda: Q._minmax_kernel[(2048, 16)](x, part, 512 * 128, 16, CHUNK=4096, num_warps=4))
+    print(f"    minmax pass alone: {ms_mm:.4f} ms ({x.numel() * 2 / ms_mm / 1e6:.0f} GB/s read)", flush=True)
+    rows = [{"minmax_ms": ms_mm}]
+    for chunk, mw, pv, pw in [(4096, 4, 2048, 4), (8192, 8, 2048, 4), (16384, 8, 2048, 4), (4096, 4, 4096, 4),
+                              (4096, 4, 4096, 8), (4096, 4, 1024, 4), (8192, 8, 4096, 8)]:
+        ms = bench(lambda: Q.quantize(x, 4, chunk=chunk, minmax_warps=mw, pack_values=pv, pack_warps=pw))
+        rows.append({"chunk": chunk, "minmax_warps": mw, "pack_values": pv, "pack_warps": pw, "ms": ms,
+                     "pct_hbm": 100 * moved / ms / 1e6 / hbm})
+        print(f"    quantize 4b chunk={chunk} mw={mw} pack_values={pv} pw={pw}: {ms:.4f} ms "
+              f"{100 * moved / ms / 1e6 / hbm:5.1f}% HBM", flush=True)
+    RESULTS["quant_sweep"] = rows
+
+
+def sweep_scores(hbm: float) -> None:
+    """Scores-kernel tile variants at batch 1, 1M context (graph replay: launch gaps removed)."""
+    from hi_sparse.kernels import _bounds_triton as Bt
+    nb = (1 << 20) // 64
+    q = torch.randn(1, 8, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kmin = torch.randn(1, 8, nb, 128, device="cuda", dtype=torch.bfloat16)
+    kmax = kmin + 1
+    nbytes = 2 * kmin.numel() * 2
+    rows = []
+    for values, warps in [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (2048, 4)]:
+        ms = bench_graph(lambda: Bt.scores(q, kmin, kmax, block_values=values, num_warps=warps))
+        rows.append({"block_values": values, "num_warps": warps, "ms": ms, "GBps": nbytes / ms / 1e6})
+        print(f"    scores B=1 1M block_values={values} warps={warps}: {ms:.4f} ms {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+    RESULTS["scores_sweep"] = rows
 
 
 def bench_quant_shape(hbm: float, shape: tuple[int, int, int]) -> None:
@@ -298,9 +335,12 @@ def main() -> None:
                          "triton": triton.__version__}
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     only = set(args.only.split(","))
+    if SWEEP:
+        only.add("scores_sweep")
     pool = pinned_pool()
     c = ceilings(pool)
-    sections = [("swap", lambda: bench_swap_in(pool, c["h2d_bulk_GBps"], args.quick)),
+    sections = [("scores_sweep", lambda: sweep_scores(c["hbm_copy_GBps"])),
+                ("swap", lambda: bench_swap_in(pool, c["h2d_bulk_GBps"], args.quick)),
                 ("attention", lambda: bench_attention(c["hbm_copy_GBps"], args.quick)),
                 ("quant", lambda: bench_quant(c["hbm_copy_GBps"])),
                 ("hit", bench_hit_detection)]

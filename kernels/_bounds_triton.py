@@ -71,8 +71,9 @@ def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor
     return kmin, kmax
 
 
-def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32."""
+def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_values: int = 4096,
+           num_warps: int = 4) -> torch.Tensor:
+    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32 (keywords: benchmark tuning)."""
     lead = q.shape[:-2]
     g, d = q.shape[-2:]
     nb = kmin.shape[-2]
@@ -83,7 +84,7 @@ def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Ten
     if out.numel() == 0:
         return out
     BLOCK_D = next_pow2(d)
-    BLOCK_NB = max(16, min(128, 4096 // BLOCK_D))
+    BLOCK_NB = max(16, min(256, block_values // BLOCK_D))
     _scores_kernel[(qf.shape[0], triton.cdiv(nb, BLOCK_NB))](qf, lo, hi, out, nb, d, G=g, BLOCK_NB=BLOCK_NB,
-                                                            BLOCK_D=BLOCK_D, num_warps=4)
+                                                            BLOCK_D=BLOCK_D, num_warps=num_warps)
     return out

@@ -187,8 +187,9 @@ _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
 MINMAX_CHUNK = 4096      # values per partial min/max program
 
 
-def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32."""
+def quantize(x: torch.Tensor, bits: int, chunk: int = MINMAX_CHUNK, minmax_warps: int = 4,
+             pack_values: int = 2048, pack_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32 (keywords: benchmark tuning)."""
     n, t, d = x.shape
     x = x.contiguous()
     p = (d * bits + 7) // 8
@@ -197,14 +198,14 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     zero = torch.empty_like(scale)
     if d % 8 == 0:
         # two streaming passes of small programs beat one long program per block (occupancy)
-        c = triton.cdiv(t * d, MINMAX_CHUNK)
+        c = triton.cdiv(t * d, chunk)
         part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
-        _minmax_kernel[(n, c)](x, part, t * d, c, CHUNK=MINMAX_CHUNK, num_warps=4)
+        _minmax_kernel[(n, c)](x, part, t * d, c, CHUNK=chunk, num_warps=minmax_warps)
         BLOCK_G = next_pow2(d // 8)
-        BLOCK_T = max(1, min(next_pow2(t), 2048 // (BLOCK_G * 8)))
+        BLOCK_T = max(1, min(next_pow2(t), pack_values // (BLOCK_G * 8)))
         _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
             x, part, packed, scale, zero, t, d, p, c, BITS=bits, NBYTES=bits, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
-            BLOCK_C=max(2, next_pow2(c)), num_warps=4)
+            BLOCK_C=max(2, next_pow2(c)), num_warps=pack_warps)
         return packed, scale, zero
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
     BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
