@@ -158,22 +158,34 @@ def demo(duration: float, listen: str, output: str, interval: float, device: str
         threading.Thread(target=_request_recalibration, args=(agent, duration * 0.7, stop, notes),
                          daemon=True).start()
         agent.run()  # returns when the child's segments are gone, on Ctrl-C, or after the duration
+    except KeyboardInterrupt:  # Ctrl-C before the agent took over the signal: still a clean end
+        notes.append("interrupted")
     finally:
         stop.set()
         code = _stop_child(child)
         if agent is not None:
             agent.close()
         child_log.close()
+    _finish(output, notes, code, child_log.name)
+
+
+def _finish(output: str, notes: list[str], code: int | None, child_log: str) -> None:
+    """The summary, and the workload's own output if it failed."""
     from .demo_summary import read_log, summarise
 
+    try:
+        text = summarise(read_log(output))
+    except OSError:
+        text = "no log was written (the agent did not start)"
     click.echo("")
     click.echo(f"easymats demo summary (log: {output}):")
-    click.echo(summarise(read_log(output)))
+    click.echo(text)
     for note in notes:
         click.echo(f"  {note}")
-    if code not in (0, None, -signal.SIGINT):
+    failed = code not in (0, None, -signal.SIGINT)
+    if failed:
         click.echo(f"the workload exited with status {code}; its last output:\n"
-                   f"{_tail(child_log.name)}", err=True)
-        os.unlink(child_log.name)
+                   f"{_tail(child_log)}", err=True)
+    os.unlink(child_log)
+    if failed:
         sys.exit(1)
-    os.unlink(child_log.name)
