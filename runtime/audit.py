@@ -33,9 +33,15 @@ def audit_hits(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, selec
     return m, hits
 
 
-def attention_mass(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """Mean attention weight each token received: queries (Q, D), keys (L, D) -> (L,) fp32."""
-    return attention_probs(queries, keys, visible, scale).mean(0)
+def attention_mass(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted mean attention weight each token received: queries (Q, D), keys (L, D),
+    weights (Q,) or None (uniform) -> (L,) fp32."""
+    p = attention_probs(queries, keys, visible, scale)
+    if weights is None:
+        return p.mean(0)
+    w = weights.float().to(p.device)
+    return (p * w[:, None]).sum(0) / w.sum()
 
 
 class RecalibrationController:

@@ -548,6 +548,8 @@ class HiSparseEngine:
     def _recalibrate(self) -> None:
         """Re-score anchors from the attention mass recent queries gave, and refit each probe."""
         cfg, A = self.cfg, self.cfg.global_tokens
+        if A == 0:
+            return  # nothing is pinned, so there is nothing to re-score or fit
         for layer in range(self.L):
             xs, ys, picks = [], [], []
             for s in self.seqs.values():
@@ -558,35 +560,35 @@ class HiSparseEngine:
                 vis = self._visible(s, n)
                 outside = vis & (torch.arange(n, device=self.device) < n - cfg.window_size)
                 qs = s.queries[layer][-nq:].view(nq, self.Hkv, self.G, self.D)
-                mass = torch.stack([attention_mass(qs[:, h].reshape(-1, self.D), keys[h], vis, self.scale)
+                # recent queries count most: after a topic shift the new topic wins within a
+                # couple of steps (weight halves per step of age)
+                w = (0.5 ** torch.arange(nq - 1, -1, -1, dtype=torch.float32)).repeat_interleave(self.G)
+                mass = torch.stack([attention_mass(qs[:, h].reshape(-1, self.D), keys[h], vis, self.scale, w)
                                     for h in range(self.Hkv)])                       # (Hkv, n)
                 mass = torch.where(outside[None], mass, torch.zeros_like(mass))
                 m = min(cfg.recalibrate_topk, int(outside.sum()))
                 if m == 0:
                     continue
-                kth = mass.topk(m, dim=1).values[:, -1:].clamp_min(1e-12)
-                target = (mass / kth).clamp(max=1.0)
-                picks.append((s, mass, int(outside.sum())))
-                # training set: every token at or above the k-th mass, plus a sample of the rest
+                top_m = mass.topk(m, dim=1)
+                # distillation targets: mass relative to the heaviest token of the head
+                target = mass / top_m.values[:, :1].clamp_min(1e-30)
+                picks.append((s, target, int(outside.sum())))
+                # training set: the m heaviest tokens per head plus a sample of the rest
                 g = torch.Generator().manual_seed(cfg.seed + layer)
+                cand = torch.nonzero(outside).squeeze(1).cpu()
                 for h in range(self.Hkv):
-                    cand = torch.nonzero(outside).squeeze(1)
-                    pos = cand[target[h, cand].cpu() >= 1.0] if cand.numel() else cand
-                    neg = cand[torch.randperm(cand.numel(), generator=g)[:1024]]
-                    idx = torch.cat([pos, neg])
+                    neg = cand[torch.randperm(cand.numel(), generator=g)[:512]].to(self.device)
+                    idx = torch.cat([top_m.indices[h], neg])
                     xs.append(keys[h, idx])
                     ys.append(target[h, idx])
             if xs:
                 self.probes[layer].fit(torch.cat(xs).cpu(), torch.cat(ys).cpu())
-            for s, mass, n_out in picks:
+            for s, target, n_out in picks:
                 a = min(A, n_out)
-                if a == 0:
-                    continue
-                top = mass.topk(a, dim=1).indices                                          # (Hkv, a)
-                keys, _ = self._context(s, layer, torch.arange(self.Hkv)[:, None], top.cpu())
-                p = self.probes[layer].predict(keys).to(self.device)
-                s.anchors[layer] = torch.nn.functional.pad(top, (0, A - a), value=-1)
-                s.anchor_p[layer] = torch.nn.functional.pad(p, (0, A - a), value=-1.0)
+                top = target.topk(a, dim=1)                                                # (Hkv, a)
+                # pinned with their measured relative mass: a probe-picked token must beat it
+                s.anchors[layer] = torch.nn.functional.pad(top.indices, (0, A - a), value=-1)
+                s.anchor_p[layer] = torch.nn.functional.pad(top.values, (0, A - a), value=-1.0)
 
     # -- steps ---------------------------------------------------------------------------------
     def begin_step(self) -> None:

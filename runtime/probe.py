@@ -49,22 +49,29 @@ class ImportanceProbe(nn.Module):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x))).squeeze(-1)
 
-    def fit(self, keys: torch.Tensor, targets: torch.Tensor, steps: int = 150, lr: float = 0.03) -> float:
+    def fit(self, keys: torch.Tensor, targets: torch.Tensor, steps: int = 100, lr: float = 0.05) -> float:
         """Distil: keys (N, D), soft targets (N,) in [0, 1]. Returns the final loss."""
         x = keys.float()
         y = targets.float().clamp(0, 1)
         # positives are rare: weight them so they are not drowned by the negatives
         pos = (y > 0.5).float()
         w = 1.0 + pos * max(1.0, float((1 - pos).sum() / pos.sum().clamp_min(1)))
-        self.requires_grad_(True)
-        opt = torch.optim.Adam(self.parameters(), lr=lr)
+        params = list(self.parameters())
+        m1 = [torch.zeros_like(p) for p in params]
+        m2 = [torch.zeros_like(p) for p in params]
+        b1, b2, eps = 0.9, 0.999, 1e-8
         loss = torch.tensor(0.0)
+        self.requires_grad_(True)
         with torch.enable_grad():
-            for _ in range(steps):
-                opt.zero_grad()
+            # a few lines of Adam by hand: torch.optim pulls in torch._dynamo (seconds to import)
+            for t in range(1, steps + 1):
                 loss = nn.functional.binary_cross_entropy_with_logits(self._logits(x), y, weight=w)
-                loss.backward()
-                opt.step()
+                grads = torch.autograd.grad(loss, params)
+                with torch.no_grad():
+                    for p, g, a, b in zip(params, grads, m1, m2):
+                        a.mul_(b1).add_(g, alpha=1 - b1)
+                        b.mul_(b2).addcmul_(g, g, value=1 - b2)
+                        p.sub_(lr * (a / (1 - b1 ** t)) / ((b / (1 - b2 ** t)).sqrt() + eps))
         self.requires_grad_(False)
         self.fitted = True
         return float(loss.detach())

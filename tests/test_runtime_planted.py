@@ -1,0 +1,127 @@
+"""Planted structure, measured by the engine's own audit (exact attention), never asserted by fiat.
+
+Needles: query-aware selection must find them (recall >= 0.95). Topic anchors: pinned after the
+first recalibration; a topic shift drops the audited anchor hit rate; a recalibration (requested,
+through the real control file, or on drift) restores it.
+"""
+
+import pytest
+import torch
+
+from easymats import telemetry
+from easymats.segment import control_path
+from hi_sparse.config import HiSparseConfig
+from hi_sparse.engine import HiSparseEngine
+from hi_sparse.workloads import PlantedWorkload, run_decode, run_prefill
+
+L, HQ, HKV, D = 1, 4, 2, 32
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Small tensors: one thread avoids OpenMP spin-waits when the 2-core machine is busy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+
+def make(seed=1, **over):
+    kw = dict(max_seq_len=8192, cache_block_size=32, window_size=32, global_tokens=12, top_k=128,
+              audit_every=1, audit_top_m=8, drift_floor=0.0, telemetry=False, prefetch_blocks=1)
+    kw.update(over)
+    wl = PlantedWorkload(HKV, HQ, D, seed=seed)
+    eng = HiSparseEngine(HiSparseConfig(**kw), L, HQ, HKV, D)
+    return wl, eng, eng.add_sequences(1)
+
+
+def topic_queries(wl, topic, n):
+    """(1, Hq, n, D) prefill queries for the last n prompt tokens."""
+    return torch.stack([wl.topic_query(topic) for _ in range(n)], 1)[None]
+
+
+def audited_rate(eng, wl, ids, query, steps):
+    """Decode ``steps`` noise tokens with ``query()``; hit rate over the audits of those steps."""
+    first = len(eng.audits)
+    for _ in range(steps):
+        k, v = wl.noise(1)
+        run_decode(eng, ids, query()[None, :, None], k[None], v[None])
+    audits = eng.audits[first:]
+    lookups = sum(a[3] for a in audits)
+    assert lookups > 0
+    return sum(a[4] for a in audits) / lookups
+
+
+def test_query_aware_selection_finds_needles():
+    wl, eng, ids = make(global_tokens=0, audit_top_m=1)
+    needles = tuple(range(16))
+    seg = wl.segment(4096, needles=needles, margin=64)
+    run_prefill(eng, ids, seg.k[None], seg.v[None])
+    before, hits_before = eng.stats.anchor_lookups, eng.stats.anchor_hits
+    for nid in needles:
+        k, v = wl.noise(1)
+        run_decode(eng, ids, wl.needle_query(nid)[None, :, None], k[None], v[None])
+        assert eng.audits[-1][3] == 1
+    st = eng.stats
+    lookups = st.anchor_lookups - before
+    recall = (st.anchor_hits - hits_before) / lookups
+    assert lookups == len(needles)
+    assert recall >= 0.95, recall
+    # the needle positions themselves were selected (the audit's top-1 was the needle)
+    sel = eng.selection(0, ids[0])
+    assert seg.needles[needles[-1]] in sel.flatten().tolist()
+
+
+def _shifted(**over):
+    wl, eng, ids = make(**over)
+    seg = wl.segment(2048, topic="A", anchors=8, margin=64)
+    run_prefill(eng, ids, seg.k[None], seg.v[None], topic_queries(wl, "A", 8))
+    assert eng.stats.recalibrations["schedule"] == 1  # first fit once sparsity starts
+    pinned = set(eng.seqs[ids[0]].anchors[0].flatten().tolist())
+    assert set(seg.anchors) <= pinned  # recalibration pinned every planted anchor
+    rate_a = audited_rate(eng, wl, ids, lambda: wl.topic_query("A"), 8)
+    segb = wl.segment(512, topic="B", anchors=8, margin=64)
+    run_prefill(eng, ids, segb.k[None], segb.v[None])
+    return wl, eng, ids, rate_a
+
+
+def test_topic_shift_drops_hit_rate_and_requested_recalibration_restores_it():
+    wl, eng, ids, rate_a = _shifted()
+    rate_shift = audited_rate(eng, wl, ids, lambda: wl.topic_query("B"), 8)
+    eng.request_recalibration()
+    audited_rate(eng, wl, ids, lambda: wl.topic_query("B"), 1)  # the step that recalibrates
+    rate_after = audited_rate(eng, wl, ids, lambda: wl.topic_query("B"), 8)
+    assert rate_a >= 0.95
+    assert rate_shift <= rate_a - 0.3, (rate_a, rate_shift)
+    assert rate_after >= 0.95 and rate_after >= rate_shift + 0.3, (rate_shift, rate_after)
+    assert eng.stats.recalibrations == {"schedule": 1, "request": 1, "drift": 0}
+
+
+def test_drift_below_floor_triggers_recalibration():
+    wl, eng, ids, rate_a = _shifted(drift_floor=0.8, drift_window=2)
+    rate = audited_rate(eng, wl, ids, lambda: wl.topic_query("B"), 8)
+    assert eng.stats.recalibrations["drift"] >= 1
+    assert audited_rate(eng, wl, ids, lambda: wl.topic_query("B"), 6) >= 0.95
+    assert rate < 0.95
+
+
+def test_control_file_request_is_counted_and_acknowledged(segment_dir):
+    seg = telemetry.open_segment("planted")
+    wl = PlantedWorkload(HKV, HQ, D, seed=3)
+    eng = HiSparseEngine(HiSparseConfig(max_seq_len=8192, cache_block_size=32, window_size=32,
+                                        global_tokens=8, top_k=128, audit_every=4, drift_floor=0.0),
+                         L, HQ, HKV, D, segment=seg)
+    ids = eng.add_sequences(1)
+    s = wl.segment(512, topic="A", anchors=4, margin=64)
+    run_prefill(eng, ids, s.k[None], s.v[None], topic_queries(wl, "A", 8))
+    agent_side = telemetry.ControlFile.open_existing(control_path(seg.path))
+    req = agent_side.request("recalibrate", reason="EasymatsAnchorHitRateLow", requester="test")
+    for _ in range(3):
+        k, v = wl.noise(1)
+        run_decode(eng, ids, wl.topic_query("A")[None, :, None], k[None], v[None])
+        if agent_side.acked()[0] == req:
+            break
+    assert agent_side.acked()[0] == req and agent_side.acked()[2] == 0
+    assert eng.stats.recalibrations["request"] == 1
+    eng.close()
+    seg.close()
