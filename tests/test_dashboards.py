@@ -134,3 +134,21 @@ def test_provisioning_files(board):
     provider = prov["providers"][0]
     assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
     assert not re.search(r"\bgraph\b", json.dumps([p["type"] for p in board["panels"]]))
+
+
+def test_runbook_points_at_panels_that_exist(board):
+    """docs/runbook.md says where to confirm each alert: *Row → Panel* must name real ones."""
+    with open(os.path.join(ROOT, "docs", "runbook.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    rows = {p["title"] for p in board["panels"] if p["type"] == "row"}
+    panels = {p["title"] for p in board["panels"] if p["type"] != "row"}
+    refs = [r for r in re.findall(r"(?<!\*)\*([^*]+)\*(?!\*)", text) if r.strip() and r[0] != " "]
+    checked = 0
+    for ref in refs:
+        if ref == "Status → Targets":  # Prometheus' own UI, not the dashboard
+            continue
+        row, _, panel = ref.rpartition(" → ")
+        assert panel in panels, f"runbook names panel {panel!r}, which the dashboard lacks"
+        assert not row or row in rows, f"runbook names row {row!r}, which the dashboard lacks"
+        checked += 1
+    assert checked >= 15
