@@ -209,6 +209,20 @@ def test_segment_lives_with_the_model_in_process():
     assert not os.path.exists(path)
 
 
+def test_telemetry_off_publishes_nothing_and_default_name_is_the_family():
+    _, quiet = make_pair("mistral")
+    hs.enable_hisparse_kv_cache(quiet, telemetry=False, **FULL_BUDGET)
+    ids, mask = prompt(1, 9)
+    with torch.no_grad():
+        quiet.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert segments_for_pid(os.getpid()) == []
+    assert binding_of(quiet).engine.stats.tokens_decode == 2
+    _, named = make_pair("qwen2")
+    hs.enable_hisparse_kv_cache(named, **FULL_BUDGET)
+    (path,) = segments_for_pid(os.getpid())
+    assert SegmentReader(path).read().name == "qwen2"
+
+
 def test_segment_gone_after_clean_exit_of_a_process():
     script = textwrap.dedent("""
         import sys, torch
@@ -239,3 +253,38 @@ def test_segment_gone_after_clean_exit_of_a_process():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_generate_matches_and_small_budget_runs(dtype):
+    """On the GPU path (Triton kernels): full budget equals the unmodified model; a small budget
+    on a long prompt runs with device KV bounded by the hot buffer."""
+    ref, model = make_pair("qwen3", dtype=dtype)
+    ref, model = ref.cuda(), model.cuda()
+    hs.enable_hisparse_kv_cache(model, **FULL_BUDGET)
+    ids, mask = prompt(2, 21, pads=[0, 5])
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad():
+        r = ref(ids, attention_mask=mask).logits.float()
+        h = model(ids, attention_mask=mask).logits.float()
+        assert (h - r)[mask.bool()].abs().max() <= (1e-4 if dtype == torch.float32 else 0.05) * r.abs().max()
+        if dtype == torch.float32:
+            want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+            got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+            assert torch.equal(got, want)
+    hs.disable_hisparse_kv_cache(model)
+    hs.enable_hisparse_kv_cache(model, max_seq_len=2048, block_size=16, window_size=16,
+                                global_tokens=4, top_k=64, device_buffer_tokens=96,
+                                host_kv_bits="auto")
+    engine = binding_of(model).engine
+    ids, mask = prompt(2, 640, pads=[0, 33])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16,
+                             do_sample=False)
+        mem = engine.memory_bytes()
+    assert out.shape == (2, 656)
+    elem = torch.finfo(dtype).bits // 8
+    assert 0 < mem[("device", "data")] <= 2 * 2 * 2 * 96 * 16 * 2 * elem
+    st = engine.stats
+    assert st.hot_buffer_lookups > 0 and st.swap_in_bytes > 0 and sum(st.quant_blocks.values()) > 0
