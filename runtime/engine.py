@@ -133,6 +133,7 @@ class HiSparseEngine:
             self.pages.add_sequence(sid)
             self.seqs[sid] = self._new_seq(sid, row, pad)
             ids.append(sid)
+        self._publish()
         return ids
 
     def _new_seq(self, sid: int, row: int, pad: int) -> _Seq:
@@ -197,6 +198,7 @@ class HiSparseEngine:
             for layer in range(self.L):
                 self._last_kv[layer].pop(sid, None)
         self._expire_removed(now)
+        self._publish()
 
     def resume_sequence(self, seq_id: int) -> bool:
         """Take back a freed sequence within its grace period (its blocks are reclaimed).
@@ -216,6 +218,7 @@ class HiSparseEngine:
                  for _ in range(self.L)]
         s.bt_version = -1
         self.seqs[seq_id] = s
+        self._publish()
         return True
 
     def _expire_removed(self, now: float) -> None:

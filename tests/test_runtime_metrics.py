@@ -1,0 +1,114 @@
+"""Every runtime metric of the catalogue moves through a workload that exercises it.
+
+Read from the real telemetry segment with the agent's reader (easymats.segment.SegmentReader):
+prefill and decode, a topic shift (drift), a control-file request, a second sequence freed,
+resumed within grace (reclaim) and freed again past it (recycle), a bounded streaming host pool
+(evictions), and a budget quantization policy that picks every bit width.
+"""
+
+import time
+
+import pytest
+import torch
+
+from easymats import catalogue, telemetry
+from easymats.segment import Histogram, SegmentReader, control_path
+from hi_sparse.config import HiSparseConfig
+from hi_sparse.engine import HiSparseEngine
+from hi_sparse.workloads import PlantedWorkload, run_decode, run_prefill
+
+HQ, HKV, D = 4, 2, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Small tensors: one thread avoids OpenMP spin-waits when the 2-core machine is busy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _key(series):
+    return series.name, tuple(sorted(series.labels.items()))
+
+
+def _value(v):
+    return (v.count, v.sum) if isinstance(v, Histogram) else v
+
+
+def test_no_runtime_metric_stays_constant(segment_dir):
+    seg = telemetry.open_segment("metrics-test", labels={"model": "planted"})
+    cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
+                         host_kv_bits="budget", quant_error_budget=0.02, host_pool_blocks=36, streaming=True,
+                         audit_every=2, audit_top_m=8, drift_floor=0.8, drift_window=2, recycle_grace_s=0.05,
+                         publish_interval_s=0.0, prefetch_blocks=2)
+    eng = HiSparseEngine(cfg, 2, HQ, HKV, D, segment=seg, model_name="planted")
+    reader = SegmentReader(seg.path)
+    seen: dict[tuple, set] = {}
+
+    def sample():
+        for s in reader.read().series:
+            seen.setdefault(_key(s), set()).add(_value(s.value))
+
+    sample()
+    wl = PlantedWorkload(HKV, HQ, D, seed=5)
+    (a,) = eng.add_sequences(1)
+    # four prompt segments whose value offsets make the budget policy pick 8, 6, 5 and 4 bits
+    for offset in (0.0, 1.5, 3.5, 8.0):
+        s = wl.segment(64, topic="A", anchors=2, value_offset=offset)
+        run_prefill(eng, [a], s.k[None], s.v[None])
+        sample()
+    tail = wl.segment(64, topic="A", anchors=2, margin=20)
+    qa = torch.stack([wl.topic_query("A") for _ in range(8)], 1)[None]
+    run_prefill(eng, [a], tail.k[None], tail.v[None], qa)
+    sample()
+
+    def decode(topic, steps):
+        for _ in range(steps):
+            k, v = wl.noise(1)
+            run_decode(eng, [a], wl.topic_query(topic)[None, :, None], k[None], v[None])
+            sample()
+
+    decode("A", 6)
+    shift = wl.segment(64, topic="B", anchors=4, margin=20)
+    run_prefill(eng, [a], shift.k[None], shift.v[None])
+    decode("B", 8)                                        # drift
+    ctl = telemetry.ControlFile.open_existing(control_path(seg.path))
+    req = ctl.request("recalibrate", reason="test", requester="pytest")
+    decode("B", 2)                                        # request, acknowledged
+    assert ctl.acked()[0] == req
+    (b,) = eng.add_sequences(1)
+    s = wl.segment(40)
+    run_prefill(eng, [b], s.k[None], s.v[None])
+    sample()
+    eng.free_sequences([b])
+    sample()
+    assert eng.resume_sequence(b)                         # within grace: blocks reclaimed
+    sample()
+    eng.free_sequences([b])
+    time.sleep(0.06)
+    decode("B", 1)                                        # grace over: recycled
+    big = wl.segment(300)                                 # more than the free blocks: streaming evicts
+    run_prefill(eng, [a], big.k[None], big.v[None])
+    sample()
+    decode("B", 3)
+    eng.close()
+
+    runtime = [m for m in catalogue.runtime_metrics() if m.type != catalogue.INFO]
+    for spec in runtime:
+        keys = [k for k in seen if k[0] == spec.name]
+        assert keys, f"{spec.name} never published"
+        for k in keys:
+            assert len(seen[k]) >= 2, f"{k} stayed at {seen[k]}"
+    # each allowed label value appears (every bit width, every recalibration reason, every state)
+    for spec in runtime:
+        for label, allowed in spec.label_values.items():
+            got = {dict(k[1])[label] for k in seen if k[0] == spec.name}
+            assert got == set(allowed), (spec.name, label, got)
+    st = eng.stats
+    assert st.recalibrations["schedule"] >= 1 and st.recalibrations["drift"] >= 1
+    assert st.recalibrations["request"] == 1
+    assert all(st.quant_blocks[b] > 0 for b in (4, 5, 6, 8)), st.quant_blocks
+    assert st.block_evictions > 0 and st.block_reclaims > 0 and st.block_recycles > 0
+    seg.close()
