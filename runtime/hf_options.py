@@ -57,14 +57,14 @@ def build_config(config_cls: type, options: dict[str, Any], *, default_name: str
 
     ``kv_dtype`` may be a torch dtype or its name ("fp16", "bfloat16"); ``name`` defaults to ``default_name`` so the agent shows the model.
     """
-    fields = {f.name for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(
-        config_cls) else set(getattr(config_cls, "__annotations__", {}))
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    fields = set(defaults)
     kwargs = normalise_options(options, fields)
     for key, value in kwargs.items():
-        if isinstance(value, bool) or key in ("kv_dtype", "host_kv_bits", "metadata_device",
-                                              "name", "streaming", "telemetry"):
-            continue
-        if isinstance(value, float) and value.is_integer():
+        # 32768.0 from a YAML file or a division is what the user meant by an integer count
+        default = defaults[key]
+        if (isinstance(default, int) and not isinstance(default, bool)
+                and isinstance(value, float) and value.is_integer()):
             kwargs[key] = int(value)
     if kwargs.get("kv_dtype") is not None:
         kwargs["kv_dtype"] = getattr(torch, dtype_name(kwargs["kv_dtype"]))
