@@ -22,16 +22,24 @@ from . import layout as L
 from . import procinfo
 
 ENV_DIR = "EASYMATS_SEGMENT_DIR"
+
+# Limits a valid segment stays within (docs/segment.md 2.1): anything beyond is corruption, and
+# the bounds keep a garbage header from making the reader allocate or read gigabytes.
 MAX_ENTRIES = 65536
 MAX_FILE_BYTES = 64 << 20
 MAX_HEADER_BYTES = 65536
 MAX_ENTRY_BYTES = 4096
-_U64_UNPACK = L.U64.unpack
-_tuple_new = tuple.__new__
+
+# Retry pacing while the seq word is odd or moving: yield first, then short sleeps (~5 ms total).
 _YIELD_RETRIES = 16
 _RETRY_SLEEP_S = 100e-6
-_dict_copy = dict.copy
+# Errors that a concurrent publish cannot cause: reported at once, never retried.
 _ALWAYS_REAL = ("io", "empty", "truncated")
+
+# Bound once: the read path runs every sample and these lookups show up in its profile.
+_U64_UNPACK = L.U64.unpack
+_tuple_new = tuple.__new__
+_dict_copy = dict.copy
 _HISTOGRAM = L.TYPE_NAMES[L.TYPE_HISTOGRAM]
 
 

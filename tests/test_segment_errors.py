@@ -411,3 +411,38 @@ def test_fuzz_inputs_do_leave_a_valid_file_readable(segment_dir):
     write_file(path, valid_bytes())
     snap = segment.read_segment(path, check_writer=False)
     assert snap.get("hisparse_runtime_info", version="1", model="m", device="cpu") == 1.0
+
+
+def test_an_open_reader_notices_the_file_going_bad(live, segment_dir):
+    """Validation is cached per layout, but a change to any structural field is seen."""
+    path = copy_of(live, segment_dir)
+    reader = segment.SegmentReader(path)
+    assert reader.read().get("hisparse_tokens_total", phase="decode") == 7.0
+    patch(path, L.OFF_ENTRY_COUNT, _u32(9))  # above the capacity of 4
+    with pytest.raises(SegmentError) as err:
+        reader.read()
+    assert err.value.kind == "bad_layout"
+    patch(path, L.OFF_ENTRY_COUNT, _u32(3))
+    assert reader.read().get("hisparse_kv_blocks", state="active") == 3.0
+    patch(path, 0, b"garbage!")
+    with pytest.raises(SegmentError) as err:
+        reader.read()
+    assert err.value.kind == "bad_magic"
+    patch(path, 0, L.SEGMENT_MAGIC)
+    assert len(reader.read().series) == 3
+    os.truncate(path, L.HEADER_SIZE + 10)
+    with pytest.raises(SegmentError) as err:
+        reader.read()
+    assert err.value.kind == "truncated"
+    reader.close()
+
+
+def test_snapshot_labels_are_the_callers_own(live):
+    """Each snapshot gets fresh label dicts: changing one never leaks into the next read."""
+    reader = segment.SegmentReader(live.path)
+    first = reader.read()
+    first.labels["model"] = "changed"
+    first.series[0].labels["phase"] = "changed"
+    second = reader.read()
+    assert second.labels == {"model": "tiny"} and second.series[0].labels == {"phase": "decode"}
+    reader.close()
