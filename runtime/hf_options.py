@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 ALIASES = {"block_size": "cache_block_size"}
+_OPTIONAL_INTS = ("device_buffer_tokens", "host_pool_blocks")  # int fields whose default is None
 _DTYPE_NAMES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "float16": "float16", "fp16": "float16", "half": "float16",
@@ -63,7 +64,8 @@ def build_config(config_cls: type, options: dict[str, Any], *, default_name: str
     for key, value in kwargs.items():
         # 32768.0 from a YAML file or a division is what the user meant by an integer count
         default = defaults[key]
-        if (isinstance(default, int) and not isinstance(default, bool)
+        integral = key in _OPTIONAL_INTS or (isinstance(default, int) and not isinstance(default, bool))
+        if (integral
                 and isinstance(value, float) and value.is_integer()):
             kwargs[key] = int(value)
     if kwargs.get("kv_dtype") is not None:
