@@ -338,3 +338,17 @@ def test_metadata_rule_ignores_cpu_runtimes_and_startup_steps(tmp_path):
         H.write_lines(path, _rewrite(H.scenario_records(base, 200.0), fn))
         an, _ = analyse_file(path)
         assert diagnose_all(an.targets) == [], name
+
+
+def test_full_pool_in_streaming_mode_is_not_an_oom(tmp_path):
+    key = "hisparse_kv_block_evictions_total"
+
+    def streaming(t, m):  # the bounded pool overwrites a block every second
+        m[key] = float(int(t))
+        return m
+
+    path = str(tmp_path / "streaming.log")
+    H.write_lines(path, _rewrite(H.scenario_records("pool_exhaustion", 200.0), streaming))
+    an, _ = analyse_file(path)
+    assert an.targets["decode-0"].evictions == pytest.approx(199, abs=1)
+    assert diagnose_all(an.targets) == []

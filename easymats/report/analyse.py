@@ -195,6 +195,7 @@ class TargetRun:
     recal_counts: dict[str, float] = field(default_factory=dict)
     restarts: list[RestartMark] = field(default_factory=list)
     downs: list[tuple[float, str]] = field(default_factory=list)
+    evictions: float = 0.0  # streaming-mode overwrites: a full pool is then by design
     trends: list[Trend] = field(default_factory=list)  # device metadata bytes, per process
     docs: DocumentTracker | None = None
     _deriver: Deriver | None = None
@@ -308,6 +309,7 @@ class Analysis:
                 ep.close()
         run._last_up_t = t
         run.covered_s += dt
+        run.evictions += d.evictions
         metrics = rec.get("metrics") or {}
         if run.config is None or d.restart is not None:
             run.config = config_of(metrics) or run.config

@@ -27,6 +27,7 @@ _COUNTERS = (
     ("tokens_loaded", series_key("hisparse_kv_tokens_loaded_total")),
     ("recycles", series_key("hisparse_kv_block_recycles_total")),
     ("decode_tokens", series_key("hisparse_tokens_total", {"phase": "decode"})),
+    ("evictions", series_key("hisparse_kv_block_evictions_total")),
 )
 _CI = {name: i for i, (name, _) in enumerate(_COUNTERS)}
 _COUNTER_KEYS = tuple(k for _, k in _COUNTERS)
@@ -96,6 +97,7 @@ class Derived:
     restart: Restart | None = None
     anchor_hits: float = 0.0  # increase since the previous sample (same process)
     anchor_lookups: float = 0.0
+    evictions: float = 0.0  # streaming-mode block overwrites since the previous sample
 
 
 def _num(v: Any) -> float:
@@ -198,7 +200,8 @@ class Deriver:
         self._recal = recal
         if self._win:
             prev = self._win[-1][1]
-            for attr, name in (("anchor_hits", "anchor_hits"), ("anchor_lookups", "anchor_lookups")):
+            for attr, name in (("anchor_hits", "anchor_hits"), ("anchor_lookups", "anchor_lookups"),
+                               ("evictions", "evictions")):
                 d = counters[_CI[name]] - prev[_CI[name]]
                 if d > 0:
                     setattr(out, attr, d)
