@@ -32,7 +32,7 @@ from typing import Mapping
 from . import catalogue
 from . import layout as L
 from . import procinfo
-from .segment import ENV_DIR, control_path, segment_dir
+from .segment import ENV_DIR, MAX_ENTRIES, MAX_FILE_BYTES, control_path, segment_dir
 
 __all__ = ["open_segment", "Segment", "Counter", "Gauge", "Histogram", "ControlRequest",
            "ControlFile", "TelemetryWarning"]
@@ -134,6 +134,11 @@ class Segment:
         name_b = name.encode("utf-8")
         if len(name_b) > L.NAME_FIELD or not name:
             raise ValueError(f"segment name {name!r} must be 1..{L.NAME_FIELD} bytes of UTF-8")
+        size = L.HEADER_SIZE + capacity * L.ENTRY_SIZE + value_slots * 8
+        if not (1 <= capacity <= MAX_ENTRIES and value_slots >= 1 and size <= MAX_FILE_BYTES):
+            raise ValueError(f"capacity={capacity}, value_slots={value_slots}: need 1..{MAX_ENTRIES} "
+                             f"entries, >= 1 value slot and a file of at most {MAX_FILE_BYTES} bytes "
+                             f"(this would be {size})")
         self._labels_raw = L.encode_labels({k: str(v) for k, v in self.labels.items()}, L.LABELS_FIELD)
         try:
             self._create(directory or segment_dir())

@@ -130,6 +130,14 @@ def test_bad_segment_identity_is_a_clear_error(segment_dir, name, labels, words)
     assert os.listdir(segment_dir) == []
 
 
+@pytest.mark.parametrize("kw", [{"capacity": 0}, {"capacity": 70000}, {"value_slots": 0},
+                                {"value_slots": 10_000_000}])
+def test_sizes_a_reader_would_refuse_are_refused_up_front(segment_dir, kw):
+    with pytest.raises(ValueError, match="capacity="):
+        telemetry.open_segment(name="x", **kw)
+    assert os.listdir(segment_dir) == []
+
+
 def test_full_segment_is_a_clear_error(segment_dir):
     seg = telemetry.open_segment(name="x", capacity=1)
     seg.gauge("hisparse_sequences")
