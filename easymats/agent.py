@@ -370,7 +370,7 @@ class Agent:
         start = time.monotonic()
         k = 0
         while not self._stop.is_set():
-            self._gpu = self.nvml.read()
+            self._gpu = self.nvml.read({tg.pid for tg in self._targets if not tg.gone})
             k = max(k + 1, int((time.monotonic() - start) / self.nvml_interval) + 1)
             if self._stop.wait(max(0.0, start + k * self.nvml_interval - time.monotonic())):
                 break

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 log = logging.getLogger("easymats.nvml")
 
@@ -103,8 +103,13 @@ class Nvml:
             return default
 
     # -- readings ------------------------------------------------------------------------------
-    def read(self, per_process_utilization: bool = True) -> NvmlSnapshot | None:
-        """Every device and every compute process on it; None without NVML."""
+    def read(self, per_process_utilization: bool | Iterable[int] = True) -> NvmlSnapshot | None:
+        """Every device and every compute process on it; None without NVML.
+
+        ``per_process_utilization``: True for every device, False for none, or the pids of
+        interest: the costly per-process utilization query then runs only on devices where one
+        of them holds a context."""
+        wanted = None if isinstance(per_process_utilization, bool) else set(per_process_utilization)
         with self._lock:
             if not self._init():
                 return None
@@ -121,7 +126,8 @@ class Nvml:
                     procs[(index, int(p.pid))] = ProcessGpuReading(index, int(p.pid),
                                                                    float(used) if used is not None else None,
                                                                    None)
-                if per_process_utilization:
+                on_device = {pid for (i, pid) in procs if i == index}
+                if per_process_utilization if wanted is None else bool(wanted & on_device):
                     # Costly (~1.4 ms on an H200): the caller runs this at the NVML cadence only.
                     last = self._last_util_ts.get(index, 0)
                     samples = self._call("nvmlDeviceGetProcessUtilization", h, last, default=[]) or []
