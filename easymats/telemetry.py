@@ -232,6 +232,9 @@ class Segment:
         else:
             metric = Gauge()
         with self._lock:
+            existing = self._series.get(key)  # another thread may have created it meanwhile
+            if existing is not None:
+                return existing
             self._add_entry(spec, labels, metric)
             self._series[key] = metric
         return metric
@@ -310,7 +313,7 @@ class Segment:
                 mm[L.OFF_HEARTBEAT_UNIX_NS:L.OFF_HEARTBEAT_MONO_NS + 8] = struct.pack(
                     "<QQ", time.time_ns(), time.monotonic_ns())
                 self._end()
-            except (ValueError, OSError, BufferError) as exc:  # closed map, full tmpfs (SIGBUS aside)
+            except (ValueError, OSError, BufferError) as exc:  # e.g. a map closed under us
                 self._disable(f"telemetry segment {self.path} could not be written ({exc}); "
                               "metrics stay in memory only")
 

@@ -476,3 +476,26 @@ def test_full_tmpfs_warns_instead_of_crashing_with_sigbus(tiny_tmpfs):
     assert lines[0] == "1 5.0 False" and "No space left" in lines[1], proc.stdout
     assert lines[2] == "True", "a segment that fits the space left is still published"
     assert os.listdir(tiny_tmpfs) == []
+
+
+def test_threads_creating_the_same_series_share_one_entry(segment_dir):
+    import threading
+
+    seg = telemetry.open_segment(name="x")
+    barrier = threading.Barrier(8)
+    got = []
+
+    def worker():
+        barrier.wait()
+        for _ in range(200):
+            got.append(seg.counter("hisparse_tokens_total", phase="decode"))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(c) for c in got}) == 1
+    seg.publish()
+    assert [s.name for s in segment.read_segment(seg.path).series] == ["hisparse_tokens_total"]
+    seg.close()
