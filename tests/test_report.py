@@ -352,3 +352,14 @@ def test_full_pool_in_streaming_mode_is_not_an_oom(tmp_path):
     an, _ = analyse_file(path)
     assert an.targets["decode-0"].evictions == pytest.approx(199, abs=1)
     assert diagnose_all(an.targets) == []
+
+
+def test_target_filter_with_a_name_json_may_escape(tmp_path):
+    name = 'dé"code'
+    recs = list(H.scenario_records("healthy", 3.0, target=name))
+    for ensure_ascii in (True, False):
+        path = tmp_path / f"u{ensure_ascii}.log"
+        path.write_text("".join(json.dumps(r, ensure_ascii=ensure_ascii) + "\n" for r in recs), encoding="utf-8")
+        stats = reader.ReadStats()
+        got = [r for r in reader.iter_records([str(path)], stats, target=name) if r["kind"] == "sample"]
+        assert len(got) == 30

@@ -198,7 +198,9 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
 
     ``stats`` is filled in as the generator runs. Header lines update ``stats.header``.
     """
-    needle = json.dumps(target).encode() if target is not None else None
+    # A byte pre-filter for --target, only where the name has one possible JSON spelling.
+    plain = target is not None and target.isascii() and json.dumps(target)[1:-1] == target
+    needle = json.dumps(target).encode() if plain else None
     stats.files = list(files)
     for path in files:
         try:
