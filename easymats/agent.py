@@ -38,6 +38,9 @@ from .segment import SegmentError, control_path, pid_of_path, segment_dir, segme
 from .targets import Target
 
 DISCOVERY_INTERVAL_S = 1.0
+# A target that went down stays on /metrics (easymats_target_up 0) this long, so a TargetDown
+# alert can fire, then it is dropped: a long-lived --keep-serving sidecar must not grow forever.
+DOWN_RETENTION_S = 600.0
 PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
 
 
@@ -70,6 +73,7 @@ class Agent:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.nvml = nvml or Nvml()
+        self.down_retention_s = DOWN_RETENTION_S
 
         self.lag = LagHistogram()
         self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu,
@@ -282,6 +286,13 @@ class Agent:
                                "(is it a HiSparse process with telemetry on, and EASYMATS_SEGMENT_DIR "
                                "the same for both?); sampling its process and GPU metrics only")
                     new.append(Target(pid, None, peak_window_s=self.peak_window))
+        now = time.time()
+        expired = [tg for tg in current if tg.gone and (tg.sample_t or now) < now - self.down_retention_s]
+        if expired:
+            for tg in expired:
+                tg.close()
+            current = [tg for tg in current if tg not in expired]
+            self._targets = current
         if not new:
             return
         keep = []

@@ -216,6 +216,9 @@ def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, interv
                 agent.close()
                 raise UsageFailure(f"--webhook-listen {webhook_listen}: cannot listen there "
                                    f"({exc.strerror or exc}); choose another HOST:PORT") from None
+            except BaseException:
+                agent.close()  # e.g. an unreadable token file: stop cleanly, then report it
+                raise
     except AgentError as exc:
         raise UsageFailure(str(exc)) from None
     code = agent.run()

@@ -290,3 +290,35 @@ def test_keep_serving_without_pid_attaches_every_new_segment(tmp_path):
         agent.send_signal(signal.SIGTERM)
         code, _, err = finish(agent)
     assert code == 0, err
+
+
+def test_library_use_and_down_targets_expire(tmp_path):
+    """Agent as a library (as the demo uses it): start, resolve_target, stop, wait."""
+    from easymats.agent import Agent
+    from easymats.segment import control_path
+
+    a, a_path = start_target("keep", duration=0)
+    b, _ = start_target("gone", duration=0)
+    agent = Agent([a.pid, b.pid], interval=0.05, listen=("127.0.0.1", 0), view="none", keep_serving=True,
+                  output=str(tmp_path / "run.log"))
+    agent.down_retention_s = 0.5
+    agent.start()
+    try:
+        assert agent.port and agent.port > 0
+        wait_for(lambda: {t.name for t in agent.targets if t.up} == {"keep", "gone"})
+        assert agent.resolve_target("keep") == control_path(a_path)
+        assert agent.resolve_target(str(a.pid)) == control_path(a_path)
+        assert agent.resolve_target("nosuch") is None
+        b.send_signal(signal.SIGKILL)
+        b.wait()
+        wait_for(lambda: value(scrape(agent.port), "easymats_target_up", target="gone") == 0.0)
+        assert agent.resolve_target("gone") is None
+        wait_for(lambda: "gone" not in {t.name for t in agent.targets}, timeout=5)
+        assert value(scrape(agent.port), "easymats_target_up", target="gone") is None
+        assert agent.first_sample_mono - agent.started_mono < 0.5
+    finally:
+        agent.stop()
+        assert agent.wait(timeout=5)
+        a.send_signal(signal.SIGTERM)
+        a.wait()
+    assert read_log(str(tmp_path / "run.log"))[-1]["event"] == "agent_stop"
