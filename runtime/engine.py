@@ -375,7 +375,8 @@ class HiSparseEngine:
         A = self.cfg.global_tokens
         if A == 0 or not self.probes[layer].fitted:
             return
-        p = self.probes[layer].predict(k)                                    # (Hkv, T)
+        # the probe lives on the CPU; its scores join device tensors below
+        p = self.probes[layer].predict(k).to(self.device)                    # (Hkv, T)
         thr = probe_threshold(n, self.cfg.threshold_base, self.cfg.threshold_min, self.cfg.threshold_max)
         pos = torch.arange(p0, p0 + k.shape[1], device=self.device)[None].expand(self.Hkv, -1)
         p = torch.where((p > thr) & (pos >= s.first), p, -1.0)
