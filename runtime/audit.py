@@ -44,6 +44,13 @@ def attention_mass(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Ten
     return (p * w[:, None]).sum(0) / w.sum()
 
 
+def distillation_target(mass: torch.Tensor, n_visible: int, gain: float = 100.0) -> torch.Tensor:
+    """Probe targets from attention mass: 0 at or below the uniform share 1/n, 1 at ``gain`` times
+    it, log-linear between (attention mass spans orders of magnitude). mass (..., L) -> (..., L)."""
+    ratio = (mass * max(n_visible, 1)).clamp_min(1e-30)
+    return (ratio.log() / torch.log(torch.tensor(gain))).clamp(0.0, 1.0)
+
+
 class RecalibrationController:
     """Pure decision logic; the engine performs the recalibration and calls :meth:`done`."""
 

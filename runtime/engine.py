@@ -26,7 +26,7 @@ import torch
 from hi_sparse.kernels import block_bounds, block_scores, sparse_decode_attention
 
 from . import __version__
-from .audit import RecalibrationController, attention_mass, audit_hits
+from .audit import RecalibrationController, attention_mass, audit_hits, distillation_target
 from .block_pool import BlockPool
 from .config import HiSparseConfig
 from .host_pool import HostPool
@@ -574,8 +574,7 @@ class HiSparseEngine:
                 if m == 0:
                     continue
                 top_m = mass.topk(m, dim=1)
-                # distillation targets: mass relative to the heaviest token of the head
-                target = mass / top_m.values[:, :1].clamp_min(1e-30)
+                target = distillation_target(mass, int(vis.sum()))
                 picks.append((s, target, int(outside.sum())))
                 # training set: the m heaviest tokens per head plus a sample of the rest
                 g = torch.Generator().manual_seed(cfg.seed + layer)

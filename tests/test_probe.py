@@ -1,0 +1,47 @@
+"""TLIF probe: size, threshold schedule, distillation from attention mass."""
+
+import pytest
+import torch
+
+from hi_sparse.audit import attention_mass, distillation_target
+from hi_sparse.probe import ImportanceProbe, probe_threshold
+
+
+@pytest.mark.parametrize("D", [16, 64, 128, 256])
+def test_two_linear_layers_and_gelu_under_15k_parameters(D):
+    p = ImportanceProbe(D)
+    assert p.num_parameters() < 15_000
+    assert [type(m).__name__ for m in p.children()] == ["Linear", "Linear", "GELU"]
+
+
+def test_threshold_follows_context_to_the_quarter_power_and_clamps():
+    assert probe_threshold(131072, 0.5, 0.05, 0.95) == pytest.approx(0.5)
+    assert probe_threshold(131072 * 16, 0.5, 0.05, 0.95) == pytest.approx(0.95)  # 1.0 clamped
+    assert probe_threshold(8192, 0.5, 0.05, 0.95) == pytest.approx(0.25)
+    assert probe_threshold(1, 0.5, 0.05, 0.95) == 0.05
+
+
+def test_unfit_probe_pins_nothing_and_fit_distils_attention_mass():
+    g = torch.Generator().manual_seed(0)
+    D, n = 32, 2000
+    u = torch.randn(D, generator=g)
+    u /= u.norm()
+    keys = torch.randn(n, D, generator=g)
+    heavy = torch.randperm(n, generator=g)[:20]
+    keys[heavy] += 8 * u
+    probe = ImportanceProbe(D)
+    assert (probe.predict(keys) == 0).all()
+    queries = 8 * u + 0.5 * torch.randn(16, D, generator=g)
+    mass = attention_mass(queries, keys, torch.ones(n, dtype=torch.bool), D ** -0.5)
+    target = distillation_target(mass, n)
+    light = torch.ones(n, dtype=torch.bool)
+    light[heavy] = False
+    assert target[heavy].mean() > 0.3 and target[light].max() == 0  # mass, not labels by fiat
+    probe.fit(keys, target)
+    fresh = torch.randn(500, D, generator=g)
+    fresh[:50] += 8 * u                       # unseen tokens of the same kind
+    p = probe.predict(fresh)
+    thr = probe_threshold(n, 0.5, 0.05, 0.95)
+    assert (p[:50] > thr).float().mean() >= 0.75, p[:50]  # some have noise against u: lighter
+    assert p[:50].mean() > 10 * p[50:].mean()
+    assert (p[50:] > thr).float().mean() <= 0.02

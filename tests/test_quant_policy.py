@@ -1,0 +1,93 @@
+"""Quantization error bounds per bit width, and the bit-width policies on constructed blocks.
+
+Bounds (asymmetric uniform, step Delta = range / (2^b - 1)):
+- hard: every element is within Delta / 2, so ||x - x_hat|| <= Delta / 2 * sqrt(n);
+- typical on Gaussian units: rounding error ~ uniform, RMS Delta / sqrt(12), so the relative error
+  is within 15 % of range / ((2^b - 1) * sqrt(12) * rms(x)): ~0.13, 0.062, 0.030, 0.0075 for
+  4, 5, 6, 8 bits on N(0, 1) units of 16 x 64 values.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hi_sparse.host_pool import HostPool
+from hi_sparse.kernels import dequantize_blocks, quantize_blocks
+from hi_sparse.quant_policy import (ErrorBudgetPolicy, FixedBits, SeedBimodalPolicy, peak_separation,
+                                    quantize_roundtrip, relative_error)
+
+EXPECTED = {4: 0.13, 5: 0.062, 6: 0.030, 8: 0.0075}  # documented in hi_sparse.quant_policy
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_error_bounds_on_gaussian_blocks(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(32, 16, 64, generator=g)
+    packed, scale, zero = quantize_blocks(x, bits)
+    x_hat = dequantize_blocks(packed, scale, zero, bits, 64)
+    err = relative_error(x, x_hat)
+    n = 16 * 64
+    rng = (x.amax((1, 2)) - x.amin((1, 2)))
+    step = rng / (2 ** bits - 1)
+    # hard bound, element-wise and in norm
+    assert ((x - x_hat).abs() <= step[:, None, None] / 2 + 1e-5).all()
+    assert (err <= (step / 2 * math.sqrt(n)) / x.flatten(1).norm(dim=1) + 1e-6).all()
+    # typical bound from the uniform rounding model
+    rms = x.flatten(1).pow(2).mean(1).sqrt()
+    model = step / math.sqrt(12) / rms
+    assert ((err - model).abs() <= 0.15 * model).all()
+    assert abs(err.mean().item() - EXPECTED[bits]) <= 0.15 * EXPECTED[bits]
+
+
+def _bimodal(n, sep, g):
+    sign = torch.where(torch.rand(n, 16, 64, generator=g) < 0.5, -1.0, 1.0)
+    return sign * sep / 2 + 0.3 * torch.randn(n, 16, 64, generator=g)
+
+
+def test_seed_rule_splits_bimodal_blocks_and_keeps_unimodal_at_int5():
+    g = torch.Generator().manual_seed(0)
+    uni = torch.randn(6, 16, 64, generator=g)
+    bi = _bimodal(6, 4.0, g)
+    near = _bimodal(6, 0.2, g)  # two modes closer than their spread: one peak
+    assert (peak_separation(uni) == 0).all()
+    assert (peak_separation(bi) > 0.5).all()
+    assert (peak_separation(near) <= 0.15).all()
+    pol = SeedBimodalPolicy()
+    kb, vb = pol.choose(torch.cat([uni, bi, near]), torch.cat([uni, uni, uni]))
+    assert kb.tolist() == [5] * 6 + [6] * 6 + [5] * 6
+    assert vb.tolist() == [5] * 6 + [4] * 6 + [5] * 6
+    assert (kb + vb == 10).all()  # 5 bits per value on average either way
+
+
+def test_error_budget_policy_picks_fewest_bits_within_budget():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4, 16, 32, generator=g)
+    blocks = torch.cat([base, base + 1.5, base + 3.5, base + 8.0])   # larger offset -> smaller error
+    kb, _ = ErrorBudgetPolicy(0.02).choose(blocks, blocks)
+    assert kb.tolist() == [8] * 4 + [6] * 4 + [5] * 4 + [4] * 4
+    for b, x in zip(kb.tolist(), blocks):
+        assert quantize_roundtrip(x[None], b)[3].item() <= 0.02
+        if b > 4:
+            fewer = {8: 6, 6: 5, 5: 4}[b]
+            assert quantize_roundtrip(x[None], fewer)[3].item() > 0.02
+    assert FixedBits(6).choose(blocks, blocks)[0].eq(6).all()
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8, "auto", "budget"])
+def test_host_pool_round_trip_across_tail_and_quantized_blocks(bits):
+    g = torch.Generator().manual_seed(2)
+    hp = HostPool(1, 2, 16, 4, torch.float32, pin=False, host_kv_bits=bits)
+    hp.grow(blocks=8, tails=2)
+    table = torch.tensor([5, 2, 7, 0, 3])
+    k, v = torch.randn(2, 19, 16, generator=g), torch.randn(2, 19, 16, generator=g)
+    for lo, hi in ((0, 3), (3, 4), (4, 13), (13, 19)):  # partial, completing, multi-block, tail
+        hp.write(0, table, 1, lo, k[:, lo:hi], v[:, lo:hi])
+    rk, rv = hp.read(0, table, 1, 19 // 4, torch.arange(2)[:, None], torch.arange(19)[None])
+    if bits is None:
+        assert torch.equal(rk, k) and torch.equal(rv, v)
+    else:
+        tol = {4: 0.2, 8: 0.02, "auto": 0.12, "budget": 0.021}[bits]
+        full = slice(0, 16)
+        assert relative_error(k[None, :, full], rk[None, :, full]).item() <= tol
+        assert torch.equal(rk[:, 16:], k[:, 16:])  # the tail block stays exact until it fills

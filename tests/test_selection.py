@@ -1,0 +1,67 @@
+"""Selection per KV head: window + anchors + top blocks by upper bound, filled to top_k."""
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hi_sparse.kernels import block_bounds, block_scores
+from hi_sparse.selection import select
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 400), first=st.integers(0, 30), window=st.integers(1, 40), extra=st.integers(0, 80),
+       bs=st.integers(1, 17), A=st.integers(0, 6), H=st.integers(1, 3), seed=st.integers(0, 999),
+       hole_frac=st.floats(0, 0.3))
+def test_selection_invariants(n, first, window, extra, bs, A, H, seed, hole_frac):
+    g = torch.Generator().manual_seed(seed)
+    first = min(first, n - 1)
+    top_k = window + A + extra
+    nb = -(-n // bs)
+    scores = torch.randn(H, nb, generator=g)
+    holes = torch.rand(nb, generator=g) < hole_frac
+    holes[-(-(max(first, n - window - bs)) // bs):] = False  # streaming never punches the window
+    # unique per head (as the engine keeps them), some slots empty (-1)
+    anchors = torch.stack([torch.randperm(n, generator=g)[:A] for _ in range(H)]) if n >= A \
+        else torch.full((H, A), -1)
+    anchors[torch.rand(H, A, generator=g) < 0.3] = -1
+    sel = select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=1)
+    pos = torch.arange(n)
+    visible = (pos >= first) & ~holes[pos // bs]
+    n_vis = int(visible.sum())
+    for h in range(H):
+        toks = sel.tokens[h][sel.tokens[h] >= 0]
+        assert toks.unique().numel() == toks.numel()                       # no duplicates
+        assert visible[toks].all()                                         # never pads or holes
+        assert toks.numel() == min(top_k, n_vis)                           # filled to top_k
+        w0 = max(first, n - window)
+        assert torch.isin(pos[w0:][visible[w0:]], toks).all()             # window always in
+        a = anchors[h][(anchors[h] >= 0)]
+        a = a[visible[a]]
+        assert torch.isin(a, toks).all()                                   # anchors pinned
+        pf = sel.prefetch[h][sel.prefetch[h] >= 0] if sel.prefetch.numel() else sel.prefetch[h]
+        assert not torch.isin(pf, toks).any() and visible[pf].all()        # prefetch is new
+    assert int(sel.block_hits.sum()) == int((sel.tokens >= 0).sum())
+
+
+def test_blocks_ranked_by_quest_upper_bound():
+    """The query-aware part takes whole blocks in order of the upper bound of q.k."""
+    torch.manual_seed(0)
+    H, G, D, bs, n = 1, 2, 8, 4, 64
+    k = torch.randn(H, n, D)
+    k[0, 13] = 6.0  # block 3 holds a key that matches the query strongly
+    k[0, 41] = 5.0  # block 10 a weaker one
+    q = torch.ones(H, G, D)
+    kmin, kmax = block_bounds(k, bs)
+    scores = block_scores(q, kmin, kmax)
+    # the bound is an upper bound of every token's q.k in the block
+    exact = torch.einsum("hgd,hnd->hgn", q, k).amax(1).view(H, -1, bs).amax(-1)
+    assert (scores >= exact - 1e-4).all()
+    sel = select(scores, n, 0, window=4, top_k=4 + 2 * bs, block_size=bs,
+                 anchors=torch.full((H, 0), -1), holes=None)
+    chosen = set(sel.tokens[0].tolist())
+    assert set(range(12, 16)) <= chosen and set(range(40, 44)) <= chosen
+    assert sel.loaded.item() == 3 * bs  # window block + two chosen blocks
+
+
+def test_full_budget_selects_everything_visible():
+    sel = select(None, 10, 2, 3, 100, 4, torch.full((2, 1), -1), None)
+    assert sel.tokens.tolist() == [list(range(2, 10))] * 2
