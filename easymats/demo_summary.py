@@ -65,24 +65,29 @@ def _max(ts: TargetSeries, key: str) -> float:
     return max((float(m.get(key) or 0.0) for _, m in ts.samples), default=0.0)
 
 
-def windowed_hit_rate(ts: TargetSeries, window_s: float) -> list[tuple[float, float]]:
-    """(seconds since the first sample, anchor hit rate) per window that had audits."""
+def windowed_hit_rate(ts: TargetSeries, min_lookups: float) -> list[tuple[float, float]]:
+    """(seconds since the first sample, anchor hit rate) over consecutive windows of samples
+    holding at least ``min_lookups`` audited lookups each.
+
+    Windows count audits, not seconds, so a dip that lasts a few audits shows on a fast machine
+    (where it takes a fraction of a second) as well as on a slow one.
+    """
     if not ts.samples:
         return []
     t0 = ts.samples[0][0]
     out = []
-    start_t, start_m = ts.samples[0]
+    start_m = ts.samples[0][1]
     for t, m in ts.samples[1:]:
-        if t - start_t < window_s:
-            continue
         lookups = _total(m, "hisparse_anchor_lookups_total") - _total(start_m, "hisparse_anchor_lookups_total")
+        if lookups < min_lookups:
+            continue
         hits = _total(m, "hisparse_anchor_hits_total") - _total(start_m, "hisparse_anchor_hits_total")
-        if lookups > 0:
-            out.append((t - t0, hits / lookups))
-        start_t, start_m = t, m
+        out.append((t - t0, hits / lookups))
+        start_m = m
     return out
 
 
+HIT_RATE_WINDOW_LOOKUPS = 32  # a few audits (each looks up the true top-m tokens, m = 8 in the demo)
 DEVICE_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="device"}'
 HOST_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="host"}'
 
@@ -123,11 +128,14 @@ def summarise_target(ts: TargetSeries) -> list[str]:
         f"  KV memory peak: device {_bytes(_max(ts, DEVICE_DATA))}, host {_bytes(_max(ts, HOST_DATA))}; "
         f"quantized blocks: " + (", ".join(f"{v:.0f} x INT{b}" for b, v in quant.items() if v) or "none"),
     ]
-    rates = windowed_hit_rate(ts, max(2.0, span / 12))
+    rates = windowed_hit_rate(ts, HIT_RATE_WINDOW_LOOKUPS)
     if len(rates) >= 3:
-        low_t, low = min(rates, key=lambda r: r[1])
-        lines.append(f"  anchor hit rate over time: start {_pct(rates[0][1])}, lowest {_pct(low)} "
-                     f"at {low_t:.0f} s, end {_pct(rates[-1][1])}")
+        low_i = min(range(len(rates)), key=lambda i: rates[i][1])
+        before = [r for _, r in rates[:low_i]]
+        after = [r for _, r in rates[low_i + 1:]]
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        lines.append(f"  anchor hit rate over time: {_pct(mean(before))} before its lowest, "
+                     f"{_pct(rates[low_i][1])} at {rates[low_i][0]:.0f} s, {_pct(mean(after))} after")
     return lines
 
 
