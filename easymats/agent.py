@@ -30,7 +30,7 @@ from typing import Iterable, TextIO
 
 from . import procinfo
 from .exporter import AgentCollector, LagHistogram, make_registry, serve
-from .liveview import LiveView
+from .liveview import WINDOW_S as view_window_s, LiveView
 from .logwriter import LogWriter
 from .nvml import Nvml, NvmlSnapshot
 from .procmetrics import descendants, owner_of
@@ -180,7 +180,7 @@ class Agent:
                 view.observe(targets, time.monotonic())
                 try:
                     if mode == "table":
-                        view.draw(self.out, targets)
+                        view.draw(self.out, targets, self._title())
                     else:
                         print(view.summary_line(targets, time.strftime("%H:%M:%S")), file=self.out,
                               flush=True)
@@ -395,6 +395,13 @@ class Agent:
     def _close_log(self) -> None:
         if self.log is not None:
             self.log.close()
+
+    def _title(self) -> str:
+        where = f"http://{self.listen[0]}:{self.port}/metrics" if self.listen else "off"
+        up = sum(1 for tg in self._targets if tg.up)
+        return (f"easymats {time.strftime('%H:%M:%S')}  targets up {up}/{len(self._targets)}  "
+                f"interval {self.interval:g}s  window {view_window_s:g}s  /metrics {where}  "
+                f"log {self.output or 'off'}  (Ctrl-C stops)")
 
     def _view_mode(self) -> str:
         if self.view != "auto":

@@ -190,7 +190,7 @@ class LiveView:
                          f"tok/s={_num(d.tokens_per_s)}")
         return f"{now_str} " + (" | ".join(parts) if parts else "no targets")
 
-    def draw(self, out: TextIO, targets: list[Target]) -> None:
+    def draw(self, out: TextIO, targets: list[Target], title: str = "") -> None:
         """Redraw the table in place (cursor home, clear screen)."""
-        out.write("\033[H\033[2J" + self.table(targets) + "\n")
+        out.write("\033[H\033[2J" + (title + "\n" if title else "") + self.table(targets) + "\n")
         out.flush()
