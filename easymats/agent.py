@@ -360,8 +360,8 @@ class Agent:
             went_down, _ = tg.sample(t)
             if read_process or tg.process is None:
                 tg.read_process()
-            if gpu is not None:
-                tg.gpu = gpu.for_pid(tg.pid)
+            if gpu is not None and gpu is not tg.gpu_source:
+                tg.gpu, tg.gpu_source = gpu.for_pid(tg.pid), gpu
             if self.log is not None:
                 lines.append(tg.log_json(t, lag))
             if went_down:

@@ -101,7 +101,10 @@ class Target:
         self._peak_cache: tuple | None = None
         self._json_cache: tuple | None = None
         self._hist_text: dict[int, tuple] = {}
-        self._name_json: tuple[str, str] | None = None
+        self._head: tuple[str, str] | None = None
+        self._process_text: tuple[ProcessReading | None, str] = (None, ',"process":null')
+        self._gpu_text: tuple[list | None, str] = (None, "")
+        self.gpu_source: object = None  # the NVML snapshot self.gpu was taken from
         if path:
             # SegmentError (stale, bad mode ...) propagates: the caller decides what it means.
             self.reader = SegmentReader(path, max_retries=READ_RETRIES, proc_root=proc_root)
@@ -253,22 +256,28 @@ class Target:
         metrics = self._metrics_json(snap) if snap is not None else "{}"
         if metrics is None:
             return json.dumps(_finite(self.log_line(t, lag_s)), separators=(",", ":"))
-        name_json = self._name_json
-        if name_json is None or name_json[0] != self.name:
-            self._name_json = name_json = (self.name, json.dumps(self.name))
-        parts = [f'{{"v":{LOG_VERSION},"kind":"sample","t":{_jf(t)},"target":{name_json[1]},"pid":{self.pid},'
-                 f'"up":{"true" if self.up else "false"},"lag_s":{_jf(round(lag_s, 6))}']
-        if snap is not None:
-            parts.append(f',"heartbeat_t":{_jf(snap.heartbeat_unix_ns / 1e9)},"seq":{int(snap.seq)}')
+        head = self._head
+        if head is None or head[0] != self.name:
+            # Per target: name and pid are fixed text; t, up and lag_s go through one %-format.
+            self._head = head = (self.name, f'{{"v":{LOG_VERSION},"kind":"sample","t":%r,"target":'
+                                 f'{json.dumps(self.name).replace("%", "%%")},"pid":{self.pid},"up":%s,"lag_s":%r')
+        parts = [head[1] % (float(t), "true" if self.up else "false", round(float(lag_s), 6))]
+        if snap is not None:  # unix times and seqlock values are always finite
+            parts.append(',"heartbeat_t":%r,"seq":%d' % (snap.heartbeat_unix_ns / 1e9, snap.seq))
         if self.error:
             parts.append(',"error":' + json.dumps(self.error))
         p = self.process
-        parts.append(f',"process":{{"cpu_seconds":{_jf(p.cpu_seconds)},"rss_bytes":{int(p.rss_bytes)}}}'
-                     if p else ',"process":null')
-        if self.gpu is not None:
-            parts.append(',"gpu":' + json.dumps(_finite([{"gpu": g.gpu, "memory_bytes": g.memory_bytes,
-                                                          "utilization_ratio": g.utilization_ratio}
-                                                         for g in self.gpu]), separators=(",", ":")))
+        if p is not self._process_text[0]:  # psutil/proc readings change once a second
+            self._process_text = (p, ',"process":{"cpu_seconds":%r,"rss_bytes":%d}' % (float(p.cpu_seconds), p.rss_bytes)
+                                  if p is not None else ',"process":null')
+        parts.append(self._process_text[1])
+        g = self.gpu
+        if g is not None:
+            if g is not self._gpu_text[0]:  # a new NVML reading (once per --nvml-interval)
+                self._gpu_text = (g, ',"gpu":' + json.dumps(_finite(
+                    [{"gpu": r.gpu, "memory_bytes": r.memory_bytes, "utilization_ratio": r.utilization_ratio}
+                     for r in g]), separators=(",", ":")))
+            parts.append(self._gpu_text[1])
         parts.append(',"metrics":' + metrics + "}")
         return "".join(parts)
 
