@@ -44,6 +44,11 @@ DOWN_RETENTION_S = 600.0
 PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
 
 
+# Segment errors that no retry can fix: the file is skipped until its inode changes.
+PERMANENT_ERRORS = frozenset({"dead_pid", "pid_reused", "symlink", "not_regular", "bad_owner", "bad_mode",
+                              "future_version", "byte_order"})
+
+
 class AgentError(Exception):
     """A problem the user caused and can fix; the message is one line naming the fix."""
 
@@ -93,6 +98,7 @@ class Agent:
         self._opened = False
         self._closed = False
         self._rejected: set[tuple[str, int]] = set()  # (path, inode) of segments not ours
+        self._failing_since: dict[tuple[str, int], float] = {}
         self._warned: set[str] = set()
         self._next_discovery = 0.0
         self._next_process = 0.0
@@ -267,14 +273,33 @@ class Agent:
             try:
                 tg = Target(pid, path, peak_window_s=self.peak_window)
             except SegmentError as exc:
-                self._rejected.add((path, ino))
-                if pid in watched and exc.kind not in ("dead_pid", "pid_reused", "not_found"):
-                    self._warn(path, str(exc))
+                if exc.kind in PERMANENT_ERRORS:
+                    self._rejected.add((path, ino))
+                    if (pid in watched or watch_all) and exc.kind not in ("dead_pid", "pid_reused"):
+                        self._warn(path, str(exc))
+                else:
+                    # A segment being created reads as empty or garbled for a moment: retry at the
+                    # next discovery, and only complain when it stays unreadable.
+                    since = self._failing_since.setdefault((path, ino), time.monotonic())
+                    if (pid in watched or watch_all) and time.monotonic() - since > 3.0:
+                        self._warn(path, str(exc))
                 continue
+            self._failing_since.pop((path, ino), None)
             if not watch_all and pid not in watched and tg.name not in down_names:
                 tg.close()
                 self._rejected.add((path, ino))
                 continue
+            taken = {t.name for t in current + new if not t.gone}
+            if tg.name in taken:
+                # Two live processes declaring one name would make /metrics invalid (duplicate
+                # series): the later one gets its pid appended.
+                declared, tg.name = tg.name, f"{tg.name}.{pid}"
+                n = 1
+                while tg.name in taken:
+                    tg.name, n = f"{declared}.{pid}.{n}", n + 1
+                self._warn(f"dup-{path}", f"PID {pid} declares the target name {declared!r}, which a live "
+                           f"process already uses; exporting it as {tg.name!r} (give each process its "
+                           "own name in open_segment(name=...))")
             new.append(tg)
         # Watched pids with no segment: sample their process (and GPU) only, and say so once.
         have_pid = {tg.pid for tg in current + new if not tg.gone and tg.path}

@@ -322,3 +322,23 @@ def test_library_use_and_down_targets_expire(tmp_path):
         a.send_signal(signal.SIGTERM)
         a.wait()
     assert read_log(str(tmp_path / "run.log"))[-1]["event"] == "agent_stop"
+
+
+def test_two_processes_declaring_one_name_stay_distinct(tmp_path):
+    a, _ = start_target("decode-0", duration=0)
+    b, _ = start_target("decode-0", duration=0)
+    port = free_port()
+    agent = start_agent("--pid", f"{a.pid},{b.pid}", "--listen", f"127.0.0.1:{port}", "--quiet")
+    try:
+        m = wait_for(lambda: (lambda s: s if len(s.get("easymats_target_up", [])) == 2 else None)(scrape(port)))
+        names = {lab["target"] for lab, _ in m["easymats_target_up"]}
+        assert "decode-0" in names and len(names) == 2, names
+        assert len(m["hisparse_sequences"]) == 2  # the scrape parsed: no duplicate series
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        code, _, err = finish(agent)
+        for p in (a, b):
+            p.send_signal(signal.SIGTERM)
+            p.wait()
+    assert code == 0
+    assert "declares the target name 'decode-0'" in err
