@@ -1,10 +1,12 @@
-"""The demo's long-context decode driver: one document with planted structure, on a schedule.
+"""The demo's long-context decode driver: documents with planted structure, on a schedule.
 
 Built from :mod:`hi_sparse.workloads` (keys with planted topic anchors and needles, queries that
 attend to them) and run straight on a :class:`HiSparseEngine`, so the numbers it produces are
 the engine's own: the audit measures the anchor hit rate by exact attention, never by fiat.
 
-Timeline, as fractions of the run (wall clock, so a 20 s and a 60 s demo tell the same story):
+Timeline of one document, as fractions of the run (wall clock, so a 20 s and a 60 s demo tell
+the same story; a run longer than a minute repeats it every minute with a new document, and the
+old document's blocks recycle):
 
     0          prefill a document about topic A (anchors + needles), decode topic-A queries
     0.20       the request is preempted and resumed within the recycle grace (blocks reclaimed)
@@ -29,6 +31,7 @@ LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 8, 2, 32
 PROMPT_TOKENS = 2048
 SHIFT_TOKENS = 512
 NEEDLES = (0, 1, 2)
+CYCLE_S = 60.0  # the timeline repeats with a new document every minute of a longer run
 
 
 def longctx_config(name: str) -> HiSparseConfig:
@@ -43,7 +46,11 @@ def longctx_config(name: str) -> HiSparseConfig:
 
 
 class LongContextWorkload:
-    """Drives one engine through the timeline above; :meth:`run_for` advances it."""
+    """Drives one engine through the timeline above; :meth:`run_for` advances it.
+
+    The timeline repeats every ``CYCLE_S`` seconds (or once, for a shorter run) with a new
+    document: the old one is freed, so its blocks recycle, and new topics are planted.
+    """
 
     def __init__(self, device: torch.device, seed: int, duration_s: float, name: str):
         self.engine = HiSparseEngine(longctx_config(name), num_layers=LAYERS, num_q_heads=Q_HEADS,
@@ -51,25 +58,41 @@ class LongContextWorkload:
                                      model_name="planted-longctx")
         self.work = PlantedWorkload(KV_HEADS, Q_HEADS, HEAD_DIM, seed=seed)
         self.device = device
-        self.duration_s = duration_s
-        self.start = time.monotonic()
-        self.topic = "A"
+        self.cycle_s = min(duration_s, CYCLE_S)
         self.steps = 0
-        self.preempted = self.shifted = False
-        self.seq = self.engine.add_sequences(1)
-        seg = self.work.segment(PROMPT_TOKENS, topic="A", anchors=16, needles=NEEDLES,
-                                margin=self.engine.cfg.window_size)
-        self._prefill(seg.k, seg.v)
+        self.documents = 0
+        self.seq: list[int] = []
+        self.start = time.monotonic()
+        self._new_document()
 
     def restart_clock(self) -> None:
-        """Start the timeline now (after set-up, which may take long on a busy machine)."""
+        """Start the timeline now (set-up may take long on a busy machine)."""
         self.start = time.monotonic()
+
+    def _new_document(self) -> None:
+        if self.seq:
+            self.engine.free_sequences(self.seq)
+        self.documents += 1
+        self.topic = f"A{self.documents}"
+        self.shift_topic = f"B{self.documents}"
+        self.preempted = self.shifted = False
+        self.seq = self.engine.add_sequences(1)
+        seg = self.work.segment(PROMPT_TOKENS, topic=self.topic, anchors=16, needles=NEEDLES,
+                                margin=self.engine.cfg.window_size)
+        self._prefill(seg.k, seg.v)
 
     def _prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
         run_prefill(self.engine, self.seq, k[None].to(self.device), v[None].to(self.device))
 
     def _phase(self) -> float:
-        return (time.monotonic() - self.start) / self.duration_s
+        """Position in the current cycle, 0..1; starts a new document when a cycle is over."""
+        phase = (time.monotonic() - self.start) / self.cycle_s
+        full = self.engine.seq_len(self.seq[0]) + 1 >= self.engine.cfg.max_seq_len
+        if phase >= 1.0 or full:
+            self.start = time.monotonic()
+            self._new_document()
+            phase = 0.0
+        return phase
 
     def _step(self) -> None:
         w = self.work
@@ -97,8 +120,8 @@ class LongContextWorkload:
                     raise RuntimeError("bug: a sequence freed just now could not be resumed")
             if not self.shifted and phase >= 0.35:
                 self.shifted = True
-                self.topic = "B"
-                seg = self.work.segment(SHIFT_TOKENS, topic="B", anchors=16,
+                self.topic = self.shift_topic
+                seg = self.work.segment(SHIFT_TOKENS, topic=self.topic, anchors=16,
                                         margin=self.engine.cfg.window_size)
                 self._prefill(seg.k, seg.v)
             self._step()
@@ -106,7 +129,7 @@ class LongContextWorkload:
     def describe(self) -> str:
         st = self.engine.stats
         rate = st.anchor_hits / st.anchor_lookups if st.anchor_lookups else float("nan")
-        return (f"long-context driver: {self.steps} decode steps, context "
+        return (f"long-context driver: {self.documents} document(s), {self.steps} decode steps, context "
                 f"{self.engine.seq_len(self.seq[0])} tokens, anchor hit rate {rate:.0%}, "
                 f"recalibrations {dict(st.recalibrations)}, {st.block_evictions} blocks evicted")
 
