@@ -244,7 +244,7 @@ class HiSparseEngine:
     def _allocate(self, s: _Seq, need: int) -> list:
         blocks = self.pool.get_new_blocks(need)
         if blocks is None and self.cfg.host_pool_blocks is None:
-            more = max(need, self.pool.num_blocks, 16)
+            more = max(need, self.pool.num_blocks // 4, 16)  # geometric: O(1) amortised copies
             self.pool.grow(more)
             self.host.grow(blocks=self.pool.num_blocks)
             blocks = self.pool.get_new_blocks(need)
