@@ -210,6 +210,7 @@ def quantize(x: torch.Tensor, bits: int, chunk: int = MINMAX_CHUNK, minmax_warps
     zero = torch.empty_like(scale)
     if d % 8 == 0:
         # two streaming passes of small programs beat one long program per block (occupancy)
+        chunk = min(chunk, next_pow2(t * d))      # no lanes masked off beyond a small block
         c = triton.cdiv(t * d, chunk)
         part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
         _minmax_kernel[(n, c)](x, part, t * d, c, CHUNK=chunk, num_warps=minmax_warps)
