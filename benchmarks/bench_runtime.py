@@ -71,7 +71,11 @@ def bench_hisparse(args, k, v, tokens, queries, wl, telemetry: bool) -> dict:
     ids = eng.add_sequences(1)
     n = k.shape[2]
     chunk = 4096
-    qa = torch.stack([wl.topic_query("A") for _ in range(8)], 1)[None]
+    dev = torch.device(args.device)
+    k, v = k.to(dev), v.to(dev)
+    tokens = [(kt.to(dev), vt.to(dev)) for kt, vt in tokens]
+    queries = [q.to(dev) for q in queries]
+    qa = torch.stack([wl.topic_query("A") for _ in range(8)], 1)[None].to(dev)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         eng.begin_step()
