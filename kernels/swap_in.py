@@ -75,7 +75,8 @@ def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     _check_rows(src_rows, dst_rows)
     if src_rows.numel() == 0:
         return
-    if _device_path(packed, dst, src_rows, dst_rows) and (scale.is_cuda or scale.is_pinned() or not dst.is_cuda):
+    gpu_readable = all(t.is_cuda or t.is_pinned() for t in (scale, zero)) or not dst.is_cuda
+    if _device_path(packed, dst, src_rows, dst_rows) and gpu_readable:
         kernel_module("_swap_in_triton").swap_in_dequant(packed, scale, zero, bits, rows_per_block,
                                                          src_rows, dst, dst_rows)
         return
