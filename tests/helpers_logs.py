@@ -290,7 +290,7 @@ def stretch_log(samples: list[dict[str, Any]], path: str, *, min_bytes: int, int
                         m_out[key] = value + off
                 t += interval_s
                 out = dict(rec, t=round(t, 4), heartbeat_t=round(t - 0.002, 4), metrics=m_out)
-                line = json.dumps(out) + "\n"
+                line = json.dumps(out, separators=(",", ":")) + "\n"  # compact, as the agent writes
                 f.write(line)
                 written += len(line)
                 lines += 1

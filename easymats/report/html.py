@@ -54,7 +54,8 @@ def summary_rows(run: TargetRun) -> list[dict[str, str]]:
             "metric": spec.title, "p50": fmt_value(sk.quantile(0.5), unit), "p99": fmt_value(sk.quantile(0.99), unit),
             "max": fmt_value(sk.max, unit),
             "threshold": (("< " if th.direction == "min" else "> ") + fmt_value(th.limit, unit)) if th else "",
-            "beyond": beyond, "bad": "1" if ep is not None and ep.total_s > 0 else "",
+            "beyond": beyond,
+            "bad": "1" if ep is not None and run.covered_s and ep.total_s >= 0.01 * run.covered_s else "",
         })
     return rows
 
