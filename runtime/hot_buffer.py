@@ -67,6 +67,12 @@ class HotBufferState:
         return sum(t.numel() * t.element_size() for t in
                    (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot))
 
+    @staticmethod
+    def _lru(stamp: torch.Tensor, k: int) -> torch.Tensor:
+        """Slots of the k smallest stamps per head, oldest first: (H, k)."""
+        k = max(0, min(k, stamp.shape[1]))
+        return stamp.topk(k, dim=1, largest=False, sorted=True).indices
+
     def _evict(self, heads: torch.Tensor, slots: torch.Tensor) -> None:
         old = self.slot_token[heads, slots]
         gone = old >= 0
@@ -81,7 +87,7 @@ class HotBufferState:
         positions = positions[-self.S:]
         T = positions.numel()
         self.ensure_tokens(int(positions.max()) + 1)
-        victims = self.slot_stamp.argsort(dim=1)[:, :T]                       # (H, T) LRU first
+        victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         h = self._heads[:, None].expand(-1, T)
         self._evict(h.reshape(-1), victims.reshape(-1))
         tok = positions[None].expand(self.H, -1)
@@ -104,8 +110,8 @@ class HotBufferState:
         prefetch_used = self.prefetched[hh, hit_slots].sum()
         stamp = self.slot_stamp.clone()
         stamp[hh, hit_slots] = _NEVER                     # hits are not evictable this step
-        order = stamp.argsort(dim=1)                      # LRU first; stamps are unique per head
         rank = miss.long().cumsum(1) - 1
+        order = self._lru(stamp, int(rank[:, -1].max()) + 1 if K else 0)  # LRU first (unique stamps)
         mh, mk = miss.nonzero(as_tuple=True)
         victims = order[mh, rank[mh, mk]]
         self._evict(mh, victims)
@@ -133,7 +139,7 @@ class HotBufferState:
         rank = cand.long().cumsum(1) - 1
         cand &= rank < limit[:, None]
         ph, pk = cand.nonzero(as_tuple=True)
-        order = self.slot_stamp.argsort(dim=1)
+        order = self._lru(self.slot_stamp, int(cand.sum(1).max()))
         victims = order[ph, rank[ph, pk]]
         self._evict(ph, victims)
         tok = tokens[ph, pk]

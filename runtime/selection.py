@@ -43,7 +43,12 @@ def select(scores: torch.Tensor | None, n_tokens: int, first: int, window: int, 
     H = anchors.shape[0] if num_heads is None else num_heads
     bs = block_size
     nb = -(-n_tokens // bs)
-    visible = n_tokens - first - (0 if holes is None else int(holes.sum()) * bs)
+    visible = n_tokens - first
+    if holes is not None and bool(holes.any()):
+        hb = holes.nonzero().squeeze(1)
+        lo = torch.clamp(hb * bs, min=first)
+        hi = torch.clamp((hb + 1) * bs, max=n_tokens)
+        visible -= int((hi - lo).clamp(min=0).sum())
     if scores is None or visible <= top_k:
         pos = torch.arange(first, n_tokens, device=device)
         if holes is not None and bool(holes.any()):
@@ -69,7 +74,10 @@ def select(scores: torch.Tensor | None, n_tokens: int, first: int, window: int, 
     pos = (top[:, :, None] * bs + torch.arange(bs, device=device)).reshape(H, -1)  # rank order
     ok = (pos >= first) & (pos < w0) & torch.isfinite(s.gather(1, top)).repeat_interleave(bs, 1)
     if anc.shape[1]:
-        ok &= ~(pos[:, :, None] == anc[:, None, :]).any(-1)
+        # per-head membership in one sorted search: offset each head's positions apart
+        stride = n_tokens + 1
+        head_off = torch.arange(H, device=device)[:, None] * stride
+        ok &= ~torch.isin(pos + head_off, torch.where(anc >= 0, anc + head_off, -1))
     rank = ok.long().cumsum(1)
     keep = ok & (rank <= budget[:, None])
     chosen = _pack(pos, keep)
@@ -78,12 +86,11 @@ def select(scores: torch.Tensor | None, n_tokens: int, first: int, window: int, 
     pf = ok & (rank > budget[:, None]) & (rank <= budget[:, None] + prefetch_blocks * bs)
     prefetch = _pack(pos, pf)
     valid = tokens >= 0
-    flat = tokens[valid] // bs
-    block_hits = torch.bincount(flat, minlength=nb)
-    touched = torch.zeros(H, nb, dtype=torch.bool, device=device)
-    touched[torch.arange(H, device=device)[:, None].expand_as(tokens)[valid], flat] = True
+    per_block = torch.zeros(H, nb, dtype=torch.int64, device=device)
+    per_block.scatter_add_(1, tokens.clamp(min=0) // bs, valid.long())
+    block_hits = per_block.sum(0)
     sizes = torch.clamp(n_tokens - blk * bs, max=bs)
-    loaded = (touched.long() * sizes[None]).sum()
+    loaded = ((per_block > 0).long() * sizes[None]).sum()
     return Selection(tokens, prefetch, block_hits, loaded)
 
 
