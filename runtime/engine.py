@@ -230,16 +230,14 @@ class HiSparseEngine:
             self._free_tails.append(s.tail)
             s.tail = -1
 
-    def fork_ids(self) -> list[int]:
-        return sorted(self.seqs)
-
     # -- storage -------------------------------------------------------------------------------
-    def _block_table(self, s: _Seq) -> torch.Tensor:
+    def _block_table(self, s: _Seq, cpu: bool = False) -> torch.Tensor:
+        """Physical block id per logical block, on metadata_device (or the CPU for host-side ops)."""
         version = self.pages.seqs[s.seq_id].version
         if s.bt_version != version:
-            s.bt = torch.tensor(self.pages.block_ids(s.seq_id), dtype=torch.int64)
+            s.bt = torch.tensor(self.pages.block_ids(s.seq_id), dtype=torch.int64, device=self.meta_device)
             s.bt_version = version
-        return s.bt
+        return s.bt.cpu() if cpu else s.bt
 
     def _allocate(self, s: _Seq, need: int) -> list:
         blocks = self.pool.get_new_blocks(need)
@@ -347,7 +345,7 @@ class HiSparseEngine:
                 self.pages.extend(sid, n - have, self._allocate(s, need) if need else [])
                 self._grow_seq_meta(s, -(-n // self.bs))
             kb, vb = k[b].to(self.device, self.dtype), v[b].to(self.device, self.dtype)
-            nbytes, events = self.host.write(layer, self._block_table(s), s.tail, p0, kb, vb)
+            nbytes, events = self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0, kb, vb)
             st = self._stats
             st.backup_bytes += nbytes
             for bits, c in events.counts.items():
@@ -409,7 +407,7 @@ class HiSparseEngine:
     def _context(self, s: _Seq, layer: int, heads: torch.Tensor, pos: torch.Tensor,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         full = self.pages.num_tokens(s.seq_id) // self.bs
-        k, v = self.host.read(layer, self._block_table(s), s.tail, full, heads.cpu(), pos.cpu(), dtype)
+        k, v = self.host.read(layer, self._block_table(s, cpu=True), s.tail, full, heads.cpu(), pos.cpu(), dtype)
         return k.to(self.device), v.to(self.device)
 
     def _visible(self, s: _Seq, n: int) -> torch.Tensor:
@@ -502,31 +500,40 @@ class HiSparseEngine:
         return out
 
     def _plan_copy(self, s: _Seq, heads, toks, slots, src_rows, src_tail, dst_rows, dst_tail) -> None:
-        """Host rows of tokens to load and their flat hot-buffer rows (row, head, slot)."""
+        """Host rows of tokens to load and their flat hot-buffer rows (row, head, slot).
+
+        Rows are computed where the page table lives (metadata_device), so that with
+        metadata_device="device" the decode path never copies indices to the host.
+        """
         if toks.numel() == 0:
             return
-        heads_c, toks_c = heads.cpu(), toks.cpu()
-        dst = ((s.row * self.Hkv + heads) * self.S + slots).cpu()
+        md = self.meta_device
+        h, t = heads.to(md), toks.to(md)
+        dst = (s.row * self.Hkv + heads) * self.S + slots
         bt = self._block_table(s)
         if self.host.quantized:
-            in_tail = toks_c // self.bs >= self.pages.num_tokens(s.seq_id) // self.bs
-            m, t = ~in_tail, in_tail
-            src_rows.append(self.host.rows(bt, heads_c[m], toks_c[m]))
-            dst_rows.append(dst[m])
-            src_tail.append(self.host.tail_rows(s.tail, heads_c[t], toks_c[t]))
-            dst_tail.append(dst[t])
+            in_tail = t // self.bs >= self.pages.num_tokens(s.seq_id) // self.bs
+            src_rows.append(self.host.rows(bt, h[~in_tail], t[~in_tail]))
+            src_tail.append(self.host.tail_rows(s.tail, h[in_tail], t[in_tail]))
+            in_tail = in_tail.to(dst.device)
+            dst_rows.append(dst[~in_tail])
+            dst_tail.append(dst[in_tail])
         else:
-            src_rows.append(self.host.rows(bt, heads_c, toks_c))
+            src_rows.append(self.host.rows(bt, h, t))
             dst_rows.append(dst)
 
     def _swap_in(self, layer: int, src_rows, src_tail, dst_rows, dst_tail) -> None:
         if not src_rows and not src_tail:
             return
-        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
+        def cat(xs, device):
+            return torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)
+
         dk = self.k_hot[layer].view(-1, self.D)
         dv = self.v_hot[layer].view(-1, self.D)
-        dst_r, dst_t = cat(dst_rows).to(self.device), cat(dst_tail).to(self.device)
-        self._stats.swap_in_bytes += self.host.load(layer, cat(src_rows), cat(src_tail), dk, dv, dst_r, dst_t)
+        md = self.meta_device
+        self._stats.swap_in_bytes += self.host.load(
+            layer, cat(src_rows, md), cat(src_tail, md), dk, dv,
+            cat(dst_rows, self.device), cat(dst_tail, self.device))
 
     # -- audit and recalibration ---------------------------------------------------------------
     def _audit(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> None:

@@ -172,14 +172,15 @@ class HostPool:
             return 2 * rows.numel() * self.D * store["k"].element_size()
         nbytes = 0
         if tail_rows.numel():
+            tail_rows = tail_rows.cpu()  # tail blocks are small and host-only
             swap_in(store["k_tail"], tail_rows, dst_k, dst_tail_rows)
             swap_in(store["v_tail"], tail_rows, dst_v, dst_tail_rows)
             nbytes += 2 * tail_rows.numel() * self.D * store["k_tail"].element_size()
         if rows.numel():
             for prefix, dst in (("k", dst_k), ("v", dst_v)):
-                row_bits = store[f"{prefix}_bits"][rows // self.bs]
+                row_bits = store[f"{prefix}_bits"][(rows // self.bs).cpu()]
                 for b in row_bits.unique().tolist():
-                    sel = (row_bits == b).nonzero().squeeze(1)
+                    sel = (row_bits == b).nonzero().squeeze(1).to(rows.device)
                     P = packed_width(self.D, b)
                     swap_in_dequant(store[f"{prefix}_packed"][:, :P], store[f"{prefix}_scale"],
                                     store[f"{prefix}_zero"], b, self.bs, rows[sel], dst, dst_rows[sel])

@@ -45,12 +45,13 @@ def test_full_budget_equals_dense_on_cuda(dtype, tol):
 
 
 @needs_cuda
-@pytest.mark.parametrize("bits", [None, "auto"])
-def test_planted_needles_and_topic_shift_on_cuda(bits):
+@pytest.mark.parametrize("bits,meta", [(None, "cpu"), ("auto", "cpu"), (None, "device"), ("auto", "device")])
+def test_planted_needles_and_topic_shift_on_cuda(bits, meta):
     Hq, Hkv, D = 4, 2, 32
     wl = PlantedWorkload(Hkv, Hq, D, seed=1)
     cfg = HiSparseConfig(max_seq_len=8192, cache_block_size=32, window_size=32, global_tokens=12, top_k=128,
-                         audit_every=1, audit_top_m=8, drift_floor=0.0, telemetry=False, host_kv_bits=bits)
+                         audit_every=1, audit_top_m=8, drift_floor=0.0, telemetry=False, host_kv_bits=bits,
+                         metadata_device=meta)
     eng = HiSparseEngine(cfg, 1, Hq, Hkv, D, device="cuda")
     (sid,) = eng.add_sequences(1)
     seg = wl.segment(2048, topic="A", anchors=8, needles=(0, 1, 2, 3), margin=64)

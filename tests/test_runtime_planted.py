@@ -52,8 +52,9 @@ def audited_rate(eng, wl, ids, query, steps):
     return sum(a[4] for a in audits) / lookups
 
 
-def test_query_aware_selection_finds_needles():
-    wl, eng, ids = make(global_tokens=0, audit_top_m=1)
+@pytest.mark.parametrize("bits", [None, "auto"])
+def test_query_aware_selection_finds_needles(bits):
+    wl, eng, ids = make(global_tokens=0, audit_top_m=1, host_kv_bits=bits, metadata_device="device")
     needles = tuple(range(16))
     seg = wl.segment(4096, needles=needles, margin=64)
     run_prefill(eng, ids, seg.k[None], seg.v[None])
