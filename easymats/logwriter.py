@@ -42,14 +42,14 @@ def _num(x: float) -> float | None:
 _FAST = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 
-def _finite(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """``obj`` with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
     if isinstance(obj, float):
         return _num(obj)
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -92,7 +92,7 @@ class LogWriter:
             # The C encoder in one go; a NaN or infinity (rare) takes the slow path below.
             text = _FAST.encode(obj)
         except ValueError:
-            text = json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
+            text = json.dumps(json_safe(obj), separators=(",", ":"), allow_nan=False)
         return (text + "\n").encode("utf-8")
 
     def _write_now(self, data: bytes) -> None:

@@ -11,11 +11,10 @@ import collections
 import json
 import math
 import operator
-import time
 from typing import Any
 
 from . import procinfo
-from .logwriter import LOG_VERSION, _finite, metric_value, series_key
+from .logwriter import LOG_VERSION, json_safe, series_key
 from .nvml import ProcessGpuReading
 from .procmetrics import ProcessProbe, ProcessReading
 from .segment import Histogram, SegmentError, SegmentReader, Snapshot
@@ -255,7 +254,7 @@ class Target:
         snap = self.snapshot
         metrics = self._metrics_json(snap) if snap is not None else "{}"
         if metrics is None:
-            return json.dumps(_finite(self.log_line(t, lag_s)), separators=(",", ":"))
+            return json.dumps(json_safe(self.log_line(t, lag_s)), separators=(",", ":"))
         head = self._head
         if head is None or head[0] != self.name:
             # Per target: name and pid are fixed text; t, up and lag_s go through one %-format.
@@ -274,7 +273,7 @@ class Target:
         g = self.gpu
         if g is not None:
             if g is not self._gpu_text[0]:  # a new NVML reading (once per --nvml-interval)
-                self._gpu_text = (g, ',"gpu":' + json.dumps(_finite(
+                self._gpu_text = (g, ',"gpu":' + json.dumps(json_safe(
                     [{"gpu": r.gpu, "memory_bytes": r.memory_bytes, "utilization_ratio": r.utilization_ratio}
                      for r in g]), separators=(",", ":")))
             parts.append(self._gpu_text[1])
