@@ -619,6 +619,8 @@ class HiSparseEngine:
                 self._stats.step_duration.observe(time.perf_counter() - self._step_t0)
         self._step_t0 = None
         self._audit_at = None
+        for kept in self._last_kv:  # exact copies of this step's new K/V: only prefill attend used them
+            kept.clear()
         req = self.publisher.poll_control()
         if req is not None:
             if req.action == "recalibrate":
