@@ -363,3 +363,39 @@ def test_target_filter_with_a_name_json_may_escape(tmp_path):
         stats = reader.ReadStats()
         got = [r for r in reader.iter_records([str(path)], stats, target=name) if r["kind"] == "sample"]
         assert len(got) == 30
+
+
+_json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False),
+                         st.text(max_size=5))
+_metric_value = st.one_of(_json_scalar, st.fixed_dictionaries(
+    {"bounds": st.lists(st.floats(0, 1), max_size=3), "counts": st.lists(_json_scalar, max_size=4), "sum": _json_scalar}))
+
+
+@given(st.lists(st.one_of(
+    st.binary(max_size=40),
+    st.fixed_dictionaries({
+        "v": st.sampled_from([1, 1, 2, "1"]), "kind": st.sampled_from(["sample", "event", "header", "x"]),
+        "t": st.one_of(st.floats(1e9, 2e9), _json_scalar), "target": st.one_of(st.sampled_from(["a", "b"]), _json_scalar),
+        "pid": _json_scalar, "up": _json_scalar, "lag_s": _json_scalar, "event": st.sampled_from(["restart", "down", "attach"]),
+        "metrics": st.one_of(_json_scalar, st.dictionaries(
+            st.sampled_from(["hisparse_anchor_hits_total", "hisparse_anchor_lookups_total",
+                             'hisparse_kv_blocks{state="active"}', 'hisparse_kv_blocks{state="free"}',
+                             'hisparse_kv_blocks{state="pending_recycle"}', "hisparse_step_duration_seconds",
+                             'hisparse_recalibrations_total{reason="drift"}', "hisparse_config_info{a=",
+                             'hisparse_kv_memory_bytes{kind="metadata",tier="device"}']), _metric_value)),
+        "process": st.one_of(st.none(), st.fixed_dictionaries({"rss_bytes": _json_scalar}))}),
+), max_size=40))
+@settings(max_examples=150, deadline=None)
+def test_any_log_content_is_read_without_crashing(tmp_path_factory, items):
+    path = tmp_path_factory.mktemp("fuzz") / "run.log"
+    with open(path, "wb") as f:
+        for it in items:
+            line = it.replace(b"\n", b" ") if isinstance(it, bytes) else json.dumps(it).encode()
+            f.write(line + b"\n")
+    a, stats = analyse_file(str(path))
+    from easymats.report import html
+    from easymats.report.cli import format_findings
+
+    format_findings(diagnose_all(a.targets))
+    html.render(title="t", stats=stats, targets=a.targets, findings=[], plots=[], window_s=10.0)
+    assert stats.lines == len(items)
