@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -193,3 +194,23 @@ def test_doctor_reports_a_target_that_exits_mid_window():
     reaper.join()
     assert p.returncode == 1, p.stdout + p.stderr
     assert "decode-0 went down during the window" in p.stdout
+
+
+def test_live_diagnosis_from_real_snapshots():
+    """What the agent's live view would do: feed segment snapshots, ask for the most urgent finding."""
+    from easymats.report.live import LiveDiagnosis
+    from easymats.segment import SegmentReader
+
+    proc, path = start_target("decode-0", duration=6.0, extra=["--anchor-hit", "0.2"])
+    live = LiveDiagnosis(horizon_s=2.0, window_s=1.0)
+    try:
+        with SegmentReader(path) as r:
+            t0 = time.time()
+            while time.time() - t0 < 2.5:
+                live.feed_snapshot(r.read(), "decode-0")
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait()
+    line = live.urgent()
+    assert line is not None and line.startswith("decode-0: Anchor hit rate is low"), line

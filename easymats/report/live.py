@@ -126,6 +126,10 @@ class LiveDiagnosis:
         for _, a in self._runs:
             a.feed(rec)
 
+    def feed_snapshot(self, snap: Snapshot, target: str, t: float | None = None) -> None:
+        """Feed a segment snapshot directly (what the agent's live view holds)."""
+        self.feed(snapshot_record(snap, target, time.time() if t is None else t, 0.0))
+
     def findings(self) -> list:
         from .findings import RuleConfig, diagnose_all
 
