@@ -26,7 +26,7 @@ import torch
 from hi_sparse.kernels import block_bounds, block_scores, sparse_decode_attention
 
 from . import __version__
-from .audit import RecalibrationController, attention_mass, audit_hits, distillation_target
+from .audit import audit_hits
 from .block_pool import BlockPool
 from .config import HiSparseConfig
 from .host_pool import HostPool
@@ -34,6 +34,7 @@ from .hot_buffer import HotBufferState
 from .metrics import DeviceCounters, Publisher, RuntimeStats
 from .page_table import PageTable, PoolExhausted, SequencePages
 from .probe import ImportanceProbe, probe_threshold
+from .recalibration import RecalibrationController, pick_anchors, score_tokens, training_set
 from .selection import select
 
 _PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk
@@ -563,42 +564,24 @@ class HiSparseEngine:
             return  # nothing is pinned, so there is nothing to re-score or fit
         for layer in range(self.L):
             xs, ys, picks = [], [], []
+            g = torch.Generator().manual_seed(cfg.seed + layer)
             for s in self.seqs.values():
                 nq, n = s.q_count[layer], s.n[layer]
-                if nq == 0 or n - s.first <= 0:
+                if nq == 0 or n - s.first <= cfg.window_size:
                     continue
                 keys, _ = self._context(s, layer, torch.arange(self.Hkv)[:, None], torch.arange(n)[None])
-                vis = self._visible(s, n)
-                outside = vis & (torch.arange(n, device=self.device) < n - cfg.window_size)
                 qs = s.queries[layer][-nq:].view(nq, self.Hkv, self.G, self.D)
-                # recent queries count most: after a topic shift the new topic wins within a
-                # couple of steps (weight halves per step of age)
-                w = (0.5 ** torch.arange(nq - 1, -1, -1, dtype=torch.float32)).repeat_interleave(self.G)
-                mass = torch.stack([attention_mass(qs[:, h].reshape(-1, self.D), keys[h], vis, self.scale, w)
-                                    for h in range(self.Hkv)])                       # (Hkv, n)
-                mass = torch.where(outside[None], mass, torch.zeros_like(mass))
-                m = min(cfg.recalibrate_topk, int(outside.sum()))
-                if m == 0:
+                mass, target, outside = score_tokens(qs, keys, self._visible(s, n), cfg.window_size, self.scale)
+                if not bool(outside.any()):
                     continue
-                top_m = mass.topk(m, dim=1)
-                target = distillation_target(mass, int(vis.sum()))
-                picks.append((s, target, int(outside.sum())))
-                # training set: the m heaviest tokens per head plus a sample of the rest
-                g = torch.Generator().manual_seed(cfg.seed + layer)
-                cand = torch.nonzero(outside).squeeze(1).cpu()
-                for h in range(self.Hkv):
-                    neg = cand[torch.randperm(cand.numel(), generator=g)[:512]].to(self.device)
-                    idx = torch.cat([top_m.indices[h], neg])
-                    xs.append(keys[h, idx])
-                    ys.append(target[h, idx])
+                x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g)
+                xs.append(x)
+                ys.append(y)
+                picks.append((s, mass, target, outside))
             if xs:
-                self.probes[layer].fit(torch.cat(xs).cpu(), torch.cat(ys).cpu())
-            for s, target, n_out in picks:
-                a = min(A, n_out)
-                top = target.topk(a, dim=1)                                                # (Hkv, a)
-                # pinned with their measured relative mass: a probe-picked token must beat it
-                s.anchors[layer] = torch.nn.functional.pad(top.indices, (0, A - a), value=-1)
-                s.anchor_p[layer] = torch.nn.functional.pad(top.values, (0, A - a), value=-1.0)
+                self.probes[layer].fit(torch.cat(xs), torch.cat(ys))
+            for s, mass, target, outside in picks:
+                s.anchors[layer], s.anchor_p[layer] = pick_anchors(mass, target, outside, A)
 
     # -- steps ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
