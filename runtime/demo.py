@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--duration must be > 0 seconds")
     _stop_on_sigterm()
     device = pick_device(args.device)
-    if device.type == "cpu":
-        # The demo's tensors are tiny: one thread is as fast, and it does not collapse when the
-        # machine is busy (spinning OpenMP workers on an oversubscribed CPU cost 10-30x).
-        torch.set_num_threads(1)
+    # The demo's CPU-side tensors are tiny (on CUDA too: host pool, quantization): one thread is
+    # as fast, and it does not collapse when the machine is busy (spinning OpenMP workers on an
+    # oversubscribed CPU cost 10-30x here).
+    torch.set_num_threads(1)
     from .demo_longctx import LongContextWorkload
 
     generate = longctx = None
