@@ -25,7 +25,6 @@ PY=${PY:-python3}
   free -g | head -2
 } 2>&1 | tee "$OUT/env.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-150} $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_runtime_gpu.py \
-    tests/test_integration.py tests/test_agent_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -30
+  timeout ${TEST_TIMEOUT:-150} $PY -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/test_runtime_gpu.py tests/test_integration.py tests/test_agent_gpu.py} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -30
 fi
 timeout ${BENCH_TIMEOUT:-330} $PY benchmarks/e2e_h200.py --json "$OUT/e2e.json" "$@" 2>&1 | tee "$OUT/e2e.txt"
