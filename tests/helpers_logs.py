@@ -327,8 +327,10 @@ def rotate_file(path: str, max_bytes: int) -> list[str]:
                     out.close()
                 chunks.append(f"{path}.part{len(chunks)}")
                 out = open(chunks[-1], "w", encoding="utf-8")
-                out.write(head)
-                size = len(head)
+                # the agent writes a fresh header, stamped at the rotation, at the top of each file
+                fresh = json.dumps(dict(json.loads(head), t=json.loads(line).get("t")), separators=(",", ":")) + "\n"
+                out.write(fresh)
+                size = len(fresh)
             out.write(line)
             size += len(line)
     if out is not None:

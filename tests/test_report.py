@@ -399,3 +399,21 @@ def test_any_log_content_is_read_without_crashing(tmp_path_factory, items):
     format_findings(diagnose_all(a.targets))
     html.render(title="t", stats=stats, targets=a.targets, findings=[], plots=[], window_s=10.0)
     assert stats.lines == len(items)
+
+
+def test_rotated_files_outside_the_time_range_are_not_read(tmp_path):
+    path = str(tmp_path / "run.log")
+    H.write_scenario(path, "healthy", 60.0)
+    files = H.rotate_file(path, 40_000)
+    assert len(files) >= 4
+    spans = [reader.file_span(f) for f in files]
+    assert all(a <= b for a, b in spans) and all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))
+    lo, hi = spans[1][1] + 0.05, spans[2][1] - 0.05  # inside the third file only
+    stats = reader.ReadStats()
+    got = [r for r in reader.iter_records(files, stats, t_from=lo, t_to=hi) if r["kind"] == "sample"]
+    assert got and all(lo <= r["t"] <= hi for r in got)
+    assert files[0] in stats.skipped_files and files[-1] in stats.skipped_files
+    assert files[2] not in stats.skipped_files
+    all_stats = reader.ReadStats()
+    expected = [r for r in reader.iter_records(files, all_stats) if r["kind"] == "sample" and lo <= r["t"] <= hi]
+    assert [r["t"] for r in got] == [r["t"] for r in expected]

@@ -140,8 +140,9 @@ def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_f
     except OSError as exc:
         raise Usage(f"cannot write {out_path}: {exc.strerror}") from None
     span = (stats.last_t or 0.0) - (stats.first_t or 0.0)
+    outside = f" ({len(stats.skipped_files)} outside --from/--to not read)" if stats.skipped_files else ""
     click.echo(f"{stats.samples} samples of {len(analysis.targets)} target(s) over {fmt_s(span)} "
-               f"from {len(files)} file(s); {stats.skipped} unreadable line(s) skipped.")
+               f"from {len(files)} file(s){outside}; {stats.skipped} unreadable line(s) skipped.")
     click.echo(format_findings(findings))
     click.echo(f"wrote {out_path}" + (f" and {len(rendered)} PNG(s) in {png_dir}" if png_dir else ""))
 

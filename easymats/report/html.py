@@ -75,7 +75,9 @@ def render(*, title: str, stats: ReadStats, targets: dict[str, TargetRun], findi
            f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"]
     span = (stats.last_t - stats.first_t) if stats.first_t is not None and stats.last_t is not None else 0.0
     out.append(
-        f"<p class=\"muted\">Files (oldest first): {_e(', '.join(stats.files))}<br>"
+        f"<p class=\"muted\">Files (oldest first): {_e(', '.join(stats.files))}"
+        + (f" ({len(stats.skipped_files)} wholly outside the time range, not read)" if stats.skipped_files else "")
+        + "<br>"
         f"{stats.lines} lines, {stats.samples} samples, {stats.events} events; {stats.skipped} unreadable "
         f"line(s) skipped{(' at ' + _e(', '.join(stats.skipped_where))) if stats.skipped_where else ''}; "
         f"{stats.ignored} ignored (other kinds, targets or times).<br>"

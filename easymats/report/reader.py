@@ -135,6 +135,7 @@ class ReadStats:
     skipped: int = 0  # lines that did not parse
     ignored: int = 0  # unknown kinds, newer versions, other targets, outside the time range
     skipped_where: list[str] = field(default_factory=list)  # first few "file:line" of skipped lines
+    skipped_files: list[str] = field(default_factory=list)  # rotated files wholly outside --from/--to
     first_t: float | None = None
     last_t: float | None = None
     header: dict[str, Any] | None = None
@@ -192,6 +193,35 @@ def first_time(files: list[str]) -> float | None:
     return None
 
 
+def _time_of(line: bytes) -> float | None:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    t = obj.get("t") if isinstance(obj, dict) else None
+    return float(t) if isinstance(t, (int, float)) else None
+
+
+def file_span(path: str, tail_bytes: int = 1 << 16) -> tuple[float | None, float | None]:
+    """(first, last) record time of one file, reading only its head and its tail."""
+    first = last = None
+    for _, line in _read_lines(path):
+        if line is not None and (first := _time_of(line)) is not None:
+            break
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            tail = f.read().split(b"\n")
+    except OSError:
+        return first, None
+    for line in reversed(tail[1:] if size > tail_bytes else tail):
+        if line.strip() and (last := _time_of(line)) is not None:
+            break
+    return first, last
+
+
 def iter_records(files: list[str], stats: ReadStats, *, target: str | None = None,
                  t_from: float | None = None, t_to: float | None = None) -> Iterator[dict[str, Any]]:
     """Yield sample and event records (dicts as in the log) in file order, filtered.
@@ -203,6 +233,13 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
     needle = json.dumps(target).encode() if plain else None
     stats.files = list(files)
     for path in files:
+        if t_from is not None or t_to is not None:
+            # A rotated file wholly outside the time range is skipped unread (records are in time order).
+            first, last = file_span(path)
+            if (t_from is not None and last is not None and last < t_from) or \
+                    (t_to is not None and first is not None and first > t_to):
+                stats.skipped_files.append(path)
+                continue
         try:
             stats.bytes += os.path.getsize(path)
         except OSError:
