@@ -58,7 +58,10 @@ class RuleConfig:
 def fmt_t(t: float | None, run: TargetRun | None = None) -> str:
     if t is None:
         return "?"
-    s = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + " UTC"
+    try:
+        s = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) + " UTC"
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds (a corrupt log)
+        s = f"t={t:g}"
     if run is not None and run.first_t is not None:
         s += f" (+{fmt_s(t - run.first_t)})"
     return s

@@ -80,8 +80,8 @@ def _time_axis(run: TargetRun) -> tuple[float, float, str]:
     """(origin, divisor, label) so x = (t - origin) / divisor."""
     dur = run.duration_s
     div, unit = (3600.0, "hours") if dur > 3 * 3600 else (60.0, "minutes") if dur > 180 else (1.0, "seconds")
-    import time as _time
-    start = _time.strftime("%Y-%m-%d %H:%M:%S UTC", _time.gmtime(run.first_t or 0.0))
+    from .findings import fmt_t
+    start = fmt_t(run.first_t or 0.0)
     return run.first_t or 0.0, div, f"{unit} since {start}"
 
 
