@@ -417,3 +417,17 @@ def test_rotated_files_outside_the_time_range_are_not_read(tmp_path):
     all_stats = reader.ReadStats()
     expected = [r for r in reader.iter_records(files, all_stats) if r["kind"] == "sample" and lo <= r["t"] <= hi]
     assert [r["t"] for r in got] == [r["t"] for r in expected]
+
+
+def test_infinite_or_nan_times_and_values_are_handled(tmp_path):
+    a = 'hisparse_kv_blocks{state=\\"active\\"}'
+    path = tmp_path / "inf.log"
+    path.write_text("\n".join([
+        '{"v":1,"kind":"sample","t":1795990000.0,"target":"a","pid":1,"up":true,"lag_s":0,"metrics":{"%s":3}}' % a,
+        '{"v":1,"kind":"sample","t":Infinity,"target":"a","pid":1,"up":true,"lag_s":0,"metrics":{"%s":3}}' % a,
+        '{"v":1,"kind":"sample","t":NaN,"target":"a","pid":1,"up":true,"lag_s":0,"metrics":{}}',
+        '{"v":1,"kind":"sample","t":1795990000.1,"target":"a","pid":1,"up":true,"lag_s":NaN,"metrics":{"%s":Infinity}}' % a,
+    ]) + "\n")
+    an, stats = analyse_file(str(path))
+    assert stats.samples == 2 and stats.skipped == 2
+    assert an.targets["a"].sketches["active_blocks"].max == 3

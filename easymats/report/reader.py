@@ -9,6 +9,7 @@ skipped (a crash can only cut the last line of a file); unknown kinds and keys a
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -260,7 +261,8 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
             except ValueError:
                 _skip(stats, path, lineno)
                 continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("t"), (int, float)):
+            if not isinstance(obj, dict) or not isinstance(obj.get("t"), (int, float)) or \
+                    not math.isfinite(obj["t"]):  # Python's json reads Infinity/NaN: no time at all
                 _skip(stats, path, lineno)
                 continue
             kind = obj.get("kind")
