@@ -615,7 +615,7 @@ class HiSparseEngine:
         reason = self.recal.due(ready)
         if reason is not None:
             self._recalibrate()
-            self.recal.done()
+            self.recal.done(reason)
             self._stats.recalibrations[reason] += 1
             if reason == "request" and self._pending_ack is not None:
                 self.publisher.ack(self._pending_ack)

@@ -198,9 +198,11 @@ class HostPool:
         heads, pos = torch.broadcast_tensors(heads, pos)
         shape = pos.shape
         heads, pos = heads.reshape(-1), pos.reshape(-1)
-        out_k = torch.empty(pos.numel(), self.D, dtype=dtype)
-        out_v = torch.empty(pos.numel(), self.D, dtype=dtype)
+        # read in the stored dtype (swap-in copies without converting), convert once at the end
+        out_k = torch.empty(pos.numel(), self.D, dtype=self.dtype)
+        out_v = torch.empty(pos.numel(), self.D, dtype=self.dtype)
         idx = torch.arange(pos.numel())
+        empty = torch.empty(0, dtype=torch.int64)
         if self.quantized:
             in_tail = pos // self.bs >= full_blocks
             t = in_tail.nonzero().squeeze(1)
@@ -208,9 +210,6 @@ class HostPool:
             self.load(layer, self.rows(block_table, heads[m], pos[m]),
                       self.tail_rows(tail_slot, heads[t], pos[t]), out_k, out_v, idx[m], idx[t])
         else:
-            if self.dtype != dtype:
-                out_k, out_v = out_k.to(self.dtype), out_v.to(self.dtype)
-            empty = torch.empty(0, dtype=torch.int64)
             self.load(layer, self.rows(block_table, heads, pos), empty, out_k, out_v, idx, empty)
-            out_k, out_v = out_k.to(dtype), out_v.to(dtype)
+        out_k, out_v = out_k.to(dtype), out_v.to(dtype)
         return out_k.view(*shape, self.D), out_v.view(*shape, self.D)

@@ -28,7 +28,14 @@ def distillation_target(mass: torch.Tensor, n_visible: int, gain: float = 100.0)
 
 
 class RecalibrationController:
-    """Pure decision logic; the engine performs the recalibration and calls :meth:`done`."""
+    """Pure decision logic; the engine performs the recalibration and calls :meth:`done`.
+
+    Drift is judged on the audits since the last recalibration. When a drift recalibration does
+    not lift the rate above the floor (anchors cannot help: the workload has none), the next one
+    waits twice as many audits (up to 64 x ``drift_window``), so drift never becomes a storm.
+    """
+
+    MAX_BACKOFF = 64
 
     def __init__(self, every_tokens: int, drift_floor: float, drift_window: int) -> None:
         self.every = every_tokens
@@ -37,7 +44,8 @@ class RecalibrationController:
         self.tokens_since = 0
         self.calibrated = False
         self.requested: str | None = None
-        self.history: deque[tuple[int, int]] = deque(maxlen=drift_window)
+        self.backoff = 1
+        self.history: deque[tuple[int, int]] = deque(maxlen=drift_window * self.MAX_BACKOFF)
 
     def on_tokens(self, n: int) -> None:
         self.tokens_since += n
@@ -45,13 +53,19 @@ class RecalibrationController:
     def on_audit(self, lookups: int, hits: int) -> None:
         if lookups:
             self.history.append((lookups, hits))
+            need = self.window * self.backoff
+            rate = self.audited_rate(need)
+            if len(self.history) >= need and rate is not None and rate >= self.floor:
+                self.backoff = 1  # healthy over a whole judged window: judge promptly again
 
     def request(self, reason: str = "request") -> None:
         self.requested = reason
 
-    def audited_rate(self) -> float | None:
-        look = sum(lk for lk, _ in self.history)
-        return None if not look else sum(h for _, h in self.history) / look
+    def audited_rate(self, last: int | None = None) -> float | None:
+        """Hits / lookups over the last ``last`` audits (all since the last recalibration if None)."""
+        hist = list(self.history)[-last:] if last else self.history
+        look = sum(lk for lk, _ in hist)
+        return None if not look else sum(h for _, h in hist) / look
 
     def due(self, ready: bool) -> str | None:
         """The reason to recalibrate now, or None. ``ready``: there is context and queries to use."""
@@ -59,14 +73,17 @@ class RecalibrationController:
             return None
         if self.requested:
             return self.requested
-        rate = self.audited_rate()
-        if len(self.history) == self.window and rate is not None and rate < self.floor:
+        need = self.window * self.backoff
+        rate = self.audited_rate(need)
+        if len(self.history) >= need and rate is not None and rate < self.floor:
             return "drift"
         if not self.calibrated or self.tokens_since >= self.every:
             return "schedule"
         return None
 
-    def done(self) -> None:
+    def done(self, reason: str | None = None) -> None:
+        if reason == "drift":
+            self.backoff = min(self.MAX_BACKOFF, self.backoff * 2)
         self.tokens_since = 0
         self.calibrated = True
         self.requested = None

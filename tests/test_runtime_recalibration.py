@@ -22,8 +22,27 @@ def test_controller_reasons_and_their_order():
     assert c.audited_rate() == 13 / 24 and c.due(True) == "drift"
     c.request("request")
     assert c.due(True) == "request"                        # an explicit request wins
-    c.done()
+    c.done("request")
     assert c.due(True) is None and c.audited_rate() is None  # drift judged on new anchors only
+
+
+def test_drift_that_does_not_help_backs_off():
+    c = RecalibrationController(every_tokens=10**9, drift_floor=0.6, drift_window=2)
+    c.done("schedule")
+    fired = []
+    for step in range(40):                                 # anchors never help: rate stays 0
+        c.on_audit(8, 0)
+        if c.due(True) == "drift":
+            fired.append(step)
+            c.done("drift")
+    gaps = [b - a for a, b in zip(fired, fired[1:])]
+    assert fired[0] == 1 and gaps == [4, 8, 16]            # 2, then 4, 8, 16 audits apart
+    assert len(c.history) == 10                            # failing audits since the last drift
+    for _ in range(21):
+        c.on_audit(8, 8)
+    assert c.backoff == 16                                 # not yet a whole judged window of 32
+    c.on_audit(8, 8)
+    assert c.backoff == 1                                  # healthy over it: prompt judgement
 
 
 def test_anchors_ranked_by_mass_even_when_targets_saturate():
