@@ -126,10 +126,33 @@ def _ms(x: float | None) -> str:
 class LiveView:
     """Keeps WINDOW_S of snapshots per target and renders the table or the summary line."""
 
-    def __init__(self, window_s: float = WINDOW_S, colour: bool = True):
+    def __init__(self, window_s: float = WINDOW_S, colour: bool = True, diagnosis_factory=None):
+        """``diagnosis_factory()`` makes one live diagnosis per target (default: the report's
+        LiveDiagnosis with its two-minute horizon); the table shows its most urgent finding."""
         self.window_s = window_s
+        self._diagnosis_factory = diagnosis_factory
         self.colour = colour
         self._hist: dict[int, collections.deque[tuple[float, Snapshot]]] = {}
+        self._diagnosis: dict[int, object] = {}  # per target: the report's rules over the live run
+
+    def _diagnose(self, tg: Target, snap: Snapshot, now: float) -> None:
+        diag = self._diagnosis.get(id(tg))
+        if diag is None:
+            factory = self._diagnosis_factory
+            if factory is None:
+                from .report.live import LiveDiagnosis as factory  # the rules of `easymats report`
+            diag = self._diagnosis[id(tg)] = factory()
+        diag.feed_snapshot(snap, tg.name, now)
+
+    def urgent(self, targets: Iterable[Target]) -> list[str]:
+        """One line per target with a current finding (the most urgent one; it names the target)."""
+        lines = []
+        for tg in targets:
+            diag = self._diagnosis.get(id(tg))
+            line = diag.urgent() if diag is not None else None
+            if line:
+                lines.append(line)
+        return lines
 
     def observe(self, targets: Iterable[Target], now: float) -> None:
         for tg in targets:
@@ -139,6 +162,7 @@ class LiveView:
             q = self._hist.setdefault(id(tg), collections.deque())
             if not q or q[-1][1] is not snap:
                 q.append((now, snap))
+                self._diagnose(tg, snap, now)
             while len(q) > 2 and q[0][0] < now - self.window_s:
                 q.popleft()
 
@@ -192,5 +216,6 @@ class LiveView:
 
     def draw(self, out: TextIO, targets: list[Target], title: str = "") -> None:
         """Redraw the table in place (cursor home, clear screen)."""
-        out.write("\033[H\033[2J" + (title + "\n" if title else "") + self.table(targets) + "\n")
+        urgent = "".join(f"\n{self._c('! ' + line, 'bad')}" for line in self.urgent(targets))
+        out.write("\033[H\033[2J" + (title + "\n" if title else "") + self.table(targets) + urgent + "\n")
         out.flush()

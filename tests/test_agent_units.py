@@ -119,3 +119,31 @@ def test_live_view_renders_colours_and_waits_for_a_second_sample():
     table = v.table([tg])
     assert "50.0%" in table and "\033[31m" in table  # anchor hit 50 % < 65 %: red
     assert "anchor=50.0%" in v.summary_line([tg], "00:00:00")
+
+
+def test_live_view_shows_the_most_urgent_finding_of_a_real_target():
+    """The live table ends with the report's most urgent finding for a target in trouble."""
+    import io
+    import time
+
+    from easymats.liveview import LiveView
+    from easymats.report.live import LiveDiagnosis
+    from easymats.targets import Target
+    from helpers_targets import start_target
+
+    proc, path = start_target("decode-0", duration=6.0, extra=["--anchor-hit", "0.2"])
+    view = LiveView(colour=False, diagnosis_factory=lambda: LiveDiagnosis(horizon_s=2.0, window_s=1.0))
+    try:
+        tg = Target(proc.pid, path, peak_window_s=15.0)
+        t0 = time.time()
+        while time.time() - t0 < 2.5:
+            tg.sample(time.time())
+            view.observe([tg], time.time())
+            time.sleep(0.1)
+        out = io.StringIO()
+        view.draw(out, [tg])
+    finally:
+        proc.terminate()
+        proc.wait()
+    screen = out.getvalue()
+    assert "! decode-0: Anchor hit rate is low" in screen, screen
