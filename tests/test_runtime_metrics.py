@@ -76,8 +76,12 @@ def test_no_runtime_metric_stays_constant(segment_dir):
     decode("B", 8)                                        # drift
     ctl = telemetry.ControlFile.open_existing(control_path(seg.path))
     req = ctl.request("recalibrate", reason="test", requester="pytest")
-    decode("B", 2)                                        # request, acknowledged
-    assert ctl.acked()[0] == req
+    for _ in range(50):                                   # the runtime polls at most every 50 ms
+        decode("B", 1)
+        if ctl.acked()[0] == req:
+            break
+        time.sleep(0.01)
+    assert ctl.acked()[0] == req                          # request, acknowledged
     (b,) = eng.add_sequences(1)
     s = wl.segment(40)
     run_prefill(eng, [b], s.k[None], s.v[None])

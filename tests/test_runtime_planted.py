@@ -5,6 +5,8 @@ first recalibration; a topic shift drops the audited anchor hit rate; a recalibr
 through the real control file, or on drift) restores it.
 """
 
+import time
+
 import pytest
 import torch
 
@@ -117,11 +119,12 @@ def test_control_file_request_is_counted_and_acknowledged(segment_dir):
     run_prefill(eng, ids, s.k[None], s.v[None], topic_queries(wl, "A", 8))
     agent_side = telemetry.ControlFile.open_existing(control_path(seg.path))
     req = agent_side.request("recalibrate", reason="EasymatsAnchorHitRateLow", requester="test")
-    for _ in range(3):
+    for _ in range(50):  # the runtime polls the control file at most every 50 ms
         k, v = wl.noise(1)
         run_decode(eng, ids, wl.topic_query("A")[None, :, None], k[None], v[None])
         if agent_side.acked()[0] == req:
             break
+        time.sleep(0.01)
     assert agent_side.acked()[0] == req and agent_side.acked()[2] == 0
     assert eng.stats.recalibrations["request"] == 1
     eng.close()
