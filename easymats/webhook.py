@@ -40,6 +40,7 @@ from .telemetry import ControlFile
 log = logging.getLogger("easymats.webhook")
 
 ACTION = "recalibrate"
+DRAIN_BYTES = 8 << 20  # an oversized body up to this size is read and dropped before the 413
 MAX_BODY_BYTES = 1 << 20
 REMEMBERED_ALERTS = 4096  # (fingerprint, startsAt) keys kept for idempotency, oldest dropped first
 DEFAULT_TIMEOUT_S = 10.0
@@ -232,6 +233,15 @@ class Webhook:
                 except ValueError:
                     length = -1
                 if length < 0 or length > MAX_BODY_BYTES:
+                    if MAX_BODY_BYTES < length <= DRAIN_BYTES:
+                        # Read and drop the body so the client finishes sending and reads the 413,
+                        # instead of failing with a broken pipe.
+                        left = length
+                        while left > 0:
+                            chunk = self.rfile.read(min(left, 1 << 16))
+                            if not chunk:
+                                break
+                            left -= len(chunk)
                     with hook._lock:
                         hook._codes["413" if length > 0 else "400"] = hook._codes.get(
                             "413" if length > 0 else "400", 0) + 1
