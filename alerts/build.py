@@ -262,26 +262,35 @@ def main(argv: list[str] | None = None) -> int:
     rules = build_rules()
     text = render(rules)
     issues = problems(rules)
-    if args.check:
+    return write_or_check(args.output, text, issues, check=args.check, tool="alerts/build.py")
+
+
+def write_or_check(path: str, text: str, issues: list[str], *, check: bool, tool: str) -> int:
+    """Write a generated file, or with ``check`` compare it; print ``issues``; the exit status.
+
+    Shared by alerts/build.py and dashboards/build.py: generated files are never edited by hand,
+    and CI fails when one is stale or names a metric the catalogue does not define.
+    """
+    issues = list(issues)
+    if check:
         try:
-            with open(args.output, encoding="utf-8") as f:
+            with open(path, encoding="utf-8") as f:
                 current = f.read()
         except FileNotFoundError:
             current = None
         if current != text:
-            issues.append(f"{os.path.relpath(args.output, ROOT)} is stale: run `python alerts/build.py`")
+            issues.append(f"{os.path.relpath(path, ROOT)} is stale: run `python {tool}`")
         for line in issues:
-            print(f"alerts/build.py --check: {line}", file=sys.stderr)
+            print(f"{tool} --check: {line}", file=sys.stderr)
         return 1 if issues else 0
     for line in issues:
-        print(f"alerts/build.py: {line}", file=sys.stderr)
+        print(f"{tool}: {line}", file=sys.stderr)
     if issues:
         return 1
-    with open(args.output, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"wrote {os.path.relpath(args.output, ROOT)}")
+    print(f"wrote {os.path.relpath(path, ROOT)}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

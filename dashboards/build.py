@@ -378,26 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = render(board)
     issues = problems(board)
-    if args.check:
-        try:
-            with open(args.output, encoding="utf-8") as f:
-                current = f.read()
-        except FileNotFoundError:
-            current = None
-        if current != text:
-            issues.append(f"{os.path.relpath(args.output, ROOT)} is stale: run `python dashboards/build.py`")
-        for line in issues:
-            print(f"dashboards/build.py --check: {line}", file=sys.stderr)
-        return 1 if issues else 0
-    for line in issues:
-        print(f"dashboards/build.py: {line}", file=sys.stderr)
-    if issues:
-        return 1
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {os.path.relpath(args.output, ROOT)}")
-    return 0
-
+    return rules.write_or_check(args.output, text, issues, check=args.check, tool="dashboards/build.py")
 
 if __name__ == "__main__":
     sys.exit(main())
