@@ -4,21 +4,7 @@
 # Usage (device tool, repository root, with .whl carried: transformers 5.23 for the integration):
 #   bash benchmarks/gpu_e2e.sh [e2e_h200.py arguments]
 set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-# hi_sparse -> runtime/, hi_sparse.kernels -> kernels/ (pyproject package-dir), without an install.
-PP=$(mktemp -d)
-mkdir -p "$PP/hi_sparse"
-for f in runtime/*; do ln -s "$PWD/$f" "$PP/hi_sparse/"; done
-ln -s "$PWD/kernels" "$PP/hi_sparse/kernels"
-ln -s "$PWD/easymats" "$PP/easymats"
-export PYTHONPATH="$PP${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   $PY -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)'

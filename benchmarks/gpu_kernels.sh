@@ -2,18 +2,7 @@
 # One device call for the kernels (issue 6): environment, GPU tests, benchmarks; results in $OUT.
 # Usage (device tool, repository root): bash benchmarks/gpu_kernels.sh [--quick] [--only swap,attention,quant,hit]
 set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# hi_sparse maps to runtime/ and hi_sparse.kernels to kernels/ (pyproject package-dir): build that
-# layout from links instead of an install, which would need network for its build backend.
-PP=$(mktemp -d)
-mkdir -p "$PP/hi_sparse"
-for f in runtime/*; do ln -s "$PWD/$f" "$PP/hi_sparse/"; done
-ln -s "$PWD/kernels" "$PP/hi_sparse/kernels"
-ln -s "$PWD/easymats" "$PP/easymats"
-export PYTHONPATH="$PP${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   $PY -c 'import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0))'
