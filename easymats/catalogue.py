@@ -67,6 +67,9 @@ _RUNTIME_METRICS = (
        labels=("reason",), label_values={"reason": ("schedule", "request", "drift")}),
     _m("hisparse_kv_blocks", GAUGE, "KV blocks in the host pool, by state (seed: kv_cache_active_blocks).",
        labels=("state",), label_values={"state": ("active", "free", "pending_recycle")}),
+    _m("hisparse_kv_blocks_limit", GAUGE,
+       "Most KV blocks the host pool may hold (host_pool_blocks); 0 when the pool grows on demand "
+       "without a configured limit."),
     _m("hisparse_kv_block_allocations_total", COUNTER, "KV blocks taken from the free pool."),
     _m("hisparse_kv_block_recycles_total", COUNTER,
        "KV blocks returned to the free pool after their recycle grace period."),

@@ -642,6 +642,9 @@ class HiSparseEngine:
                                               self.cfg.threshold_max)
         st.blocks_active, st.blocks_free = self.pool.num_active, self.pool.num_free
         st.blocks_pending = self.pool.num_pending
+        # The limit, not the current size: a pool that grows on demand has none, so "free blocks"
+        # of it say nothing about exhaustion (alerts and the report judge against this).
+        st.blocks_limit = self.cfg.host_pool_blocks or 0
         st.block_allocations, st.block_recycles = self.pool.allocations, self.pool.recycles
         st.block_reclaims = self.pool.reclaims
         st.hot_buffer_resident = sum(hb.resident() for s in self.seqs.values() for hb in s.hot)

@@ -39,6 +39,7 @@ class RuntimeStats:
     blocks_active: int = 0
     blocks_free: int = 0
     blocks_pending: int = 0
+    blocks_limit: int = 0  # host_pool_blocks; 0 for a pool that grows on demand (no limit)
     block_allocations: int = 0
     block_recycles: int = 0
     block_reclaims: int = 0
@@ -104,6 +105,7 @@ _GAUGES = (
     ("hisparse_kv_blocks", {"state": "active"}, "blocks_active"),
     ("hisparse_kv_blocks", {"state": "free"}, "blocks_free"),
     ("hisparse_kv_blocks", {"state": "pending_recycle"}, "blocks_pending"),
+    ("hisparse_kv_blocks_limit", {}, "blocks_limit"),
     ("hisparse_hot_buffer_resident_tokens", {}, "hot_buffer_resident"),
     ("hisparse_hot_buffer_capacity_tokens", {}, "hot_buffer_capacity"),
 )

@@ -29,6 +29,10 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
+# Runtime metrics that do not move during a run by their nature (configuration, not activity).
+CONSTANT_BY_NATURE = {"hisparse_kv_blocks_limit"}
+
+
 def _key(series):
     return series.name, tuple(sorted(series.labels.items()))
 
@@ -103,8 +107,13 @@ def test_no_runtime_metric_stays_constant(segment_dir):
     for spec in runtime:
         keys = [k for k in seen if k[0] == spec.name]
         assert keys, f"{spec.name} never published"
+        if spec.name in CONSTANT_BY_NATURE:
+            continue  # checked for its configured value below instead
         for k in keys:
             assert len(seen[k]) >= 2, f"{k} stayed at {seen[k]}"
+    # The pool's limit is configuration, constant like an info metric: it must be the
+    # configured host_pool_blocks in every snapshot, never the pool's current size or 0.
+    assert seen[("hisparse_kv_blocks_limit", ())] == {36.0}
     # each allowed label value appears (every bit width, every recalibration reason, every state)
     for spec in runtime:
         for label, allowed in spec.label_values.items():
@@ -115,4 +124,25 @@ def test_no_runtime_metric_stays_constant(segment_dir):
     assert st.recalibrations["request"] == 1
     assert all(st.quant_blocks[b] > 0 for b in (4, 5, 6, 8)), st.quant_blocks
     assert st.block_evictions > 0 and st.block_reclaims > 0 and st.block_recycles > 0
+    seg.close()
+
+
+def test_pool_limit_is_zero_for_a_pool_that_grows_on_demand(segment_dir):
+    """Without host_pool_blocks the pool grows: its size is published, but no limit (0)."""
+    seg = telemetry.open_segment("limit-test", labels={"model": "planted"})
+    cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
+                         publish_interval_s=0.0)
+    eng = HiSparseEngine(cfg, 1, HQ, HKV, D, segment=seg, model_name="planted")
+    reader = SegmentReader(seg.path)
+    wl = PlantedWorkload(HKV, HQ, D, seed=3)
+    (a,) = eng.add_sequences(1)
+    sizes = set()
+    for _ in range(3):                                    # 3 x 400 tokens: the pool grows twice or more
+        s = wl.segment(400)
+        run_prefill(eng, [a], s.k[None], s.v[None])
+        snap = reader.read()
+        assert snap.get("hisparse_kv_blocks_limit") == 0.0
+        sizes.add(sum(snap.get("hisparse_kv_blocks", state=st) for st in ("active", "free", "pending_recycle")))
+    assert len(sizes) >= 2, sizes                         # it did grow, and the limit stayed 0
+    eng.close()
     seg.close()
