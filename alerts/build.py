@@ -64,7 +64,10 @@ PREFETCH_RATIO = "target:hisparse_prefetch_used_per_issued:ratio_rate5m"
 HOT_BUFFER_RATIO = "target:hisparse_hot_buffer_hits_per_lookups:ratio_rate5m"
 DENSITY_RATIO = "target:hisparse_kv_tokens_used_per_loaded:ratio_rate5m"
 RECYCLE_RATIO = "target:hisparse_kv_block_recycles_per_active_block:ratio_rate5m"
-FREE_BLOCKS_RATIO = "target:hisparse_kv_blocks_free_per_total:ratio"
+# Headroom of the pool against its limit: (limit - active - pending_recycle) / limit.
+# Not free / current size: a pool that grows on demand is briefly "full" before every growth step
+# and has no limit (0), so it gets no sample here and cannot page.
+FREE_BLOCKS_RATIO = "target:hisparse_kv_blocks_free_per_limit:ratio"
 QUANT_ERROR_QUANTILE = "target_quantile:hisparse_quant_block_relative_error:histogram_quantile_rate5m"
 STEP_QUANTILE = "target_quantile:hisparse_step_duration_seconds:histogram_quantile_rate5m"
 LAG_QUANTILE = "instance_quantile:easymats_sample_lag_seconds:histogram_quantile_rate5m"
@@ -89,8 +92,9 @@ def recording_rules(window: str = RATE_WINDOW) -> list[Recording]:
                   f"sum by ({BY}) (rate(hisparse_kv_block_recycles_total[{window}]))\n"
                   f"/\n(sum by ({BY}) (hisparse_kv_blocks{{state=\"active\"}}) > 0)\n"),
         Recording(FREE_BLOCKS_RATIO,
-                  f"sum by ({BY}) (hisparse_kv_blocks{{state=\"free\"}})\n"
-                  f"/\n(sum by ({BY}) (hisparse_kv_blocks) > 0)\n"),
+                  f"(sum by ({BY}) (hisparse_kv_blocks_limit)\n"
+                  f" - sum by ({BY}) (hisparse_kv_blocks{{state=~\"active|pending_recycle\"}}))\n"
+                  f"/\n(sum by ({BY}) (hisparse_kv_blocks_limit) > 0)\n"),
     ]
     for q in QUANTILES:
         rules.append(Recording(QUANT_ERROR_QUANTILE,
@@ -140,9 +144,11 @@ def alert_rules() -> list[Alert]:
               "coming back to the pool."),
         Alert("HiSparseKVBlocksExhausted", f"{FREE_BLOCKS_RATIO} < {T.KV_FREE_BLOCKS_RATIO_MIN:g}",
               T.KV_FREE_BLOCKS_FOR_S, "critical",
-              f"KV block pool of {{{{ $labels.target }}}} has under {_pct(T.KV_FREE_BLOCKS_RATIO_MIN)} free",
-              "Only {{ $value | humanizePercentage }} of the host KV blocks of {{ $labels.target }} "
-              "are free: new tokens will soon find no block (streaming mode starts overwriting)."),
+              f"KV block pool of {{{{ $labels.target }}}} has under {_pct(T.KV_FREE_BLOCKS_RATIO_MIN)} "
+              "of its limit free",
+              "Active and pending-recycle blocks leave only {{ $value | humanizePercentage }} of the "
+              "host KV pool limit (host_pool_blocks) of {{ $labels.target }} free: new tokens will "
+              "soon find no block (streaming mode starts overwriting)."),
         Alert("HiSparseQuantErrorHigh",
               f"{QUANT_ERROR_QUANTILE}{{quantile=\"0.99\"}} > {T.QUANT_ERROR_P99_MAX:g}",
               T.QUANT_ERROR_FOR_S, "warning",

@@ -41,6 +41,8 @@ class Query:
     expr: str
     legend: str
     instant: bool = False
+    # Drawn as a plain line, never stacked: a limit or a peak over a stacked panel of parts.
+    unstacked: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,8 @@ class Row:
     panels: tuple[PanelSpec, ...] = field(default_factory=tuple)
 
 
-def _q(expr: str, legend: str = "{{target}}") -> Query:
-    return Query(expr, legend)
+def _q(expr: str, legend: str = "{{target}}", unstacked: bool = False) -> Query:
+    return Query(expr, legend, unstacked=unstacked)
 
 
 RECALIBRATION_ANNOTATION = (f"sum by (target, reason) (increase(hisparse_recalibrations_total{{{SEL}}}[{RI}])) > 0")
@@ -118,18 +120,22 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("KV blocks", (
         PanelSpec("KV blocks by state",
-                  "Host KV blocks active, free and waiting in pending_recycle, with the peak of active "
-                  "blocks between scrapes.",
+                  "Host KV blocks active, free and waiting in pending_recycle (stacked: the pool's "
+                  "current size), the peak of active blocks between scrapes, and the pool's limit "
+                  "(host_pool_blocks; absent for a pool that grows on demand, which has none).",
                   "short", (_q(f"sum by (target, state) (hisparse_kv_blocks{{{SEL}}})", "{{target}} {{state}}"),
                             _q(f"max by (target) (easymats_kv_active_blocks_max{{{SEL}}})",
-                               "{{target}} peak active (100 ms samples)")), stacked=True),
+                               "{{target}} peak active (100 ms samples)", unstacked=True),
+                            _q(f"max by (target) (hisparse_kv_blocks_limit{{{SEL}}}) > 0",
+                               "{{target}} limit", unstacked=True)), stacked=True),
         PanelSpec("Block recycle rate",
                   "Blocks returned to the free pool per second, as a share of active blocks. Only a "
                   "problem while blocks wait in pending_recycle.",
                   "percentunit", (_q(f"{rules.RECYCLE_RATIO}{{{SEL}}}"),),
                   line=Line(T.BLOCK_RECYCLE_RATE_MIN, "min")),
         PanelSpec("Free blocks",
-                  "Free blocks as a share of all host KV blocks.",
+                  "Headroom of the host KV pool against its limit: (limit - active - pending_recycle) "
+                  "/ limit. A pool that grows on demand has no limit and no line here.",
                   "percentunit", (_q(f"{rules.FREE_BLOCKS_RATIO}{{{SEL}}}"),),
                   line=Line(T.KV_FREE_BLOCKS_RATIO_MIN, "min"), ratio=True),
         PanelSpec("Block lifecycle",
@@ -245,7 +251,7 @@ def _panel(spec: PanelSpec, panel_id: int):
     from grafana_foundation_sdk.builders import common as cb
     from grafana_foundation_sdk.builders import dashboard, prometheus, table, timeseries
     from grafana_foundation_sdk.models import common
-    from grafana_foundation_sdk.models.dashboard import DataSourceRef, ThresholdsMode
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, DynamicConfigValue, ThresholdsMode
 
     ds = DataSourceRef(type_val="prometheus", uid=DS)
     if spec.kind == "table":
@@ -273,6 +279,13 @@ def _panel(spec: PanelSpec, panel_id: int):
         else:
             target = target.legend_format(q.legend)
         p = p.with_target(target)
+        if q.unstacked and spec.stacked:
+            p = p.override_by_query(chr(ord("A") + i), [
+                DynamicConfigValue(id_val="custom.stacking", value={"mode": "none", "group": "A"}),
+                DynamicConfigValue(id_val="custom.fillOpacity", value=0),
+                DynamicConfigValue(id_val="custom.lineWidth", value=2),
+                DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+            ])
     return p
 
 

@@ -106,6 +106,21 @@ def test_threshold_lines_are_the_alert_thresholds(board):
         assert by_title[title]["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] != "off"
 
 
+def test_blocks_panel_shows_the_pool_limit_as_an_unstacked_line(board):
+    """The limit is what exhaustion is judged against: drawn over the stacked states, not on them."""
+    panel = next(p for p in board["panels"] if p["title"] == "KV blocks by state")
+    assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    ref = next(t["refId"] for t in panel["targets"] if "hisparse_kv_blocks_limit" in t["expr"])
+    props = next(o["properties"] for o in panel["fieldConfig"]["overrides"]
+                 if o["matcher"] == {"id": "byFrameRefID", "options": ref})
+    assert {"id": "custom.stacking", "value": {"group": "A", "mode": "none"}} in props
+    # The free-blocks panel plots headroom against that limit, the series the alert compares.
+    free = next(p for p in board["panels"] if p["title"] == "Free blocks")
+    assert free["targets"][0]["expr"].startswith(rules.FREE_BLOCKS_RATIO)
+    assert "hisparse_kv_blocks_limit" in next(
+        r.expr for r in rules.recording_rules() if r.record == rules.FREE_BLOCKS_RATIO)
+
+
 def test_recalibrations_are_annotations(board):
     notes = {a["name"]: a for a in board["annotations"]["list"]}
     assert "hisparse_recalibrations_total" in notes["Recalibrations"]["expr"]

@@ -232,7 +232,7 @@ def workload_main(name: str, seed: int) -> None:
     cfg = HiSparseConfig(max_seq_len=65536, cache_block_size=16, window_size=16, global_tokens=8,
                          top_k=48, audit_every=1, audit_top_m=8, drift_floor=0.0,
                          recalibrate_every=10 ** 9, host_kv_bits="auto", prefetch_blocks=1, name=name,
-                         seed=seed)
+                         seed=seed, host_pool_blocks=4096)  # a bounded pool: the limit panels have data
     wl = PlantedWorkload(HKV, HQ, D, seed=seed)
     eng = HiSparseEngine(cfg, L, HQ, HKV, D, model_name="planted")
     stop, shift = [], []
