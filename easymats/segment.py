@@ -14,7 +14,7 @@ import os
 import stat
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Callable, Iterator, NamedTuple
 
@@ -38,6 +38,7 @@ _ALWAYS_REAL = ("io", "empty", "truncated")
 
 # Bound once: the read path runs every sample and these lookups show up in its profile.
 _U64_UNPACK = L.U64.unpack
+_U64_UNPACK_FROM = L.U64.unpack_from
 _tuple_new = tuple.__new__
 _dict_copy = dict.copy
 _HISTOGRAM = L.TYPE_NAMES[L.TYPE_HISTOGRAM]
@@ -124,20 +125,61 @@ class Series(NamedTuple):
     value: float | Histogram
 
 
-@dataclass(slots=True)
 class Snapshot:
-    path: str
-    pid: int
-    name: str
-    labels: dict[str, str]
-    start_ticks: int
-    created_unix_ns: int
-    heartbeat_unix_ns: int
-    heartbeat_mono_ns: int
-    seq: int
-    layout_generation: int
-    series: list[Series] = field(default_factory=list)
-    retries: int = 0
+    """One consistent read of a segment.
+
+    ``series`` is built on first access: the agent's sampler formats its log line and peaks
+    straight from ``values`` (the raw values area, one float per 8-byte slot) and ``value_slots``
+    (per series: first slot and bucket count), so a sample that nobody inspects series by series
+    costs no Series or Histogram objects. ``values`` and ``value_slots`` are None for a snapshot
+    built from a series list.
+    """
+
+    __slots__ = ("path", "pid", "name", "labels", "start_ticks", "created_unix_ns", "heartbeat_unix_ns",
+                 "heartbeat_mono_ns", "seq", "layout_generation", "retries", "values", "value_slots",
+                 "_series", "_layout")
+    _FIELDS = ("path", "pid", "name", "labels", "start_ticks", "created_unix_ns", "heartbeat_unix_ns",
+               "heartbeat_mono_ns", "seq", "layout_generation", "series", "retries")
+
+    def __init__(self, path: str, pid: int, name: str, labels: dict[str, str], start_ticks: int,
+                 created_unix_ns: int, heartbeat_unix_ns: int, heartbeat_mono_ns: int, seq: int,
+                 layout_generation: int, series: list[Series] | None = None, retries: int = 0):
+        self.path = path
+        self.pid = pid
+        self.name = name
+        self.labels = labels
+        self.start_ticks = start_ticks
+        self.created_unix_ns = created_unix_ns
+        self.heartbeat_unix_ns = heartbeat_unix_ns
+        self.heartbeat_mono_ns = heartbeat_mono_ns
+        self.seq = seq
+        self.layout_generation = layout_generation
+        self.retries = retries
+        self._series = [] if series is None else series
+        self._layout: _Layout | None = None
+        self.values: tuple[float, ...] | None = None
+        self.value_slots: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def series(self) -> list[Series]:
+        s = self._series
+        if s is None:  # built from the raw values on first use (any thread: the result is the same)
+            s = self._series = _build_series(self._layout, self.values)  # type: ignore[arg-type]
+        return s
+
+    @series.setter
+    def series(self, value: list[Series]) -> None:
+        self._series = value
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self._FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return "Snapshot(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS) + ")"
 
     def get(self, name: str, **labels: str) -> float | Histogram | None:
         for s in self.series:
@@ -161,6 +203,17 @@ class _Layout(NamedTuple):
     labels: list[dict[str, str]]
     scalars: Callable[[tuple], tuple]  # values -> one float per entry (histograms: a placeholder)
     histograms: list[tuple[int, int, int]]  # (entry index, first slot, bucket count)
+    slots: tuple[tuple[int, int], ...]  # per entry: (first slot, bucket count)
+
+
+def _build_series(layout: _Layout, values: tuple[float, ...]) -> list[Series]:
+    """The Series list of one read, from its layout and unpacked values area."""
+    series = list(map(_tuple_new, repeat(Series), zip(
+        layout.names, layout.types, layout.units, map(_dict_copy, layout.labels), layout.scalars(values))))
+    for i, slot, b in layout.histograms:
+        hist = Histogram(values[slot:slot + b], values[slot + b:slot + 2 * b + 1], values[slot + 2 * b + 1])
+        series[i] = series[i]._replace(value=hist)
+    return series
 
 
 def _scalar_getter(slots: list[int]) -> Callable[[tuple], tuple]:
@@ -257,9 +310,10 @@ class SegmentReader:
     def _seq(self) -> int:
         return _U64_UNPACK(self._pread(8, L.OFF_SEQ))[0]
 
-    def _header(self) -> tuple:
-        """The header as a tuple of HEADER_STRUCT's fields, validated (SegmentError if not)."""
-        raw = self._pread(L.HEADER_SIZE, 0)
+    def _header(self, raw: bytes | None = None) -> tuple:
+        """The header (read now, or ``raw``) as a tuple of HEADER_STRUCT's fields, validated."""
+        if raw is None:
+            raw = self._pread(L.HEADER_SIZE, 0)
         h = L.HEADER_STRUCT.unpack_from(raw)
         # The structural fields (magic..boot id, layout generation..values capacity) change only
         # with the layout: validate them once per distinct value, not on every read.
@@ -351,7 +405,8 @@ class SegmentReader:
         layout = _Layout(key, struct.Struct(f"<{slots_total}d"), [e[0] for e in entries],
                          [e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries],
                          _scalar_getter([e[4] for e in entries]),
-                         [(i, e[4], e[5]) for i, e in enumerate(entries) if e[1] is _HISTOGRAM])
+                         [(i, e[4], e[5]) for i, e in enumerate(entries) if e[1] is _HISTOGRAM],
+                         tuple((e[4], e[5]) for e in entries))
         return layout  # read() caches it once the seq word proves the table was not torn
 
     def _identity(self, name_b: bytes, labels_b: bytes) -> tuple[str, dict[str, str]]:
@@ -378,11 +433,21 @@ class SegmentReader:
                     os.sched_yield()
                 else:
                     time.sleep(_RETRY_SLEEP_S)
-            seq = self._seq()
+            # The header holds the seq word: one pread gives both (then values, then seq again).
+            # Everything before the seq word is fixed at creation and everything after it is
+            # copied after it, so this is the seqlock's "seq, then data" order in one syscall.
+            try:
+                raw_h = os.pread(self._fd, L.HEADER_SIZE, 0)
+            except OSError as exc:
+                raise SegmentError("io", self.path, f"read failed: {exc.strerror}") from None
+            if len(raw_h) != L.HEADER_SIZE:
+                self._seq()  # a short file: the same errors as a seq-word read first
+                raw_h = self._pread(L.HEADER_SIZE, 0)
+            seq = _U64_UNPACK_FROM(raw_h, L.OFF_SEQ)[0]
             if seq & 1:
                 continue
             try:
-                h = self._header()
+                h = self._header(raw_h)
                 layout = self._layout_for(h)
                 name, labels = self._identity(h[19], h[20])
                 values_used = h[17]
@@ -396,16 +461,13 @@ class SegmentReader:
             if self._seq() != seq:
                 continue
             self._layout = layout
-            values = layout.values.unpack(raw)
-            series = list(map(_tuple_new, repeat(Series), zip(
-                layout.names, layout.types, layout.units, map(_dict_copy, layout.labels),
-                layout.scalars(values))))
-            for i, slot, b in layout.histograms:
-                hist = Histogram(values[slot:slot + b], values[slot + b:slot + 2 * b + 1], values[slot + 2 * b + 1])
-                series[i] = series[i]._replace(value=hist)
-            return Snapshot(path=self.path, pid=h[6], name=name, labels=dict(labels), start_ticks=h[7],
-                            created_unix_ns=h[21], heartbeat_unix_ns=h[10], heartbeat_mono_ns=h[11],
-                            seq=seq, layout_generation=h[12], series=series, retries=attempt)
+            snap = Snapshot(self.path, h[6], name, dict(labels), h[7], h[21], h[10], h[11], seq, h[12],
+                            None, attempt)
+            snap._series = None  # built from values on first use
+            snap._layout = layout
+            snap.values = layout.values.unpack(raw)
+            snap.value_slots = layout.slots
+            return snap
         raise SegmentBusy(self.path, self.max_retries)
 
 

@@ -99,7 +99,6 @@ class Target:
         self.exposition_cache: tuple | None = None  # owned by the exporter's fast path
         self._peak_cache: tuple | None = None
         self._json_cache: tuple | None = None
-        self._hist_text: dict[int, tuple] = {}
         self._head: tuple[str, str] | None = None
         self._process_text: tuple[ProcessReading | None, str] = (None, ',"process":null')
         self._gpu_text: tuple[list | None, str] = (None, "")
@@ -169,29 +168,32 @@ class Target:
         self.samples += 1
         self.retries += snap.retries
         self.snapshot, self.up, self.error = snap, True, None
+        values = snap.values
+        if values is None:  # a snapshot built from series (not by a reader): slots are indices
+            values = [s.value for s in snap.series]
         peaks = {}
-        series = snap.series
-        for name, indices in self._peak_indices(snap).items():
-            if indices:
+        for name, slots in self._peak_slots(snap).items():
+            if slots:
                 window = self._peaks[name]
-                window.push(t, series[indices[0]].value if len(indices) == 1 else
-                            sum(series[i].value for i in indices))  # type: ignore[misc]
+                window.push(t, values[slots[0]] if len(slots) == 1 else
+                            sum([values[i] for i in slots]))  # type: ignore[index]
                 peaks[name] = window.peek()
         self.peaks = peaks
         return False, None
 
-    def _peak_indices(self, snap: Snapshot) -> dict[str, list[int]]:
-        """Which series feed each peak gauge, cached per segment layout."""
-        key = (snap.layout_generation, len(snap.series))
+    def _peak_slots(self, snap: Snapshot) -> dict[str, list[int]]:
+        """Which value slots feed each peak gauge, cached per segment layout."""
+        key = (snap.layout_generation, snap.value_slots or len(snap.series))
         cached = self._peak_cache
         if cached is None or cached[0] != key:
             found: dict[str, list[int]] = {name: [] for name in PEAK_SOURCES}
+            slots = snap.value_slots
             for i, s in enumerate(snap.series):
                 if s.type != "gauge":
                     continue
                 for name, (metric, labels) in PEAK_SOURCES.items():
                     if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items()):
-                        found[name].append(i)
+                        found[name].append(slots[i][0] if slots is not None else i)
             self._peak_cache = cached = (key, found)
         return cached[1]
 
@@ -206,47 +208,39 @@ class Target:
     def _metrics_json(self, snap: Snapshot) -> str | None:
         """The ``metrics`` object of a sample line as JSON text, from a per-layout template.
 
-        Formatting floats dominates the cost of a log line (~0.5 us per ``repr`` on the 2-core CI
-        machine, ~100 numbers per target per tick), and ``json`` adds a Python call per float.
-        Here the keys are rendered once per layout into a %-template, scalars are formatted by
-        one C-level ``%`` (``%r`` of a finite float is valid JSON), and a histogram whose counts
-        did not change since the last line reuses its text. None means a value was NaN or
-        infinite (JSON has neither): the caller takes the general path.
+        Formatting floats dominates the cost of a log line, and ``json`` adds a Python call per
+        float. Here the keys (and histogram bounds, fixed by the layout) are rendered once per
+        layout into a %-template whose holes are the value slots in order, so a line is one
+        C-level ``itemgetter`` over the raw values area and one ``%`` (``%r`` of a finite float is
+        valid JSON, and the same text ``json`` writes). No Series or Histogram object is built.
+        None means a value was NaN or infinite (JSON has neither), or the snapshot carries no raw
+        values: the caller takes the general path.
         """
-        key = (snap.layout_generation, len(snap.series))
+        values = snap.values
+        if values is None:
+            return None
+        key = (snap.layout_generation, snap.value_slots)
         cached = self._json_cache
         if cached is None or cached[0] != key:
-            pieces, scalar_idx, hist_idx = [], [], []
-            for i, (k, s) in enumerate(zip(self.metric_keys(snap), snap.series)):
+            pieces, slots = [], []
+            for k, s, (slot, b) in zip(self.metric_keys(snap), snap.series, snap.value_slots):  # type: ignore[arg-type]
                 k_json = json.dumps(k).replace("%", "%%")
                 if isinstance(s.value, Histogram):
-                    pieces.append(k_json + ':{"bounds":' + json.dumps(s.value.bounds) + ',"counts":[%s')
-                    hist_idx.append(i)
+                    pieces.append(k_json + ':{"bounds":' + json.dumps(s.value.bounds).replace("%", "%%")
+                                  + ',"counts":[' + ",".join(["%r"] * (b + 1)) + '],"sum":%r}')
+                    slots.extend(range(slot + b, slot + 2 * b + 2))  # counts (b + 1), then sum
                 else:
                     pieces.append(k_json + ":%r")
-                    scalar_idx.append(i)
+                    slots.append(slot)
             template = "{" + ",".join(pieces) + "}"
-            getter = operator.itemgetter(*scalar_idx) if len(scalar_idx) > 1 else (
-                (lambda vals, i=scalar_idx[0]: (vals[i],)) if scalar_idx else (lambda vals: ()))
-            self._json_cache = cached = (key, template, getter, hist_idx)
-            self._hist_text = {}
-        _, template, getter, hist_idx = cached
-        values = [s.value for s in snap.series]
-        if not math.isfinite(sum(getter(values))):
+            getter = operator.itemgetter(*slots) if len(slots) > 1 else (
+                (lambda vals, i=slots[0]: (vals[i],)) if slots else (lambda vals: ()))
+            self._json_cache = cached = (key, template, getter)
+        _, template, getter = cached
+        picked = getter(values)
+        if not math.isfinite(sum(picked)):
             return None
-        hist_text = self._hist_text
-        for i in hist_idx:
-            h = values[i]
-            prev = hist_text.get(i)
-            if prev is not None and prev[0] == h.counts and prev[1] == h.sum:
-                values[i] = prev[2]
-                continue
-            text = ",".join(map(repr, h.counts)) + '],"sum":' + repr(h.sum) + "}"
-            if "n" in text:  # "nan" or "inf"
-                return None
-            hist_text[i] = (h.counts, h.sum, text)
-            values[i] = text
-        return template % tuple(values)
+        return template % picked
 
     def log_json(self, t: float, lag_s: float) -> str:
         """The ``sample`` line of docs/log-format.md as JSON text (no newline); parses to the
