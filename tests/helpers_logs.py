@@ -43,6 +43,8 @@ class Health:
     pending_blocks: Callable[[float, float], float] = lambda t, f: 3.0
     active_blocks: Callable[[float, float], float] = lambda t, f: 40.0 + 10 * f
     pool_blocks: Callable[[float, float], float] = lambda t, f: 400.0
+    # hisparse_kv_blocks_limit: 0 like the runtime's default pool, which grows on demand
+    pool_limit: Callable[[float, float], float] = lambda t, f: 0.0
     device_metadata_bytes: Callable[[float, float], float] = lambda t, f: 0.0
     doc_seconds: float = 60.0  # each document grows its context over this long, then a new one starts
     doc_tokens: float = 32768.0
@@ -68,6 +70,7 @@ def scenario_health(name: str, duration_s: float) -> Health:
     elif name == "pool_exhaustion":
         h.active_blocks = lambda t, f: min(392.0, 40.0 + 352.0 * t / (0.4 * duration_s))
         h.pending_blocks = lambda t, f: 2.0
+        h.pool_limit = lambda t, f: 400.0  # a bounded pool (host_pool_blocks=400) filling up
     elif name == "target_restart":
         h.restarts_at = (duration_s / 2,)
     else:
@@ -142,6 +145,7 @@ class SimRuntime:
         m[series_key("hisparse_kv_blocks", {"state": "active"})] = round(active)
         m[series_key("hisparse_kv_blocks", {"state": "pending_recycle"})] = round(pending)
         m[series_key("hisparse_kv_blocks", {"state": "free"})] = max(0, round(pool - active - pending))
+        m["hisparse_kv_blocks_limit"] = float(h.pool_limit(t, f))
         m["hisparse_sequences"] = 1.0
         m["hisparse_context_tokens"] = round(ctx)
         m["hisparse_anchors"] = 16.0

@@ -354,6 +354,59 @@ def test_full_pool_in_streaming_mode_is_not_an_oom(tmp_path):
     assert diagnose_all(an.targets) == []
 
 
+_LIMIT = "hisparse_kv_blocks_limit"
+_FREE = reader.series_key("hisparse_kv_blocks", {"state": "free"})
+
+
+def _growing_pool(t, m):
+    """The pool grows on demand with the load: always 2 blocks free, under 5 % of its size."""
+    m[_FREE] = 2
+    m[_LIMIT] = 0.0
+    return m
+
+
+def _no_limit_gauge(fn=None):
+    """A log from before hisparse_kv_blocks_limit existed (optionally rewritten by ``fn`` first)."""
+    def rewrite(t, m):
+        m = fn(t, m) if fn else m
+        m.pop(_LIMIT, None)
+        return m
+    return rewrite
+
+
+@pytest.mark.parametrize("case, rewrite, finds", [
+    ("bounded pool at its limit", None, True),
+    ("pool that grows on demand (limit 0)", _growing_pool, False),
+    ("old log, pool of constant size", _no_limit_gauge(), True),
+    ("old log, pool seen growing", _no_limit_gauge(_growing_pool), False),
+])
+def test_pool_exhaustion_is_judged_against_the_limit(tmp_path, case, rewrite, finds):
+    """The constructed pool_exhaustion run fills a 400-block limit; the same load on a pool that
+    grows on demand keeps its free share under 5 % of its size all along, and is no finding."""
+    path = str(tmp_path / "pool.log")
+    recs = H.scenario_records("pool_exhaustion", 200.0)
+    H.write_lines(path, _rewrite(recs, rewrite) if rewrite else recs)
+    an, _ = analyse_file(path)
+    run = an.targets["decode-0"]
+    found = [f for f in diagnose_all(an.targets) if f.rule == "pool_exhaustion"]
+    assert bool(found) == finds, (case, found)
+    if rewrite is _growing_pool:
+        assert run.sketches["pool_blocks"].max > run.sketches["pool_blocks"].min  # it did grow
+        assert run.sketches["kv_free_blocks_ratio"].count == 0  # no limit: nothing to judge against
+    if case == "bounded pool at its limit":
+        assert run.sketches["pool_limit_blocks"].max == 400
+        assert any("of a 400-block limit (host_pool_blocks)" in e for e in found[0].evidence), found[0].evidence
+
+
+def test_live_diagnosis_ignores_a_pool_that_grows_on_demand():
+    from easymats.report.live import LiveDiagnosis
+
+    live = LiveDiagnosis(horizon_s=60.0)
+    for rec in _rewrite(H.scenario_records("pool_exhaustion", 240.0), _growing_pool):
+        live.feed(rec)
+    assert live.urgent(now=0.0) is None
+
+
 def test_target_filter_with_a_name_json_may_escape(tmp_path):
     name = 'dé"code'
     recs = list(H.scenario_records("healthy", 3.0, target=name))

@@ -196,6 +196,7 @@ class TargetRun:
     restarts: list[RestartMark] = field(default_factory=list)
     downs: list[tuple[float, str]] = field(default_factory=list)
     evictions: float = 0.0  # streaming-mode overwrites: a full pool is then by design
+    pool_grew: bool = False  # a pool without a logged limit grew on demand: "free" then means nothing
     trends: list[Trend] = field(default_factory=list)  # device metadata bytes, per process
     docs: DocumentTracker | None = None
     _deriver: Deriver | None = None
@@ -310,6 +311,7 @@ class Analysis:
         run._last_up_t = t
         run.covered_s += dt
         run.evictions += d.evictions
+        run.pool_grew = run.pool_grew or d.pool_grew
         metrics = rec.get("metrics") or {}
         if run.config is None or d.restart is not None:
             run.config = config_of(metrics) or run.config

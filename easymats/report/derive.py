@@ -39,6 +39,7 @@ _RECAL = "hisparse_recalibrations_total"
 K_ACTIVE = series_key("hisparse_kv_blocks", {"state": "active"})
 K_FREE = series_key("hisparse_kv_blocks", {"state": "free"})
 K_PENDING = series_key("hisparse_kv_blocks", {"state": "pending_recycle"})
+K_LIMIT = series_key("hisparse_kv_blocks_limit")  # 0: the pool grows on demand (no limit)
 K_META_DEVICE = series_key("hisparse_kv_memory_bytes", {"kind": "metadata", "tier": "device"})
 K_DATA_DEVICE = series_key("hisparse_kv_memory_bytes", {"kind": "data", "tier": "device"})
 K_CONTEXT = series_key("hisparse_context_tokens")
@@ -61,9 +62,10 @@ SERIES = (
     SeriesSpec("hot_buffer_hit_rate", "Hot buffer hit rate", "ratio"),
     SeriesSpec("block_density", "Block density", "ratio"),
     SeriesSpec("block_recycle_rate", "Block recycle rate", "per_s"),
-    SeriesSpec("kv_free_blocks_ratio", "Free blocks / pool size", "ratio"),
+    SeriesSpec("kv_free_blocks_ratio", "Free blocks / pool limit", "ratio"),
     SeriesSpec("active_blocks", "Active blocks", "blocks"),
     SeriesSpec("pool_blocks", "Pool size", "blocks"),
+    SeriesSpec("pool_limit_blocks", "Pool limit", "blocks"),
     SeriesSpec("pending_blocks", "Blocks pending recycle", "blocks"),
     SeriesSpec("device_metadata_bytes", "Device KV metadata", "bytes"),
     SeriesSpec("device_data_bytes", "Device KV data", "bytes"),
@@ -98,6 +100,7 @@ class Derived:
     anchor_hits: float = 0.0  # increase since the previous sample (same process)
     anchor_lookups: float = 0.0
     evictions: float = 0.0  # streaming-mode block overwrites since the previous sample
+    pool_grew: bool = False  # a pool without a logged limit grew: it grows on demand
 
 
 def _num(v: Any) -> float:
@@ -134,10 +137,12 @@ class Deriver:
         self._lags: deque[tuple[float, float]] = deque()
         self._lag_p99: tuple[float, float] | None = None  # (computed at t, value): sorted once a second
         self._recal_keys: tuple[int, list[tuple[str, str]]] = (-1, [])  # (len(metrics), [(key, reason)])
+        self._pool_max = 0.0  # largest pool size of this process (logs without the limit gauge)
 
     def _reset(self) -> None:
         self._win.clear()
         self._recal = {}
+        self._pool_max = 0.0
 
     def feed(self, rec: Mapping[str, Any]) -> Derived:
         t = float(rec["t"])
@@ -250,8 +255,22 @@ class Deriver:
             if not math.isnan(value):
                 v[key] = value
         if not any(math.isnan(x) for x in (active, free, pending)) and active + free + pending > 0:
-            v["pool_blocks"] = active + free + pending
-            v["kv_free_blocks_ratio"] = free / (active + free + pending)
+            pool = active + free + pending
+            v["pool_blocks"] = pool
+            # Exhaustion is headroom against the pool's limit, like the alert's recording rule. A
+            # pool that grows on demand (limit 0) has no limit: its free share of the current size
+            # dips before every growth step and says nothing about running out, so no ratio.
+            limit = _num(metrics.get(K_LIMIT))
+            if limit > 0:
+                v["pool_limit_blocks"] = limit
+                v["kv_free_blocks_ratio"] = max(0.0, limit - active - pending) / limit
+            elif math.isnan(limit):
+                # A log from before the limit gauge: free / size, as then, unless the pool is seen
+                # growing (then it grows on demand, and its finding is withdrawn: TargetRun.pool_grew).
+                if self._pool_max and pool > self._pool_max:
+                    out.pool_grew = True
+                self._pool_max = max(self._pool_max, pool)
+                v["kv_free_blocks_ratio"] = free / pool
         lag = _num(rec.get("lag_s"))
         if not math.isnan(lag):
             self._lags.append((t, lag))

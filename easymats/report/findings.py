@@ -251,18 +251,27 @@ def metadata_growth(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
 
 
 def pool_exhaustion(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
+    """Headroom against the pool's limit (hisparse_kv_blocks_limit), as HiSparseKVBlocksExhausted.
+
+    A pool that grows on demand has no limit (logged as 0, so no ratio is derived) and never
+    yields this finding; nor does one seen growing in a log from before the limit gauge.
+    """
     if run.evictions > 0:
         return []  # streaming mode overwrites blocks of a full bounded pool: full is its steady state
+    if run.pool_grew:
+        return []
     found = _sustained(run, "kv_free_blocks_ratio", cfg)
     if not found:
         return []
-    act, pool = run.sketches["active_blocks"], run.sketches["pool_blocks"]
-    more = [f"Active blocks peaked at {act.max:.0f} of a {pool.max:.0f}-block pool."] if act.count and pool.count else []
+    act, lim = run.sketches["active_blocks"], run.sketches["pool_limit_blocks"]
+    pool = lim if lim.count else run.sketches["pool_blocks"]
+    what = "limit (host_pool_blocks)" if lim.count else "pool"
+    more = [f"Active blocks peaked at {act.max:.0f} of a {pool.max:.0f}-block {what}."] if act.count and pool.count else []
     return [_finding_from(
         run, "pool_exhaustion", "kv_free_blocks_ratio", found, "critical",
         "KV block pool nearly exhausted: an OOM is coming",
-        "Free blocks as a share of the pool", "ratio",
-        "Enlarge the host pool (more host memory for the KV cache, e.g. a larger max_seq_len budget) "
+        "Free blocks as a share of the pool's limit", "ratio",
+        "Enlarge the host pool (raise host_pool_blocks if host memory allows) "
         "or enable streaming=True so a bounded pool overwrites unimportant blocks instead of failing.",
         more)]
 

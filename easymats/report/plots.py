@@ -45,8 +45,9 @@ PANELS = (
           "%", "hot_buffer_hit_rate"),
     Panel("block_recycle_rate", "Block recycle rate (recycles/s per active block)", ("block_recycle_rate",),
           "%/s", "block_recycle_rate"),
-    Panel("kv_blocks", "KV blocks: active, pending recycle, pool size",
-          ("active_blocks", "pending_blocks", "pool_blocks"), "blocks", "kv_free_blocks_ratio"),
+    Panel("kv_blocks", "KV blocks: active, pending recycle, pool size and limit",
+          ("active_blocks", "pending_blocks", "pool_blocks", "pool_limit_blocks"), "blocks",
+          "kv_free_blocks_ratio"),
     Panel("device_memory", "Device KV memory", ("device_data_bytes", "device_metadata_bytes"), "MiB"),
     Panel("throughput", "Decode throughput", ("decode_tokens_per_s",), "tokens/s"),
     Panel("step_latency", "Decode step latency p99", ("step_p99_seconds",), "ms"),
@@ -111,11 +112,14 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
     level = None
     if th is not None:
         if panel.threshold == "kv_free_blocks_ratio":
-            pool = run.sketches["pool_blocks"]
-            if pool.count:  # free blocks below the floor = active + pending above this line
-                level = pool.max * (1 - th.limit)
+            # Against the limit; a pool that grows on demand has none (no ratio), so no line. Logs
+            # from before the limit gauge judged the pool's size: the line is drawn there.
+            limit = run.sketches["pool_limit_blocks"]
+            pool = limit if limit.count else run.sketches["pool_blocks"]
+            if pool.count and run.sketches["kv_free_blocks_ratio"].count:
+                level = pool.max * (1 - th.limit)  # active + pending above this line = exhausted
                 ax.axhline(level, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
-                           label=f"pool - {th.limit:.0%} (exhaustion)")
+                           label=f"{'limit' if limit.count else 'pool'} - {th.limit:.0%} (exhaustion)")
         else:
             level = th.limit * scale
             ax.axhline(level, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
