@@ -32,7 +32,9 @@ BLOCK_RECYCLE_RATE_FOR_S = 600.0
 HOT_BUFFER_HIT_RATE_MIN = 0.5
 HOT_BUFFER_HIT_RATE_FOR_S = 600.0
 
-# Free blocks as a fraction of all blocks: below this the pool is about to run out.
+# Headroom of the host pool against its limit, (limit - active - pending_recycle) / limit with
+# limit = hisparse_kv_blocks_limit: below this the pool is about to run out. A pool that grows on
+# demand has no limit (0) and is never judged by it.
 KV_FREE_BLOCKS_RATIO_MIN = 0.05
 KV_FREE_BLOCKS_FOR_S = 120.0
 
