@@ -101,6 +101,7 @@ class Agent:
         self._failing_since: dict[tuple[str, int], float] = {}
         self._warned: set[str] = set()
         self._next_discovery = 0.0
+        self._paths_cache: tuple[tuple[int, int], list[str], bool] | None = None
         self._next_process = 0.0
 
     # -- public ------------------------------------------------------------------------------------
@@ -251,10 +252,7 @@ class Agent:
         attached = {tg.path for tg in current if tg.path and not tg.gone}
         down_names = {tg.name for tg in current if tg.gone}
         new: list[Target] = []
-        try:
-            paths = segment_paths(self.directory)
-        except OSError:
-            paths = []
+        paths = self._segment_paths()
         for path in paths:
             if path in attached:
                 continue
@@ -336,6 +334,31 @@ class Agent:
             else:
                 self._event("attach", tg, detail=tg.path or "no segment")
         self._targets = keep + new
+
+    def _segment_paths(self) -> list[str]:
+        """The directory's segment files, listed again only when the directory changed.
+
+        Creating or removing a file changes the directory's mtime, so an unchanged mtime means
+        an unchanged listing, with one catch: file times come from a coarse clock, and a file
+        created within the same clock tick as the previous change would leave the mtime as it
+        was. A listing is therefore reused only once the mtime it was taken at is well in the
+        past (100 ms, many ticks of any kernel clock)."""
+        try:
+            st = os.stat(self.directory)
+        except OSError:
+            self._paths_cache = None
+            return []
+        key = (st.st_ino, st.st_mtime_ns)
+        cached = self._paths_cache
+        if cached is not None and cached[0] == key and cached[2]:
+            return cached[1]
+        settled = time.time_ns() - st.st_mtime_ns > 100_000_000
+        try:
+            paths = segment_paths(self.directory)
+        except OSError:
+            paths = []
+        self._paths_cache = (key, paths, settled)
+        return paths
 
     # -- threads -------------------------------------------------------------------------------------
     def _sampler_loop(self) -> None:

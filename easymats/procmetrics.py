@@ -12,6 +12,16 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def read_small(path: str) -> bytes:
+    """A small file (/proc/<pid>/stat) in one read: os.open/os.read skip the buffered file object
+    ``open()`` builds, which is most of the cost of a /proc read made every second per target."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
 class ProcessReading(NamedTuple):
     cpu_seconds: float  # user + system
     rss_bytes: int
@@ -22,6 +32,7 @@ class ProcessProbe:
 
     def __init__(self, pid: int):
         self.pid = pid
+        self._stat_path = f"/proc/{pid}/stat"
         try:
             self._proc: psutil.Process | None = psutil.Process(pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -30,8 +41,7 @@ class ProcessProbe:
     def read(self) -> ProcessReading | None:
         # /proc/<pid>/stat holds both numbers: one small read, ~10x cheaper than psutil's two.
         try:
-            with open(f"/proc/{self.pid}/stat", "rb") as f:
-                data = f.read()
+            data = read_small(self._stat_path)
             fields = data[data.rfind(b")") + 2:].split()
             if fields[0] in (b"Z", b"X"):
                 return None

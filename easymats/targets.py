@@ -16,7 +16,7 @@ from typing import Any
 from . import procinfo
 from .logwriter import LOG_VERSION, json_safe, series_key
 from .nvml import ProcessGpuReading
-from .procmetrics import ProcessProbe, ProcessReading
+from .procmetrics import ProcessProbe, ProcessReading, read_small
 from .segment import Histogram, SegmentError, SegmentReader, Snapshot
 
 # Reads retried while a publish is in flight; each is a few preads on tmpfs, so this bounds a
@@ -77,6 +77,7 @@ class Target:
         self.pid = pid
         self.path = path
         self.proc_root = proc_root
+        self._stat_path = f"{proc_root}/{pid}/stat"
         self.reader: SegmentReader | None = None
         self.name = f"pid-{pid}"
         self.labels: dict[str, str] = {}
@@ -114,8 +115,7 @@ class Target:
     def alive(self) -> bool:
         """Running, not a zombie, and not a new process that reused the pid."""
         try:
-            with open(f"{self.proc_root}/{self.pid}/stat", "rb") as f:
-                data = f.read()
+            data = read_small(self._stat_path)
         except OSError:
             return False
         # Fields after the command name (which may hold spaces and parentheses): state is first,
