@@ -171,31 +171,32 @@ class Target:
         values = snap.values
         if values is None:  # a snapshot built from series (not by a reader): slots are indices
             values = [s.value for s in snap.series]
+        cached = self._peak_cache
+        if (cached is None or cached[0] is not snap.value_slots or cached[1] != snap.layout_generation
+                or cached[0] is None):
+            cached = self._peak_plan(snap)
         peaks = {}
-        for name, slots in self._peak_slots(snap).items():
-            if slots:
-                window = self._peaks[name]
-                window.push(t, values[slots[0]] if len(slots) == 1 else
-                            sum([values[i] for i in slots]))  # type: ignore[index]
-                peaks[name] = window.peek()
+        for name, window, slots in cached[2]:
+            window.push(t, values[slots[0]] if len(slots) == 1 else
+                        sum([values[i] for i in slots]))  # type: ignore[index]
+            peaks[name] = window.peek()
         self.peaks = peaks
         return False, None
 
-    def _peak_slots(self, snap: Snapshot) -> dict[str, list[int]]:
-        """Which value slots feed each peak gauge, cached per segment layout."""
-        key = (snap.layout_generation, snap.value_slots or len(snap.series))
-        cached = self._peak_cache
-        if cached is None or cached[0] != key:
-            found: dict[str, list[int]] = {name: [] for name in PEAK_SOURCES}
-            slots = snap.value_slots
-            for i, s in enumerate(snap.series):
-                if s.type != "gauge":
-                    continue
-                for name, (metric, labels) in PEAK_SOURCES.items():
-                    if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items()):
-                        found[name].append(slots[i][0] if slots is not None else i)
-            self._peak_cache = cached = (key, found)
-        return cached[1]
+    def _peak_plan(self, snap: Snapshot) -> tuple:
+        """(value slots, layout generation, [(peak name, window, slots feeding it)]), per layout."""
+        found: dict[str, list[int]] = {name: [] for name in PEAK_SOURCES}
+        slots = snap.value_slots
+        for i, s in enumerate(snap.series):
+            if s.type != "gauge":
+                continue
+            for name, (metric, labels) in PEAK_SOURCES.items():
+                if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items()):
+                    found[name].append(slots[i][0] if slots is not None else i)
+        plan = (slots, snap.layout_generation,
+                [(name, self._peaks[name], tuple(idx)) for name, idx in found.items() if idx])
+        self._peak_cache = plan
+        return plan
 
     def metric_keys(self, snap: Snapshot) -> list[str]:
         """Log keys of the snapshot's series, cached per layout generation."""
@@ -217,30 +218,55 @@ class Target:
         values: the caller takes the general path.
         """
         values = snap.values
-        if values is None:
+        if values is None or not math.isfinite(sum(values)):  # one C-level pass over every slot
             return None
-        key = (snap.layout_generation, snap.value_slots)
         cached = self._json_cache
-        if cached is None or cached[0] != key:
-            pieces, slots = [], []
-            for k, s, (slot, b) in zip(self.metric_keys(snap), snap.series, snap.value_slots):  # type: ignore[arg-type]
-                k_json = json.dumps(k).replace("%", "%%")
-                if isinstance(s.value, Histogram):
-                    pieces.append(k_json + ':{"bounds":' + json.dumps(s.value.bounds).replace("%", "%%")
-                                  + ',"counts":[' + ",".join(["%r"] * (b + 1)) + '],"sum":%r}')
-                    slots.extend(range(slot + b, slot + 2 * b + 2))  # counts (b + 1), then sum
-                else:
-                    pieces.append(k_json + ":%r")
-                    slots.append(slot)
-            template = "{" + ",".join(pieces) + "}"
-            getter = operator.itemgetter(*slots) if len(slots) > 1 else (
-                (lambda vals, i=slots[0]: (vals[i],)) if slots else (lambda vals: ()))
-            self._json_cache = cached = (key, template, getter)
-        _, template, getter = cached
-        picked = getter(values)
-        if not math.isfinite(sum(picked)):
-            return None
-        return template % picked
+        if cached is None or cached[0] is not snap.value_slots or cached[1] != snap.layout_generation:
+            cached = self._json_plan(snap)
+        _, _, template, getter, hists = cached
+        if hists:
+            # A histogram whose counts and sum did not move since the last line keeps its text
+            # (most histograms change far less often than the sample rate).
+            texts = []
+            for h in hists:
+                block = values[h[0]:h[1]]
+                if block != h[3]:
+                    h[3], h[4] = block, h[2] % block
+                texts.append(h[4])
+            return template % getter(values + tuple(texts))
+        return template % getter(values)
+
+    def _json_plan(self, snap: Snapshot) -> tuple:
+        """The per-layout template of :meth:`_metrics_json`: scalar holes (``%r``) take value
+        slots, histogram holes (``%s``) take the histogram's cached text; the getter picks
+        scalars first, then the texts, and the template refers to them by position."""
+        values = snap.values
+        assert values is not None and snap.value_slots is not None
+        pieces, scalar_slots, hists = [], [], []
+        for k, s, (slot, b) in zip(self.metric_keys(snap), snap.series, snap.value_slots):
+            k_json = json.dumps(k).replace("%", "%%")
+            if isinstance(s.value, Histogram):
+                fmt = ",".join(["%r"] * (b + 1)) + '],"sum":%r}'  # counts (b + 1), then sum
+                pieces.append((k_json + ':{"bounds":' + json.dumps(s.value.bounds).replace("%", "%%")
+                               + ',"counts":[', len(hists)))
+                hists.append([slot + b, slot + 2 * b + 2, fmt, None, ""])
+            else:
+                pieces.append((k_json + ":", -1 - len(scalar_slots)))
+                scalar_slots.append(slot)
+        # Holes in template order; a %-template needs its arguments in that order too.
+        order, parts = [], []
+        for text, ref in pieces:
+            if ref >= 0:
+                parts.append(text + "%s")
+                order.append(len(values) + ref)
+            else:
+                parts.append(text + "%r")
+                order.append(scalar_slots[-1 - ref])
+        template = "{" + ",".join(parts) + "}"
+        getter = operator.itemgetter(*order) if len(order) > 1 else (
+            (lambda vals, i=order[0]: (vals[i],)) if order else (lambda vals: ()))
+        self._json_cache = plan = (snap.value_slots, snap.layout_generation, template, getter, hists)
+        return plan
 
     def log_json(self, t: float, lag_s: float) -> str:
         """The ``sample`` line of docs/log-format.md as JSON text (no newline); parses to the
@@ -251,26 +277,34 @@ class Target:
             return json.dumps(json_safe(self.log_line(t, lag_s)), separators=(",", ":"))
         head = self._head
         if head is None or head[0] != self.name:
-            # Per target: name and pid are fixed text; t, up and lag_s go through one %-format.
-            self._head = head = (self.name, f'{{"v":{LOG_VERSION},"kind":"sample","t":%r,"target":'
-                                 f'{json.dumps(self.name).replace("%", "%%")},"pid":{self.pid},"up":%s,"lag_s":%r')
-        parts = [head[1] % (float(t), "true" if self.up else "false", round(float(lag_s), 6))]
-        if snap is not None:  # unix times and seqlock values are always finite
-            parts.append(',"heartbeat_t":%r,"seq":%d' % (snap.heartbeat_unix_ns / 1e9, snap.seq))
-        if self.error:
-            parts.append(',"error":' + json.dumps(self.error))
+            # Per target: name and pid are fixed text. The common line (a snapshot, no error) is
+            # one %-format: t, up, lag_s, heartbeat_t, seq, then the process, GPU and metrics texts.
+            start = (f'{{"v":{LOG_VERSION},"kind":"sample","t":%r,"target":'
+                     f'{json.dumps(self.name).replace("%", "%%")},"pid":{self.pid},"up":%s,"lag_s":%r')
+            self._head = head = (self.name, start, start + ',"heartbeat_t":%r,"seq":%d%s%s,"metrics":%s}')
         p = self.process
         if p is not self._process_text[0]:  # psutil/proc readings change once a second
             self._process_text = (p, ',"process":{"cpu_seconds":%r,"rss_bytes":%d}' % (float(p.cpu_seconds), p.rss_bytes)
                                   if p is not None else ',"process":null')
-        parts.append(self._process_text[1])
         g = self.gpu
+        gpu_text = ""
         if g is not None:
             if g is not self._gpu_text[0]:  # a new NVML reading (once per --nvml-interval)
                 self._gpu_text = (g, ',"gpu":' + json.dumps(json_safe(
                     [{"gpu": r.gpu, "memory_bytes": r.memory_bytes, "utilization_ratio": r.utilization_ratio}
                      for r in g]), separators=(",", ":")))
-            parts.append(self._gpu_text[1])
+            gpu_text = self._gpu_text[1]
+        up = "true" if self.up else "false"
+        if snap is not None and not self.error:  # unix times and seqlock values are always finite
+            return head[2] % (float(t), up, round(float(lag_s), 6), snap.heartbeat_unix_ns / 1e9, snap.seq,
+                              self._process_text[1], gpu_text, metrics)
+        parts = [head[1] % (float(t), up, round(float(lag_s), 6))]
+        if snap is not None:
+            parts.append(',"heartbeat_t":%r,"seq":%d' % (snap.heartbeat_unix_ns / 1e9, snap.seq))
+        if self.error:
+            parts.append(',"error":' + json.dumps(self.error))
+        parts.append(self._process_text[1])
+        parts.append(gpu_text)
         parts.append(',"metrics":' + metrics + "}")
         return "".join(parts)
 
