@@ -13,16 +13,16 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Sequence
-
-from prometheus_client.core import Metric
-from prometheus_client.registry import CollectorRegistry
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from . import __version__, catalogue
 from .nvml import NvmlSnapshot
 from .logwriter import escape_label_value
 from .segment import Histogram, Series, Snapshot
 from .targets import Target
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("easymats.exporter")
 
@@ -51,7 +51,11 @@ class LagHistogram:
             return Histogram(self.bounds, tuple(self.counts), self.sum)
 
 
-def _family(spec: catalogue.MetricSpec) -> Metric:
+def _family(spec: catalogue.MetricSpec) -> "Metric":
+    # prometheus_client (and the http.server, ssl and email modules it imports: ~12 MB of RSS)
+    # is imported only by the slow collector protocol; /metrics is served from render_text.
+    from prometheus_client.core import Metric
+
     if spec.type == catalogue.COUNTER:
         base = spec.name[:-len("_total")] if spec.name.endswith("_total") else spec.name
         typ = "counter"
@@ -63,7 +67,7 @@ def _family(spec: catalogue.MetricSpec) -> Metric:
     return Metric(base, spec.help, typ, unit)
 
 
-def _add(fam: Metric, spec: catalogue.MetricSpec, labels: dict[str, str], value: float | Histogram) -> None:
+def _add(fam: "Metric", spec: catalogue.MetricSpec, labels: dict[str, str], value: float | Histogram) -> None:
     if spec.type == catalogue.COUNTER:
         fam.add_sample(spec.name, labels, float(value))  # type: ignore[arg-type]
     elif spec.type == catalogue.HISTOGRAM:
@@ -96,7 +100,7 @@ class AgentCollector:
         self._warned: set[str] = set()
         self.last_render_s = 0.0
 
-    def describe(self) -> list[Metric]:
+    def describe(self) -> list["Metric"]:
         # Registering must not read anything: describe every name this collector can export.
         return [_family(spec) for spec in catalogue.CATALOGUE.values()
                 if spec.source == catalogue.RUNTIME or spec.name not in _NOT_OURS]
@@ -158,9 +162,9 @@ class AgentCollector:
             return False
         return True
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator["Metric"]:
         t0 = time.perf_counter()
-        fams: dict[str, Metric] = {}
+        fams: dict[str, "Metric"] = {}
 
         def emit(name: str, labels: dict[str, str], value: float | Histogram) -> None:
             spec = catalogue.CATALOGUE[name]
@@ -286,35 +290,50 @@ _HEADERS = {name: _header(spec) for name, spec in catalogue.CATALOGUE.items()}
 _NOT_OURS = {"easymats_webhook_requests_total", "easymats_recalibration_requests_total"}
 
 
-class AgentRegistry(CollectorRegistry):
-    """A registry holding the agent's collector; other parts (the webhook) register beside it.
+class AgentRegistry:
+    """The agent's collector, and beside it collectors other parts register (the webhook).
 
     :meth:`render` is what /metrics serves: the agent collector's fast text path, then every
     other collector through prometheus_client's own formatter. ``generate_latest(registry)``
-    gives the same families the slow way.
+    gives the same families the slow way (:meth:`collect`). Not a prometheus_client
+    ``CollectorRegistry``: that would import prometheus_client into every agent process, for
+    nothing the fast path needs.
     """
 
     def __init__(self, agent_collector: AgentCollector):
         self.agent_collector = agent_collector
         self.extras: list = []
-        super().__init__(auto_describe=True)
-        super().register(agent_collector)
+        self._lock = threading.Lock()
 
     def register(self, collector) -> None:
-        super().register(collector)
-        self.extras.append(collector)
+        """Add a collector; ValueError if it describes a family already exported here."""
+        names = {m.name for m in collector.describe()}
+        with self._lock:
+            taken = set(catalogue.CATALOGUE) - _NOT_OURS
+            for other in self.extras:
+                taken |= {m.name for m in other.describe()}
+            clash = {n for n in names if n in taken or f"{n}_total" in taken}
+            if clash:
+                raise ValueError(f"duplicated metric families: {sorted(clash)}")
+            self.extras.append(collector)
 
     def unregister(self, collector) -> None:
-        super().unregister(collector)
-        if collector in self.extras:
-            self.extras.remove(collector)
+        with self._lock:
+            if collector in self.extras:
+                self.extras.remove(collector)
+
+    def collect(self) -> Iterator["Metric"]:
+        yield from self.agent_collector.collect()
+        for c in list(self.extras):
+            yield from c.collect()
 
     def render(self) -> bytes:
         text = self.agent_collector.render_text()
-        if self.extras:
+        extras = list(self.extras)
+        if extras:
             from prometheus_client import generate_latest
 
-            text += generate_latest(_Collectors(list(self.extras))).decode("utf-8")
+            text += generate_latest(_Collectors(extras)).decode("utf-8")
         return text.encode("utf-8")
 
 
@@ -334,39 +353,74 @@ def make_registry(collector: AgentCollector) -> AgentRegistry:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def serve(registry: AgentRegistry, host: str, port: int):
-    """Serve /metrics on a threaded HTTP server; returns (server, thread). OSError if it cannot bind."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+MAX_REQUEST_LINE = 8192
+MAX_HEADER_LINES = 100
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            path = self.path.split("?", 1)[0]
+
+def _response(code: int, reason: str, ctype: str, body: bytes) -> bytes:
+    return (f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode("latin-1") + body
+
+
+def serve(registry: AgentRegistry, host: str, port: int):
+    """Serve /metrics on a threaded HTTP/1.0 server; returns (server, thread). OSError if it
+    cannot bind.
+
+    A small handler on ``socketserver`` rather than ``http.server``: http.server imports
+    http.client, email and ssl, ~7 MB of resident memory in every agent, to parse what is here
+    one request line and a few headers (GET only; one request per connection, as http.server's
+    HTTP/1.0 default did)."""
+    import socket
+    import socketserver
+
+    class Handler(socketserver.StreamRequestHandler):
+        timeout = 10.0  # a client that connects and sends nothing must not hold a thread forever
+
+        def handle(self) -> None:
+            try:
+                out = self._answer()
+            except (OSError, ValueError):  # timed out or reset: nothing to answer
+                return
+            try:
+                self.wfile.write(out)
+            except OSError:
+                pass  # the scraper went away
+
+        def _answer(self) -> bytes:
+            line = self.rfile.readline(MAX_REQUEST_LINE + 1)
+            if len(line) > MAX_REQUEST_LINE:
+                return _response(414, "Request-URI Too Long", "text/plain", b"request line too long\n")
+            words = line.decode("latin-1").split()
+            if len(words) != 3 or not words[2].startswith("HTTP/"):
+                return _response(400, "Bad Request", "text/plain", b"bad request line\n")
+            for _ in range(MAX_HEADER_LINES):  # headers: read and ignored
+                h = self.rfile.readline(MAX_REQUEST_LINE + 1)
+                if h in (b"\r\n", b"\n", b""):
+                    break
+            else:
+                return _response(431, "Request Header Fields Too Large", "text/plain", b"too many headers\n")
+            method, path = words[0], words[1].split("?", 1)[0]
+            if method != "GET":
+                return _response(501, "Not Implemented", "text/plain", f"unsupported method {method}\n".encode())
             if path == "/metrics":
                 try:
-                    body, ctype, code = registry.render(), CONTENT_TYPE, 200
+                    return _response(200, "OK", CONTENT_TYPE, registry.render())
                 except Exception as exc:  # a scrape must never take the agent down
                     log.exception("rendering /metrics failed")
-                    body, ctype, code = f"error: {exc}\n".encode(), "text/plain", 500
-            elif path == "/":
-                body, ctype, code = b"easymats agent: see /metrics\n", "text/plain", 200
-            else:
-                body, ctype, code = b"not found: try /metrics\n", "text/plain", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+                    return _response(500, "Internal Server Error", "text/plain", f"error: {exc}\n".encode())
+            if path == "/":
+                return _response(200, "OK", "text/plain", b"easymats agent: see /metrics\n")
+            return _response(404, "Not Found", "text/plain", b"not found: try /metrics\n")
 
-        def log_message(self, format: str, *args) -> None:  # the agent owns the terminal
-            pass
-
-    class Server(ThreadingHTTPServer):
+    class Server(socketserver.ThreadingTCPServer):
         daemon_threads = True
         allow_reuse_address = True
 
-    if ":" in host:
-        import socket
+        @property
+        def server_port(self) -> int:
+            return self.server_address[1]
 
+    if ":" in host:
         Server.address_family = socket.AF_INET6
     server = Server((host, port), Handler)
     thread = threading.Thread(target=server.serve_forever, name="easymats-http", daemon=True)

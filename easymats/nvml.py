@@ -1,8 +1,9 @@
 """NVML, through one chokepoint: lazy init, never raises, absent without a GPU.
 
 Every NVML call in easymats goes through :class:`Nvml`. Without the NVIDIA driver (CI, laptops)
-``nvmlInit`` fails with NVMLError_LibraryNotFound in well under a millisecond; :meth:`available`
-then answers False for good and GPU metrics are simply absent (never zero). A function the
+pynvml is not even imported (no driver device or procfs entry: see DRIVER_PATHS), and where the
+driver shows but ``nvmlInit`` fails, :meth:`available` answers False just the same: for good,
+and GPU metrics are simply absent (never zero). A function the
 driver does not implement is remembered and not called again.
 
 Readings are small NamedTuples in base units: bytes and 0..1 ratios (NVML speaks MiB-free bytes
@@ -12,11 +13,17 @@ and percent; the conversion happens here, once).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Iterable, NamedTuple
 
 log = logging.getLogger("easymats.nvml")
+
+# Where an NVIDIA driver shows itself: the control device (bare metal, containers given GPUs),
+# the driver's procfs directory, and WSL's GPU paravirtualisation device. With none of them,
+# NVML cannot find a GPU and pynvml is not even imported.
+DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")
 
 
 class GpuReading(NamedTuple):
@@ -59,6 +66,11 @@ class Nvml:
     def _init(self) -> bool:
         if self._state != "new":
             return self._state == "ok"
+        if not any(os.path.exists(p) for p in DRIVER_PATHS):
+            # No NVIDIA driver here: do not even import pynvml (~4 MB of resident memory).
+            self._state, self._why = "unavailable", "no NVIDIA driver (none of " + ", ".join(DRIVER_PATHS) + " exists)"
+            log.info("NVML unavailable (%s): GPU metrics are absent", self._why)
+            return False
         try:
             import pynvml  # from nvidia-ml-py; imported here so a machine without it still works
 
