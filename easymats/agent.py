@@ -8,7 +8,7 @@ Threads, and why each exists:
   a dead or busy target cannot hold the others up;
 - the **NVML** thread reads GPUs at ``nvml_interval`` (per-process utilization costs ~1.4 ms per
   device), so a slow driver call never delays a sample;
-- the **HTTP** thread (prometheus_client's server) renders /metrics from the latest samples;
+- the **HTTP** thread (a small socketserver handler) renders /metrics from the latest samples;
 - the caller's thread runs :meth:`Agent.run`: the live view or summary lines, and signals.
 
 Use from the CLI (``easymats --pid ...``) or as a library::
