@@ -79,6 +79,16 @@ class HotBufferState:
         self.token_slot[heads[gone], old[gone]] = -1
         self.prefetched[heads, slots] = False
 
+    def _install(self, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+                 stamps: torch.Tensor, prefetched: bool) -> None:
+        """Evict what ``slots`` held and map ``tokens`` into them with LRU ``stamps``; all (M,)."""
+        self._evict(heads, slots)
+        self.slot_token[heads, slots] = tokens
+        self.token_slot[heads, tokens] = slots
+        if prefetched:
+            self.prefetched[heads, slots] = True
+        self.slot_stamp[heads, slots] = stamps
+
     def insert(self, positions: torch.Tensor) -> torch.Tensor:
         """Make new tokens ``positions`` (T,) resident as MRU in every head (the last S if T > S).
 
@@ -89,11 +99,10 @@ class HotBufferState:
         self.ensure_tokens(int(positions.max()) + 1)
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         h = self._heads[:, None].expand(-1, T)
-        self._evict(h.reshape(-1), victims.reshape(-1))
         tok = positions[None].expand(self.H, -1)
-        self.slot_token[h, victims] = tok
-        self.token_slot[h, tok] = victims
-        self.slot_stamp[h, victims] = self.clock + torch.arange(T, device=self.device)[None]
+        stamps = (self.clock + torch.arange(T, device=self.device))[None].expand(self.H, -1)
+        self._install(h.reshape(-1), victims.reshape(-1), tok.reshape(-1), stamps.reshape(-1),
+                      prefetched=False)
         self.clock += T
         return victims
 
@@ -114,12 +123,9 @@ class HotBufferState:
         order = self._lru(stamp, int(rank[:, -1].max()) + 1 if K else 0)  # LRU first (unique stamps)
         mh, mk = miss.nonzero(as_tuple=True)
         victims = order[mh, rank[mh, mk]]
-        self._evict(mh, victims)
         new_tok = sel[mh, mk]
-        self.slot_token[mh, victims] = new_tok
-        self.token_slot[mh, new_tok] = victims
+        self._install(mh, victims, new_tok, self.clock + mk, prefetched=False)
         self.prefetched[hh, hit_slots] = False
-        self.slot_stamp[mh, victims] = self.clock + mk
         self.slot_stamp[hh, hit_slots] = self.clock + K + hk
         self.clock += 2 * K
         slot[mh, mk] = victims
@@ -141,12 +147,8 @@ class HotBufferState:
         ph, pk = cand.nonzero(as_tuple=True)
         order = self._lru(self.slot_stamp, int(cand.sum(1).max()))
         victims = order[ph, rank[ph, pk]]
-        self._evict(ph, victims)
         tok = tokens[ph, pk]
-        self.slot_token[ph, victims] = tok
-        self.token_slot[ph, tok] = victims
-        self.prefetched[ph, victims] = True
-        self.slot_stamp[ph, victims] = self.clock + pk
+        self._install(ph, victims, tok, self.clock + pk, prefetched=True)
         self.clock += tokens.shape[1]
         return ph, tok, victims
 
