@@ -7,7 +7,11 @@ PY      = $(VENV)/bin/python
 # The constraints file pins the CPU build of torch for development and CI only.
 PIP_INSTALL = $(PY) -m pip install -q -c constraints-dev.txt
 
-.PHONY: venv demo test test-gpu clean
+.PHONY: venv demo test test-gpu system-deps clean
+
+# The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages.
+SYSTEM_TOOLS = prometheus promtool prometheus-alertmanager
+SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +24,16 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/easymats demo
 
-test: venv
+system-deps:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages prometheus prometheus-alertmanager (missing:$$missing)"; \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus prometheus-alertmanager \
+	  || { echo "could not install them: apt-get install prometheus prometheus-alertmanager, then make test"; exit 1; }; \
+	fi
+
+test: venv system-deps
 	$(PY) -m pytest -q
 
 test-gpu: venv
