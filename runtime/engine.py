@@ -58,6 +58,7 @@ class _Seq:
     holes: torch.Tensor
     bt: torch.Tensor | None = None
     bt_version: int = -1
+    has_holes: bool = False  # host mirror of holes.any(): the decode path skips holes without a sync
     last_selection: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -285,6 +286,7 @@ class HiSparseEngine:
             s = self.seqs[sid]
             out.append(self.pages.punch_hole(sid, lb))
             s.holes[lb] = True
+            s.has_holes = True
             for hb in s.hot:
                 hb.invalidate(lb * self.bs, (lb + 1) * self.bs)
             self._stats.block_evictions += 1
@@ -414,7 +416,7 @@ class HiSparseEngine:
     def _visible(self, s: _Seq, n: int) -> torch.Tensor:
         pos = torch.arange(n, device=self.device)
         vis = pos >= s.first
-        if s.holes.numel() and bool(s.holes.any()):
+        if s.has_holes:
             vis &= ~s.holes.to(self.device)[pos // self.bs]
         return vis
 
@@ -463,7 +465,7 @@ class HiSparseEngine:
             s = self.seqs[sid]
             n = s.n[layer]
             nb = -(-n // bs)
-            holes = s.holes[:nb].to(self.device) if s.holes.numel() else None
+            holes = s.holes[:nb].to(self.device) if s.has_holes else None
             scores = None
             if n - s.first > cfg.top_k:
                 qg = q[b].view(H, self.G, self.D)
