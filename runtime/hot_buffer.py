@@ -114,19 +114,25 @@ class HotBufferState:
         slot = torch.where(valid, self.token_slot.gather(1, sel.clamp(min=0)), -1)
         hit = slot >= 0
         miss = valid & ~hit
-        hh, hk = hit.nonzero(as_tuple=True)
-        hit_slots = slot[hh, hk]
-        prefetch_used = self.prefetched[hh, hit_slots].sum()
-        stamp = self.slot_stamp.clone()
-        stamp[hh, hit_slots] = _NEVER                     # hits are not evictable this step
+        # per-slot view of the hits, built by scatters through a spill column S (non-hits land
+        # there and are cut off): no nonzero() and no advanced indexing over the ~K hits
+        hit_at = torch.where(hit, slot, S)                                    # (H, K)
+        hit_slot = torch.zeros(H, S + 1, dtype=torch.bool, device=self.device)
+        hit_slot.scatter_(1, hit_at, True)
+        hit_slot = hit_slot[:, :S]                                            # (H, S)
+        hit_stamp = torch.zeros(H, S + 1, dtype=torch.int64, device=self.device)
+        hit_stamp.scatter_(1, hit_at, self.clock + K + torch.arange(K, device=self.device).expand(H, -1))
+        prefetch_used = (self.prefetched & hit_slot).sum()
+        stamp = torch.where(hit_slot, _NEVER, self.slot_stamp)                # hits are not evictable
         rank = miss.long().cumsum(1) - 1
         order = self._lru(stamp, int(rank[:, -1].max()) + 1 if K else 0)  # LRU first (unique stamps)
         mh, mk = miss.nonzero(as_tuple=True)
         victims = order[mh, rank[mh, mk]]
         new_tok = sel[mh, mk]
+        # misses go to non-hit slots, so installing them and restamping the hits commute
         self._install(mh, victims, new_tok, self.clock + mk, prefetched=False)
-        self.prefetched[hh, hit_slots] = False
-        self.slot_stamp[hh, hit_slots] = self.clock + K + hk
+        self.prefetched &= ~hit_slot
+        self.slot_stamp.copy_(torch.where(hit_slot, hit_stamp[:, :S], self.slot_stamp))
         self.clock += 2 * K
         slot[mh, mk] = victims
         return Lookup(slot, mh, new_tok, victims, valid.sum(), hit.sum(), prefetch_used)
