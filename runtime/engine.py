@@ -365,7 +365,7 @@ class HiSparseEngine:
             for e in events.errors:
                 st.quant_error.observe(e)
             self._update_bounds(s, layer, p0, kb)
-            slots = s.hot[layer].insert(torch.arange(p0, n, device=self.device))
+            slots = s.hot[layer].insert(torch.arange(p0, n, device=self.device), end=n)
             Tn = slots.shape[1]
             # flat (Hkv*S, D) rows + index_copy_: several times cheaper on CPU than a scatter_
             # with an index expanded over D (slots are unique per head, so the writes agree)

@@ -76,7 +76,12 @@ class HotBufferState:
     def _evict(self, heads: torch.Tensor, slots: torch.Tensor) -> None:
         old = self.slot_token[heads, slots]
         gone = old >= 0
-        self.token_slot[heads[gone], old[gone]] = -1
+        # token_slot[h, old] = -1 where gone, without a boolean-mask index (a device sync): add
+        # -1 - current there and 0 at the clamped index of empty slots (a token sits in one slot
+        # per head, so the real targets are distinct and accumulation makes the dummies no-ops)
+        at = old.clamp(min=0)
+        delta = torch.where(gone, -1 - self.token_slot[heads, at], 0)
+        self.token_slot.index_put_((heads, at), delta, accumulate=True)
         self.prefetched[heads, slots] = False
 
     def _install(self, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
@@ -89,14 +94,15 @@ class HotBufferState:
             self.prefetched[heads, slots] = True
         self.slot_stamp[heads, slots] = stamps
 
-    def insert(self, positions: torch.Tensor) -> torch.Tensor:
+    def insert(self, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
         """Make new tokens ``positions`` (T,) resident as MRU in every head (the last S if T > S).
 
+        end: max(positions) + 1 when the caller knows it on the host (saves a device sync).
         Returns slots (Hkv, T') for positions[-T':] where the caller writes their K/V.
         """
         positions = positions[-self.S:]
         T = positions.numel()
-        self.ensure_tokens(int(positions.max()) + 1)
+        self.ensure_tokens(int(positions.max()) + 1 if end is None else end)
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         h = self._heads[:, None].expand(-1, T)
         tok = positions[None].expand(self.H, -1)
@@ -151,7 +157,9 @@ class HotBufferState:
         rank = cand.long().cumsum(1) - 1
         cand &= rank < limit[:, None]
         ph, pk = cand.nonzero(as_tuple=True)
-        order = self._lru(self.slot_stamp, int(cand.sum(1).max()))
+        # P (host-known) bounds the loads per head; stamps are unique per head, so the first
+        # rank entries are the same as with the exact count and no device sync is needed
+        order = self._lru(self.slot_stamp, tokens.shape[1])
         victims = order[ph, rank[ph, pk]]
         tok = tokens[ph, pk]
         self._install(ph, victims, tok, self.clock + pk, prefetched=True)
