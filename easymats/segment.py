@@ -62,6 +62,7 @@ class SegmentError(Exception):
         assert kind in self.KINDS, kind
         self.kind = kind
         self.path = path
+        self.detail = message  # the message without the path, for callers that name it themselves
         super().__init__(f"{path}: {message}")
 
 
@@ -492,6 +493,24 @@ def pid_of_path(path: str) -> int | None:
 
 def segments_for_pid(pid: int, directory: str | None = None) -> list[str]:
     return [p for p in segment_paths(directory) if pid_of_path(p) == pid]
+
+
+def require_segments(pid: int, directory: str | None = None) -> list[str]:
+    """Segment paths of the running process ``pid``; SegmentError naming the fix when it has none.
+
+    kind "dead_pid": no process with that pid; kind "not_found": the process publishes no segment
+    in the directory searched.
+    """
+    d = directory or segment_dir()
+    paths = segments_for_pid(pid, d)
+    if paths:
+        return paths
+    if not procinfo.pid_exists(pid):
+        raise SegmentError("dead_pid", d, f"no process with pid {pid}: give the pid of a running "
+                           "HiSparse process ('easymats ls' lists them)")
+    raise SegmentError("not_found", d, f"pid {pid} has no telemetry segment in {d}: is it a HiSparse "
+                       "process with telemetry on? If it publishes elsewhere, set "
+                       f"{ENV_DIR} to that directory ('easymats ls' lists segments)")
 
 
 def control_path(segment_path: str) -> str:

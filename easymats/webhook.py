@@ -23,7 +23,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from .segment import SegmentError, control_path, read_segment, segment_dir, segments_for_pid
+from .segment import SegmentError, control_path, read_segment, require_segments
 from .telemetry import ControlFile
 
 log = logging.getLogger("easymats.webhook")
@@ -178,14 +177,9 @@ class Webhook:
                 self._jobs.task_done()
 
     def _write_request(self, job: Job) -> None:
+        ctl = None
         try:
             ctl = ControlFile.open_existing(job.control_path)
-        except (OSError, ValueError) as exc:
-            with self._lock:
-                self._failures += 1
-            log.warning("cannot ask %s to recalibrate: %s", job.target, exc)
-            return
-        try:
             req_id = ctl.request(ACTION, job.reason, self._requester)
         except (OSError, ValueError) as exc:
             with self._lock:
@@ -193,7 +187,8 @@ class Webhook:
             log.warning("cannot ask %s to recalibrate: %s", job.target, exc)
             return
         finally:
-            ctl.close()
+            if ctl is not None:
+                ctl.close()
         with self._lock:
             self._requests[job.target] = self._requests.get(job.target, 0) + 1
         log.info("asked %s to recalibrate (request %d: %s)", job.target, req_id, job.reason)
@@ -372,19 +367,10 @@ class RecalibrationFailed(click.ClickException):
 def _control_files(pid: int) -> list[tuple[str, ControlFile]]:
     from .cli import UsageFailure
 
-    directory = segment_dir()
-    paths = segments_for_pid(pid, directory)
-    if not paths:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            raise UsageFailure(f"no process with pid {pid}; give the pid of a running HiSparse "
-                               "process ('easymats ls' lists them)") from None
-        except PermissionError:
-            pass
-        raise UsageFailure(f"pid {pid} has no telemetry segment in {directory}: is it a HiSparse "
-                           "process with telemetry on? If it publishes elsewhere, set "
-                           "EASYMATS_SEGMENT_DIR to that directory ('easymats ls' lists segments)")
+    try:
+        paths = require_segments(pid)
+    except SegmentError as exc:
+        raise UsageFailure(exc.detail) from None
     out = []
     for path in paths:
         try:

@@ -35,13 +35,10 @@ def open_readers(pid: int, directory: str | None = None) -> list[tuple[str, segm
     """(target name, reader) for every segment of ``pid``; LiveError when there is none."""
     if pid <= 0:
         raise LiveError(f"--pid {pid} is not a process id")
-    d = directory or segment.segment_dir()
-    if not os.path.exists(f"/proc/{pid}"):
-        raise LiveError(f"no process with pid {pid} (is it still running?)")
-    paths = segment.segments_for_pid(pid, d)
-    if not paths:
-        raise LiveError(f"pid {pid} has no telemetry segment in {d}: is it a HiSparse process with telemetry "
-                        "enabled? (set EASYMATS_SEGMENT_DIR if the runtime publishes elsewhere)")
+    try:
+        paths = segment.require_segments(pid, directory)
+    except SegmentError as exc:
+        raise LiveError(exc.detail) from None
     readers = []
     for p in paths:
         try:
