@@ -62,15 +62,9 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _dequant_rows_kernel(
-    p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, P, rows_per_block,
-    stride_src, stride_dst,
-    BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    i_m = tl.program_id(0)
-    i_d = tl.program_id(1)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_m = o_m < M
+def _rows_and_block_params(p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block,
+                           GATHER: tl.constexpr):
+    """Source and destination rows (int64) of rows ``o_m``, and their blocks' scale and zero point."""
     if GATHER:
         o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
         o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
@@ -80,6 +74,21 @@ def _dequant_rows_kernel(
     o_blk = o_src // rows_per_block
     b_scale = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
     b_zero = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
+    return o_src, o_dst, b_scale, b_zero
+
+
+@triton.jit
+def _dequant_rows_kernel(
+    p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, P, rows_per_block,
+    stride_src, stride_dst,
+    BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_d = tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_src, o_dst, b_scale, b_zero = _rows_and_block_params(
+        p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block, GATHER)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     o_bit = o_d * BITS
@@ -173,15 +182,8 @@ def _dequant_grouped_kernel(
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    if GATHER:
-        o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
-        o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
-    else:
-        o_src = o_m.to(tl.int64)
-        o_dst = o_m.to(tl.int64)
-    o_blk = o_src // rows_per_block
-    b_scale = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
-    b_zero = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
+    o_src, o_dst, b_scale, b_zero = _rows_and_block_params(
+        p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block, GATHER)
     o_g = tl.arange(0, BLOCK_G)
     o_i = tl.arange(0, 8)
     m_g = (o_g < D // 8)[None, :, None]
