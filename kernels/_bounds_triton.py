@@ -36,16 +36,24 @@ def _bounds_kernel(
 
 @triton.jit
 def _scores_kernel(
-    p_q, p_kmin, p_kmax, p_out, NB, D,
-    G: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
+    p_q, p_kmin, p_kmax, p_blocks, p_out, NB, M, D,
+    G: tl.constexpr, GATHER: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Scores of M entries per (batch, KV head) row: blocks 0..M-1 (M = NB), or the M block
+    indices listed in p_blocks (GATHER; -1 entries score -inf)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_nb = tl.program_id(1)
     o_nb = i_nb * BLOCK_NB + tl.arange(0, BLOCK_NB)
     o_d = tl.arange(0, BLOCK_D)
-    m_nb = o_nb < NB
+    m_out = o_nb < M
+    if GATHER:
+        o_blk = tl.load(p_blocks + i_bh * M + o_nb, mask=m_out, other=-1)
+        m_nb = o_blk >= 0
+    else:
+        o_blk = o_nb.to(tl.int64)
+        m_nb = m_out
     m = m_nb[:, None] & (o_d < D)[None, :]
-    o_kv = (i_bh * NB + o_nb.to(tl.int64))[:, None] * D + o_d[None, :]
+    o_kv = (i_bh * NB + o_blk)[:, None] * D + o_d[None, :]
     b_lo = tl.load(p_kmin + o_kv, mask=m, other=0.0).to(tl.float32)
     b_hi = tl.load(p_kmax + o_kv, mask=m, other=0.0).to(tl.float32)
     b_best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
@@ -53,7 +61,8 @@ def _scores_kernel(
         b_q = tl.load(p_q + (i_bh * G + g) * D + o_d, mask=o_d < D, other=0.0).to(tl.float32)
         b_s = tl.sum(tl.maximum(b_q[None, :] * b_lo, b_q[None, :] * b_hi), 1)
         b_best = tl.maximum(b_best, b_s)
-    tl.store(p_out + i_bh * NB + o_nb, b_best, mask=m_nb)
+    b_best = tl.where(m_nb, b_best, float("-inf"))
+    tl.store(p_out + i_bh * M + o_nb, b_best, mask=m_out)
 
 
 def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,20 +80,24 @@ def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor
     return kmin, kmax
 
 
-def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_values: int = 4096,
-           num_warps: int = 4) -> torch.Tensor:
-    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32 (keywords: benchmark tuning)."""
+def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torch.Tensor | None = None,
+           block_values: int = 4096, num_warps: int = 4) -> torch.Tensor:
+    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) [, blocks (..., Hkv, M)] -> (..., Hkv, NB or M)
+    fp32 (keywords: benchmark tuning)."""
     lead = q.shape[:-2]
     g, d = q.shape[-2:]
     nb = kmin.shape[-2]
     qf = q.reshape(-1, g, d).contiguous()
     lo = kmin.reshape(-1, nb, d).contiguous()
     hi = kmax.reshape(-1, nb, d).contiguous()
-    out = torch.empty(lead + (nb,), device=q.device, dtype=torch.float32)
+    m = nb if blocks is None else blocks.shape[-1]
+    out = torch.empty(lead + (m,), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out
+    idx = out if blocks is None else blocks.reshape(-1, m).contiguous()   # unused pointer when not gathering
     BLOCK_D = next_pow2(d)
     BLOCK_NB = max(16, min(256, block_values // BLOCK_D))
-    _scores_kernel[(qf.shape[0], triton.cdiv(nb, BLOCK_NB))](qf, lo, hi, out, nb, d, G=g, BLOCK_NB=BLOCK_NB,
-                                                            BLOCK_D=BLOCK_D, num_warps=num_warps)
+    _scores_kernel[(qf.shape[0], triton.cdiv(m, BLOCK_NB))](
+        qf, lo, hi, idx, out, nb, m, d, G=g, GATHER=blocks is not None, BLOCK_NB=BLOCK_NB, BLOCK_D=BLOCK_D,
+        num_warps=num_warps)
     return out

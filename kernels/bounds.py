@@ -3,7 +3,15 @@
 block_bounds: k (Hkv, L, D) -> kmin, kmax (Hkv, NB, D), NB = ceil(L / block_size).
 block_scores: q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32 =
 max over g of sum_d max(q*kmin, q*kmax). Leading batch dims are an extension of the contract so a
-whole decode batch is scored in one launch.
+whole decode batch is scored in one launch; `blocks` (..., Hkv, M) scores only the listed blocks.
+
+Two-level bounds keep the bound read short at long context: super-blocks of `group` consecutive
+blocks carry the min of their blocks' kmin and the max of their kmax, so a super-block's bound is
+>= the bound of every block in it. `two_level_candidates` scores the super-blocks, keeps the best
+`n_super` per KV head and scores only their blocks: bytes read per step fall from NB to
+NB / group + n_super * group block bounds (1M tokens, 64-token blocks, group 16: 16,384 -> 1,584).
+It is a heuristic: a block outside the kept super-blocks is never a candidate, even if its own
+bound would have ranked it (keep n_super >= the blocks selected, which the runtime does).
 """
 from __future__ import annotations
 
@@ -24,15 +32,60 @@ def reference_block_bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tens
     return kmin.to(k.dtype), kmax.to(k.dtype)
 
 
-def reference_block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32.
+def reference_block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                           blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32; with blocks
+    (..., Hkv, M) int64 (-1 = none): (..., Hkv, M), -inf where blocks is -1.
 
     max(q*kmin, q*kmax) summed over d equals relu(q).kmax + min(q, 0).kmin, so two matmuls do it.
     """
+    if blocks is not None:
+        idx = blocks.clamp(min=0)[..., None].expand(*blocks.shape, kmin.shape[-1])
+        s = reference_block_scores(q, kmin.gather(-2, idx), kmax.gather(-2, idx))
+        return torch.where(blocks >= 0, s, float("-inf"))
     qf = q.float()
     pos, neg = qf.clamp(min=0), qf.clamp(max=0)
     s = pos @ kmax.float().transpose(-1, -2) + neg @ kmin.float().transpose(-1, -2)   # (..., Hkv, G, NB)
     return s.amax(dim=-2)
+
+
+def superblock_bounds(kmin: torch.Tensor, kmax: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kmin/kmax (..., NB, D) -> (smin, smax) (..., ceil(NB / group), D): the min of each run of
+    `group` blocks' kmin and the max of their kmax (a partial last group uses its blocks)."""
+    check(isinstance(group, int) and group >= 1, f"group must be a positive int, got {group!r}")
+    check(kmin.shape == kmax.shape and kmin.dim() >= 2, f"kmin {tuple(kmin.shape)} and kmax "
+          f"{tuple(kmax.shape)} must be equal shapes (..., NB, D)")
+    nb, d = kmin.shape[-2:]
+    ns = -(-nb // group)
+    pad = ns * group - nb
+    lead = kmin.shape[:-2]
+
+    def fold(t: torch.Tensor, fill: float, op) -> torch.Tensor:
+        if pad:
+            t = torch.cat([t, t.new_full((*lead, pad, d), fill)], -2)
+        return op(t.reshape(*lead, ns, group, d), dim=-2)
+
+    return fold(kmin, float("inf"), torch.amin), fold(kmax, float("-inf"), torch.amax)
+
+
+def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor,
+                         smax: torch.Tensor, group: int, n_super: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate blocks of the `n_super` best super-blocks per KV head and their bounds.
+
+    q (..., Hkv, G, D); kmin/kmax (..., Hkv, NB, D); smin/smax (..., Hkv, NS, D) from
+    `superblock_bounds(kmin, kmax, group)` (or kept up to date incrementally).
+    Returns blocks (..., Hkv, n_super * group) int64 (-1 past NB) and their scores (fp32, -inf
+    where blocks is -1); with n_super >= NS every block is a candidate.
+    """
+    nb, ns = kmin.shape[-2], smin.shape[-2]
+    check(ns == -(-nb // group), f"smin/smax hold {ns} super-blocks but {nb} blocks in groups of {group} "
+          f"need {-(-nb // group)}; rebuild them with superblock_bounds")
+    check(n_super >= 1, f"n_super must be >= 1, got {n_super}")
+    n_super = min(n_super, ns)
+    sup = top_blocks(block_scores(q, smin, smax), n_super)                     # (..., Hkv, n_super)
+    blocks = (sup[..., None] * group + torch.arange(group, device=sup.device)).flatten(-2)
+    blocks = torch.where(blocks < nb, blocks, -1)
+    return blocks, block_scores(q, kmin, kmax, blocks)
 
 
 def top_blocks(scores: torch.Tensor, n: int, chunk: int = 1024) -> torch.Tensor:
@@ -69,8 +122,12 @@ def block_bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
     return reference_block_bounds(k, block_size)
 
 
-def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest upper bound of q.k per block: q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32."""
+def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                 blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Quest upper bound of q.k per block: q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32.
+
+    With blocks (..., Hkv, M) int64 block indices (-1 = none): only those, (..., Hkv, M), -inf at -1.
+    """
     check(q.dim() >= 3, f"q must be (..., Hkv, G, D), got shape {tuple(q.shape)}")
     check(kmin.shape == kmax.shape, f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} differ")
     check(kmin.dim() == q.dim() and kmin.shape[:-2] == q.shape[:-2] and kmin.shape[-1] == q.shape[-1],
@@ -78,6 +135,11 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
     for name, t in (("q", q), ("kmin", kmin), ("kmax", kmax)):
         check(t.dtype in FLOAT_DTYPES, f"{name} dtype {t.dtype} unsupported; use float16, bfloat16 or float32")
     check(len({q.device, kmin.device, kmax.device}) == 1, "q, kmin and kmax must be on one device")
+    if blocks is not None:
+        check(blocks.dim() == q.dim() - 1 and blocks.shape[:-1] == q.shape[:-2],
+              f"blocks {tuple(blocks.shape)} must be (..., Hkv, M) matching q {tuple(q.shape)}")
+        check(blocks.dtype == torch.int64 and blocks.device == q.device,
+              f"blocks must be int64 on {q.device}, got {blocks.dtype} on {blocks.device}")
     if use_triton(q, kmin, kmax):
-        return kernel_module("_bounds_triton").scores(q, kmin, kmax)
-    return reference_block_scores(q, kmin, kmax)
+        return kernel_module("_bounds_triton").scores(q, kmin, kmax, blocks)
+    return reference_block_scores(q, kmin, kmax, blocks)

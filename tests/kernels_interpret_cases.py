@@ -117,6 +117,17 @@ def _bounds() -> None:
     _need(torch.equal(kmin, rmin) and torch.equal(kmax, rmax), "bounds differ")
 
 
+def _scores_listed() -> None:
+    q, kmin = torch.randn(2, 2, 3, 60), torch.randn(2, 2, 40, 60)
+    kmax = kmin + torch.rand(2, 2, 40, 60)
+    blocks = torch.randint(-1, 40, (2, 2, 21))
+    s = K.block_scores(q, kmin, kmax, blocks)
+    ref = K.reference_block_scores(q, kmin, kmax, blocks)
+    _need(torch.equal(torch.isinf(s), blocks < 0), "listed scores: -1 entries must score -inf")
+    err = _rel(torch.where(blocks >= 0, s, 0.0), torch.where(blocks >= 0, ref, 0.0))
+    _need(s.shape == (2, 2, 21) and err < 1e-5, f"listed scores differ: {err:.2e}")
+
+
 def _scores() -> None:
     q, kmin = torch.randn(2, 2, 3, 60), torch.randn(2, 2, 40, 60)
     kmax = kmin + torch.rand(2, 2, 40, 60)
@@ -142,6 +153,7 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"dequantize-{b}bit-d7": (lambda b=b: _dequantize(b, 7)) for b in (4, 5, 6, 8)},
     "block_bounds-t63-d60": _bounds,
     "block_scores-d60": _scores,
+    "block_scores-listed-d60": _scores_listed,
 }
 
 

@@ -145,3 +145,9 @@ def test_block_bounds_and_scores(dtype, D, L, bs):
     _poison_allocator()
     s = K.block_scores(q, lo, hi)
     assert s.dtype == torch.float32 and _rel(s, K.reference_block_scores(q, lo, hi)) < 1e-5
+    blocks = torch.randint(-1, kmin.shape[1], (3, 8, 37), device="cuda")
+    _poison_allocator()
+    sl = K.block_scores(q, lo, hi, blocks)
+    ref = K.reference_block_scores(q, lo, hi, blocks)
+    assert torch.equal(torch.isinf(sl), blocks < 0)
+    assert _rel(torch.where(blocks >= 0, sl, 0.0), torch.where(blocks >= 0, ref, 0.0)) < 1e-5

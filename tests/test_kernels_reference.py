@@ -7,7 +7,7 @@ import torch
 
 from hi_sparse.kernels import (block_bounds, block_scores, dequantize_blocks, pack_codes, packed_width,
                                quantize_blocks, reference_sparse_decode_attention, sparse_decode_attention,
-                               swap_in, swap_in_dequant, unpack_codes)
+                               superblock_bounds, swap_in, swap_in_dequant, two_level_candidates, unpack_codes)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -148,11 +148,61 @@ def test_block_scores_match_elementwise_definition_and_bound_q_dot_k():
     assert batched.shape == (3, hkv, kmin.shape[1]) and torch.allclose(batched[2], s)
 
 
+def test_block_scores_of_listed_blocks_equal_the_full_scores_gathered():
+    torch.manual_seed(5)
+    q, kmin = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 20, 16)
+    kmax = kmin + torch.rand(2, 3, 20, 16)
+    full = block_scores(q, kmin, kmax)
+    blocks = torch.randint(-1, 20, (2, 3, 7))
+    got = block_scores(q, kmin, kmax, blocks)
+    assert got.shape == (2, 3, 7)
+    want = torch.where(blocks >= 0, full.gather(-1, blocks.clamp(min=0)), float("-inf"))
+    assert torch.equal(torch.isinf(got), blocks < 0) and torch.allclose(got, want, atol=1e-5)
+
+
+def test_superblock_bounds_equal_bounds_of_the_coarser_blocks():
+    torch.manual_seed(6)
+    k = torch.randn(2, 203, 8)                   # 26 blocks of 8 (last partial), 4 super-blocks of 7
+    kmin, kmax = block_bounds(k, 8)
+    smin, smax = superblock_bounds(kmin, kmax, 7)
+    cmin, cmax = block_bounds(k, 56)
+    assert smin.shape == (2, 4, 8) and torch.equal(smin, cmin) and torch.equal(smax, cmax)
+
+
+def test_two_level_candidates_find_planted_blocks_and_cover_everything_when_wide():
+    torch.manual_seed(7)
+    hkv, g, d, bs, group = 2, 2, 32, 4, 8
+    nb = 200
+    k = torch.randn(hkv, nb * bs - 3, d) * 0.3
+    q = torch.randn(hkv, g, d)
+    planted = torch.tensor([[17, 90, 151], [3, 120, 199]])           # per head, one block each
+    for h in range(hkv):
+        for b in planted[h].tolist():
+            k[h, b * bs] = q[h, 0] * 2.0                               # a key aligned with the query
+    kmin, kmax = block_bounds(k, bs)
+    smin, smax = superblock_bounds(kmin, kmax, group)
+    blocks, sc = two_level_candidates(q, kmin, kmax, smin, smax, group, n_super=3)
+    assert blocks.shape == sc.shape == (hkv, 3 * group)
+    for h in range(hkv):
+        best = blocks[h][sc[h].topk(3).indices]
+        assert set(best.tolist()) == set(planted[h].tolist())
+    full = block_scores(q, kmin, kmax)
+    every, every_sc = two_level_candidates(q, kmin, kmax, smin, smax, group, n_super=10 ** 6)
+    for h in range(hkv):
+        valid = every[h] >= 0
+        assert sorted(every[h][valid].tolist()) == list(range(nb))
+        assert torch.allclose(every_sc[h][valid], full[h][every[h][valid]], atol=1e-5)
+    with pytest.raises(ValueError, match="rebuild them with superblock_bounds"):
+        two_level_candidates(q, kmin, kmax, smin[:, :-1], smax[:, :-1], group, 3)
+
+
 def test_bounds_reject_bad_input():
     with pytest.raises(ValueError, match="block_size"):
         block_bounds(torch.randn(1, 4, 2), 0)
     with pytest.raises(ValueError, match="must be"):
         block_scores(torch.randn(2, 1, 4), torch.randn(2, 3, 5), torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match="int64"):
+        block_scores(torch.randn(2, 1, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.zeros(2, 2, dtype=torch.int32))
 
 
 # ---------------------------------------------------------------- swap-in
