@@ -1,4 +1,4 @@
-"""Triton block quantize (partial min/max, then pack) and row dequantize.
+"""Triton block quantize (fused single-read kernel, or partial min/max then pack) and row dequantize.
 
 The dequantize kernel serves both `dequantize_blocks` (rows in order) and the fused
 `swap_in_dequant` (rows gathered through index tensors, source possibly pinned host memory).
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import next_pow2
+from ._launch import next_pow2, sm_count
 
 
 @triton.jit
@@ -171,6 +171,106 @@ def _pack_grouped_kernel(
 
 
 @triton.jit
+def _codes(b_x, lo, inv, BITS: tl.constexpr):
+    """Codes (int32) of fp32 values: round((x - lo) * inv) clamped to [0, 2^BITS - 1]; inv = 0 gives 0."""
+    levels = (1 << BITS) - 1
+    b_c = tl.floor((b_x - lo) * inv + 0.5)
+    return tl.minimum(tl.maximum(b_c, 0.0), levels * 1.0).to(tl.int32)
+
+
+@triton.jit
+def _store_groups(b_c, p_on, o_t, o_g, m_tg, P, BITS: tl.constexpr):
+    """Pack codes b_c (BLOCK_T, BLOCK_G, 8) int32 of rows o_t, 8-code groups o_g into the rows at p_on.
+
+    m_tg (BLOCK_T, BLOCK_G) masks rows and groups. 8 codes make exactly BITS bytes; only int32
+    arithmetic (no int64): 4 bits is one word, 8 bits is one byte per code, 5 and 6 bits are a low
+    word (stream bits 0-31) and a high word (bits 32 and up) stored byte by byte.
+    """
+    o_i = tl.arange(0, 8)
+    if BITS == 8:
+        p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * 8 + o_i[None, None, :])
+        tl.store(p_o, b_c.to(tl.uint8), mask=m_tg[:, :, None])
+    elif BITS == 4:
+        # P % 4 == 0 since D % 8 == 0: whole 32-bit words
+        b_w = tl.sum(b_c << (o_i * 4)[None, None, :], 2)                               # (T, G)
+        p_w = p_on.to(tl.pointer_type(tl.int32)) + o_t[:, None] * (P // 4) + o_g[None, :]
+        tl.store(p_w, b_w, mask=m_tg)
+    else:
+        s = o_i * BITS                               # stream bit of each code's bit 0
+        low = s < 32
+        # the bits are disjoint, so the sum is an OR; int32 wrap drops the bits a straddling code
+        # carries past bit 31 (shift amounts are clamped below 32 on every lane: no undefined shifts)
+        sl = tl.where(low, s, 0)[None, None, :]
+        w_lo = tl.sum(tl.where(low[None, None, :], b_c << sl, 0), 2)                    # (T, G)
+        # bits 32+: a code starting below 32 gives its top bits (>> 32 - s, zero unless it straddles:
+        # codes are < 2^BITS <= 2^31), a code starting at 32 or above gives all its bits
+        sr = tl.minimum(tl.where(low, 32 - s, 0), 31)[None, None, :]
+        sh = tl.where(low, 0, s - 32)[None, None, :]
+        w_hi = tl.sum(tl.where(low[None, None, :], b_c >> sr, b_c << sh), 2)           # (T, G)
+        b_w = tl.where((o_i < 4)[None, None, :], w_lo[:, :, None], w_hi[:, :, None])
+        b_b = (b_w >> ((o_i % 4) * 8)[None, None, :]) & 0xFF
+        p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * BITS + o_i[None, None, :])
+        tl.store(p_o, b_b.to(tl.uint8), mask=m_tg[:, :, None] & (o_i < BITS)[None, None, :])
+
+
+@triton.jit
+def _block_params(p_scale, p_zero, i_n, lo, hi, BITS: tl.constexpr):
+    """Store block i_n's scale and zero point; returns the exact reciprocal of the scale (0 if constant)."""
+    scale = (hi - lo) / ((1 << BITS) - 1)
+    tl.store(p_scale + i_n, scale)
+    tl.store(p_zero + i_n, lo)
+    # one exact reciprocal per block; codes then cost a multiply (a tie may round either way)
+    return tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
+
+
+@triton.jit
+def _quantize_fused_kernel(
+    p_x, p_packed, p_scale, p_zero, N, T, D, P,
+    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, LOOP: tl.constexpr,
+):
+    """D % 8 == 0, one program per block (LOOP=False) or a grid of programs striding over blocks.
+
+    LOOP=False: BLOCK_T >= T, the whole block is one (BLOCK_T, BLOCK_G, 8) register tile, read from
+    memory once. LOOP=True: tiles of BLOCK_T rows, pass 1 min/max and pass 2 pack; the second read
+    hits L2 when few enough programs run at once (the grid size bounds the blocks in flight).
+    """
+    o_t = tl.arange(0, BLOCK_T)
+    o_g = tl.arange(0, BLOCK_G)
+    o_i = tl.arange(0, 8)
+    m_g = (o_g < D // 8)[None, :]
+    o_v = o_g[None, :, None] * 8 + o_i[None, None, :]      # value index in a row: 8 consecutive per group
+    if not LOOP:
+        i_n = tl.program_id(0).to(tl.int64)
+        p_xn = p_x + i_n * T * D
+        m = (o_t < T)[:, None] & m_g
+        b_x = tl.load(p_xn + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0).to(tl.float32)
+        lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
+        hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+        inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS)
+        _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_g, m, P, BITS)
+    else:
+        # int64 start: the loop index is an int64 block number (bounds are promoted to one type)
+        for i_n in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
+            p_xn = p_x + i_n * T * D
+            b_lo = tl.full([BLOCK_T, BLOCK_G, 8], float("inf"), tl.float32)
+            b_hi = tl.full([BLOCK_T, BLOCK_G, 8], float("-inf"), tl.float32)
+            for t0 in range(0, T, BLOCK_T):
+                m = (((t0 + o_t) < T)[:, None] & m_g)[:, :, None]
+                b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_v, mask=m, other=0.0).to(tl.float32)
+                b_lo = tl.minimum(b_lo, tl.where(m, b_x, float("inf")))
+                b_hi = tl.maximum(b_hi, tl.where(m, b_x, float("-inf")))
+            lo = tl.min(tl.min(tl.min(b_lo, 2), 1), 0)
+            hi = tl.max(tl.max(tl.max(b_hi, 2), 1), 0)
+            inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS)
+            p_on = p_packed + i_n * T * P
+            for t0 in range(0, T, BLOCK_T):
+                m = ((t0 + o_t) < T)[:, None] & m_g
+                b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0)
+                b_x = b_x.to(tl.float32)
+                _store_groups(_codes(b_x, lo, inv, BITS), p_on, t0 + o_t, o_g, m, P, BITS)
+
+
+@triton.jit
 def _dequant_grouped_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
     BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -198,20 +298,45 @@ def _dequant_grouped_kernel(
 
 
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
-MINMAX_CHUNK = 16384     # values per partial min/max program (H200 sweep: 16384 / 8 warps best)
+MINMAX_CHUNK = 16384     # split path: values per partial min/max program (H200 sweep: 16384 / 8 warps best)
+REG_CAP = 16384          # fused path: blocks of up to this many (padded) values are one register tile
+LOOP_TILE = 8192         # fused looped path: values per row tile
+PROGRAMS_PER_SM = 2      # fused looped path: programs in flight (their blocks must stay in L2 between passes)
 
 
-def quantize(x: torch.Tensor, bits: int, chunk: int = MINMAX_CHUNK, minmax_warps: int = 8,
+def quantize(x: torch.Tensor, bits: int, method: str = "fused", reg_cap: int = REG_CAP, fused_warps: int = 0,
+             tile_rows: int = 0, programs: int = 0, chunk: int = MINMAX_CHUNK, minmax_warps: int = 8,
              pack_values: int = 2048, pack_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32 (keywords: benchmark tuning)."""
+    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
+
+    D % 8 == 0 runs method "fused" (one kernel: a block of at most reg_cap padded values is read
+    once into registers; larger blocks loop over tiles of tile_rows rows twice in a grid of
+    `programs` programs) or "split" (partial min/max kernel, then a pack kernel: two HBM reads).
+    Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
+    """
+    if method not in ("fused", "split"):
+        raise ValueError(f"method={method!r} unknown; use 'fused' or 'split'")
     n, t, d = x.shape
     x = x.contiguous()
     p = (d * bits + 7) // 8
     packed = torch.empty(n, t, p, device=x.device, dtype=torch.uint8)
     scale = torch.empty(n, device=x.device, dtype=torch.float32)
     zero = torch.empty_like(scale)
+    if d % 8 == 0 and method == "fused":
+        BLOCK_G = next_pow2(d // 8)
+        if next_pow2(t) * BLOCK_G * 8 <= reg_cap:
+            BLOCK_T = next_pow2(t)
+            warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 >= 8192 else 4)
+            _quantize_fused_kernel[(n,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
+                                         BLOCK_G=BLOCK_G, LOOP=False, num_warps=warps)
+        else:
+            BLOCK_T = next_pow2(tile_rows) if tile_rows else max(1, min(next_pow2(t), LOOP_TILE // (BLOCK_G * 8)))
+            grid = min(n, programs or PROGRAMS_PER_SM * sm_count(x.device))
+            _quantize_fused_kernel[(grid,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
+                                            BLOCK_G=BLOCK_G, LOOP=True, num_warps=fused_warps or 8)
+        return packed, scale, zero
     if d % 8 == 0:
-        # two streaming passes of small programs beat one long program per block (occupancy)
+        # split: two streaming passes of small programs (the input is read from HBM twice)
         chunk = min(chunk, next_pow2(t * d))      # no lanes masked off beyond a small block
         c = triton.cdiv(t * d, chunk)
         part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
