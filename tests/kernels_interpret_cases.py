@@ -84,9 +84,15 @@ def _valid_rounding(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     _need(worst <= 0.5 + 1e-3, f"a code is {worst:.4f} steps from its value")
 
 
-def _quantize(bits: int, d: int = 60, t: int = 63) -> None:
-    x = torch.randn(2, t, d) * torch.tensor([1.0, 30.0])[:, None, None]
-    packed, scale, zero = K.quantize_blocks(x, bits)
+def _quantize(bits: int, d: int = 60, t: int = 63, n: int = 2, **tuning) -> None:
+    """Public quantize_blocks, or the Triton quantize with tuning keywords (path selection) when given."""
+    x = torch.randn(n, t, d) * torch.linspace(1.0, 30.0, n)[:, None, None]
+    x[-1, 3:] = x[-1, 0, 0]                 # one block of few distinct values (many exact ties)
+    if tuning:
+        from hi_sparse.kernels import _quant_triton
+        packed, scale, zero = _quant_triton.quantize(x, bits, **tuning)
+    else:
+        packed, scale, zero = K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
     _need(packed.shape == rp.shape and packed.dtype == torch.uint8, f"packed shape {tuple(packed.shape)}")
     _need(torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz), "scale/zero differ")
@@ -144,9 +150,17 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"swap_in_dequant-{b}bit": (lambda b=b: _swap_dequant(b)) for b in (4, 5, 6, 8)},
     **{f"swap_in_dequant-{b}bit-d64": (lambda b=b: _swap_dequant(b, 64)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit": (lambda b=b: _quantize(b)) for b in (4, 5, 6, 8)},
+    # d64 at t200 / t16: the fused kernel's register path (whole block one tile; t200 pads to 16384 values)
     **{f"quantize-{b}bit-d64-t200": (lambda b=b: _quantize(b, 64, 200)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d64-t16": (lambda b=b: _quantize(b, 64, 16)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d7": (lambda b=b: _quantize(b, 7, 9)) for b in (4, 5, 6, 8)},
+    # D % 8 == 0 paths of the Triton quantize: the fused kernel's looped path (row tiles of 16, two
+    # programs striding over five blocks, T not a multiple of the tile) and the split two-kernel path
+    **{f"quantize-{b}bit-d64-fused-looped": (lambda b=b: _quantize(b, 64, 40, 5, reg_cap=0, tile_rows=16, programs=2))
+       for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d24-fused-looped": (lambda b=b: _quantize(b, 24, 9, 3, reg_cap=0, tile_rows=4, programs=3))
+       for b in (5, 6)},
+    **{f"quantize-{b}bit-d64-split": (lambda b=b: _quantize(b, 64, 40, 3, method="split")) for b in (4, 5, 6, 8)},
     "quantize-constant-block": _constant_block,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit-d64": (lambda b=b: _dequantize(b, 64)) for b in (4, 5, 6, 8)},
