@@ -151,3 +151,42 @@ def test_block_bounds_and_scores(dtype, D, L, bs):
     ref = K.reference_block_scores(q, lo, hi, blocks)
     assert torch.equal(torch.isinf(sl), blocks < 0)
     assert _rel(torch.where(blocks >= 0, sl, 0.0), torch.where(blocks >= 0, ref, 0.0)) < 1e-5
+
+
+def _poison_bytes(nbytes: int) -> None:
+    """Drop torch's free cached blocks, then leave one 0xFF block of nbytes for the next allocation."""
+    torch.cuda.empty_cache()
+    junk = torch.full((nbytes,), 0xFF, device="cuda", dtype=torch.uint8)
+    del junk
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("T,tuning", [
+    (64, {}),                                        # fused, 8192 values: the whole block one register tile
+    (512, {}),                                       # fused, 65536 values: row tiles looped twice
+    (500, {"programs": 3, "tile_rows": 32}),         # looped: 3 programs stride over all blocks, ragged last tile
+    (512, {"reg_cap": 65536, "fused_warps": 16}),    # a 512-row block as one register tile
+    (64, {"method": "split"}),                       # partial min/max kernel, then the pack kernel
+    (512, {"method": "split"}),
+], ids=["fused-register-t64", "fused-looped-t512", "fused-looped-3-programs", "fused-register-t512",
+        "split-t64", "split-t512"])
+def test_quantize_paths(bits, T, tuning):
+    """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference."""
+    from hi_sparse.kernels import _quant_triton as Q
+    n, D = 37, 128
+    x = (torch.randn(n, T, D, device="cuda") * torch.linspace(0.5, 20.0, n, device="cuda")[:, None, None])
+    x = x.to(torch.bfloat16)
+    x[-1] = 1.25                                     # a constant block: scale 0, every code 0
+    _poison_bytes(n * T * K.packed_width(D, bits))
+    packed, scale, zero = Q.quantize(x, bits, **tuning)
+    rp, rs, rz = K.reference_quantize_blocks(x, bits)
+    assert packed.shape == rp.shape
+    assert torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz) and float(scale[-1]) == 0.0
+    # a tie may round either way (exact reciprocal times the offset): a correct rounding of the exact
+    # value, at most one step from the reference's code
+    codes = K.unpack_codes(packed, bits, D)
+    safe = torch.where(scale > 0, scale, 1.0).double()[:, None, None]
+    exact = torch.where(scale[:, None, None] > 0, (x.double() - zero.double()[:, None, None]) / safe, 0.0)
+    assert float((codes.double() - exact).abs().max()) <= 0.5 + 1e-3
+    assert int((codes - K.unpack_codes(rp, bits, D)).abs().max()) <= 1
+    assert bool((codes[-1] == 0).all())
