@@ -114,22 +114,37 @@ def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
         del packed, dst
 
 
-def sparse_step(q, kmin, kmax, k_buf, v_buf, top_k: int, bs: int, window: int, two_stage: bool = True):
-    """One decode step of one layer: Quest scores, top blocks, slots, sparse attention.
+GROUP = 16            # blocks per super-block of the two-level bounds (the runtime's default)
+
+
+def pick_blocks(q, kmin, kmax, sup, n_blocks: int, window_blocks: int, two_stage: bool = True):
+    """Top n_blocks block indices (B, Hkv, n_blocks) by Quest bound, the last window_blocks blocks
+    excluded; sup = (smin, smax, n_super) scores super-blocks first (two-level), None scores all."""
+    B, Hq, D = q.shape
+    Hkv, nb = kmin.shape[1], kmin.shape[2]
+    qg = q.view(B, Hkv, Hq // Hkv, D)
+    if sup is None:
+        scores = K.block_scores(qg, kmin, kmax)                                  # (B, Hkv, NB)
+        scores[..., nb - window_blocks:] = float("-inf")                         # window is always in
+        return K.top_blocks(scores, n_blocks) if two_stage else scores.topk(n_blocks, dim=-1).indices
+    smin, smax, n_super = sup
+    blocks, scores = K.two_level_candidates(qg, kmin, kmax, smin, smax, GROUP, n_super)
+    scores = torch.where(blocks >= nb - window_blocks, float("-inf"), scores)
+    return blocks.gather(-1, K.top_blocks(scores, n_blocks))
+
+
+def sparse_step(q, kmin, kmax, k_buf, v_buf, top_k: int, bs: int, window: int, two_stage: bool = True, sup=None):
+    """One decode step of one layer: Quest scores (one or two levels), top blocks, slots, attention.
 
     q (B, Hq, D); kmin/kmax (B, Hkv, NB, D); hot buffer (B, Hkv, S, D). Tokens of the recent window
     plus the top (top_k - window) // bs blocks; slot of token t is t % S (a stand-in for the hot
     buffer's token->slot map, which the runtime keeps).
     """
-    B, Hq, D = q.shape
-    Hkv, nb = kmin.shape[1], kmin.shape[2]
+    nb = kmin.shape[2]
     S = k_buf.shape[2]
-    scores = K.block_scores(q.view(B, Hkv, Hq // Hkv, D), kmin, kmax)          # (B, Hkv, NB)
-    n_blocks = (top_k - window) // bs
-    scores[..., nb - window // bs:] = float("-inf")                             # window is always in
-    top = K.top_blocks(scores, n_blocks) if two_stage else scores.topk(n_blocks, dim=-1).indices
+    top = pick_blocks(q, kmin, kmax, sup, (top_k - window) // bs, window // bs, two_stage)
     tok = (top[..., None] * bs + torch.arange(bs, device=q.device)).flatten(-2)
-    win = torch.arange(nb * bs - window, nb * bs, device=q.device).expand(B, Hkv, window)
+    win = torch.arange(nb * bs - window, nb * bs, device=q.device).expand(*top.shape[:2], window)
     slots = (torch.cat([tok, win], dim=-1) % S).to(torch.int32)
     return K.sparse_decode_attention(q, k_buf, v_buf, slots)
 
@@ -168,17 +183,29 @@ def bench_attention(hbm: float, quick: bool) -> None:
             gbps = bytes_attn / ms_attn / 1e6
             if B == 64 and ctx == 32 << 10 and SWEEP:
                 sweep_attention(q, k_buf, v_buf, slots, bytes_attn, hbm)
-            ms_step = bench(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
-            ms_graph = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
+            n_blocks = (top_k - window) // bs
+            n_super = n_blocks + 2
+            sup = None
+            if K.two_level_pays(nb, GROUP, n_super):
+                smin, smax = K.superblock_bounds(kmin, kmax, GROUP)
+                sup = (smin, smax, n_super)
+            ms_step = bench(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window, sup=sup))
+            ms_graph = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window, sup=sup))
+            ms_graph_flat = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window))
             ms_graph_plain = bench_graph(lambda: sparse_step(q, kmin, kmax, k_buf, v_buf, top_k, bs, window, False))
             qg = q.view(B, Hkv, Hq // Hkv, D)
             sc = K.block_scores(qg, kmin, kmax)
-            n_blocks = (top_k - window) // bs
             ms_scores = bench(lambda: K.block_scores(qg, kmin, kmax))
             g_scores = bench_graph(lambda: K.block_scores(qg, kmin, kmax))
+            g_pick = bench_graph(lambda: pick_blocks(q, kmin, kmax, sup, n_blocks, window // bs))
             g_topk = bench_graph(lambda: sc.topk(n_blocks, dim=-1))
             g_top2 = bench_graph(lambda: K.top_blocks(sc, n_blocks))
             g_attn = bench_graph(lambda: K.sparse_decode_attention(q, k_buf, v_buf, slots))
+            if sup is not None:   # how often does two-level pick the same blocks as scoring all of them
+                flat = pick_blocks(q, kmin, kmax, None, n_blocks, window // bs).sort(-1).values
+                two = pick_blocks(q, kmin, kmax, sup, n_blocks, window // bs).sort(-1).values
+                same = float((flat[..., :, None] == two[..., None, :]).any(-1).float().mean())
+            bound_bytes = 2 * (kmin.numel() if sup is None else sup[0].numel() + B * Hkv * n_super * GROUP * D) * 2
             bytes_scores = 2 * kmin.numel() * 2
             kv_bytes = 2 * B * Hkv * ctx * D * 2
             ms_dense = None
@@ -196,6 +223,9 @@ def bench_attention(hbm: float, quick: bool) -> None:
                    "attn_pct_hbm": 100 * gbps / hbm, "attn_floor_ms": bytes_attn / hbm / 1e6,
                    "scores_ms": ms_scores, "scores_GBps": bytes_scores / ms_scores / 1e6,
                    "step_ms": ms_step, "step_graph_ms": ms_graph, "step_graph_plain_topk_ms": ms_graph_plain,
+                   "levels": 1 if sup is None else 2, "step_graph_one_level_ms": ms_graph_flat,
+                   "graph_pick_blocks_ms": g_pick, "bound_bytes_read": bound_bytes,
+                   "two_level_overlap_with_one_level": same if sup is not None else None,
                    "graph_scores_ms": g_scores, "graph_topk_ms": g_topk, "graph_top_blocks_ms": g_top2,
                    "graph_attn_ms": g_attn, "dense_ms": ms_dense,
                    "dense_kv_GBps": kv_bytes / ms_dense / 1e6 if ms_dense else None,
@@ -204,7 +234,10 @@ def bench_attention(hbm: float, quick: bool) -> None:
             dense = f"{ms_dense:9.3f} {ms_dense / ms_graph:9.1f}x" if ms_dense else f"{'no fit':>9} {'-':>10}"
             print(f"{B:3d} {ctx:8d} {ms_attn:8.4f} {gbps:9.1f} {100 * gbps / hbm:4.0f}% {ms_step:8.4f} {ms_graph:10.4f} {dense}"
                   f"\n      graph: scores {g_scores:.4f} ms ({bytes_scores / g_scores / 1e6:.0f} GB/s), topk {g_topk:.4f}, "
-                  f"top_blocks {g_top2:.4f}, attention {g_attn:.4f}; step with plain topk {ms_graph_plain:.4f}", flush=True)
+                  f"top_blocks {g_top2:.4f}, attention {g_attn:.4f}; step with plain topk {ms_graph_plain:.4f}"
+                  f"\n      levels {1 if sup is None else 2}: pick_blocks {g_pick:.4f} ms, bounds read {bound_bytes / 1e6:.1f} MB; "
+                  f"one-level step {ms_graph_flat:.4f} ms"
+                  + (f"; blocks shared with one-level {100 * same:.1f} %" if sup is not None else ""), flush=True)
             del q, k_buf, v_buf, kmin, kmax
             torch.cuda.empty_cache()
 

@@ -68,6 +68,12 @@ def superblock_bounds(kmin: torch.Tensor, kmax: torch.Tensor, group: int) -> tup
     return fold(kmin, float("inf"), torch.amin), fold(kmax, float("-inf"), torch.amax)
 
 
+def two_level_pays(nb: int, group: int, n_super: int) -> bool:
+    """Whether two-level scoring reads clearly fewer bounds than scoring all nb blocks: the refined
+    blocks (n_super * group) are at most a quarter of them. group <= 1 turns it off."""
+    return group > 1 and nb >= 4 * n_super * group
+
+
 def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor,
                          smax: torch.Tensor, group: int, n_super: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate blocks of the `n_super` best super-blocks per KV head and their bounds.
