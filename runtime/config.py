@@ -38,6 +38,9 @@ class HiSparseConfig:
     threshold_min: float = 0.05
     threshold_max: float = 0.95
     prefetch_blocks: int = 1             # next-ranked blocks loaded ahead per step (0 = off)
+    bound_group: int = 16                # blocks per super-block: at long context selection scores
+                                         # super-blocks first, then only the best ones' blocks
+                                         # (1 = always score every block)
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
@@ -87,6 +90,8 @@ class HiSparseConfig:
         need(0 < self.threshold_min <= self.threshold_max < 1,
              "need 0 < threshold_min <= threshold_max < 1")
         need(self.prefetch_blocks >= 0, "prefetch_blocks must be >= 0")
+        need(isinstance(self.bound_group, int) and not isinstance(self.bound_group, bool) and self.bound_group >= 1,
+             f"bound_group must be an integer >= 1 (1 scores every block), got {self.bound_group!r}")
         need(self.recycle_grace_s >= 0, "recycle_grace_s must be >= 0")
         need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
         if self.host_pool_blocks is not None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hi_sparse.kernels import block_bounds, block_scores, sparse_decode_attention
+from hi_sparse.kernels import (block_bounds, block_scores, sparse_decode_attention, superblock_bounds,
+                               two_level_candidates, two_level_pays)
 
 from . import __version__
 from .audit import audit_hits
@@ -58,6 +59,8 @@ class _Seq:
     hot: list[HotBufferState]
     kmin: list[torch.Tensor]
     kmax: list[torch.Tensor]
+    smin: list[torch.Tensor | None]      # super-block bounds, built when two-level scoring first pays
+    smax: list[torch.Tensor | None]
     anchors: list[torch.Tensor]
     anchor_p: list[torch.Tensor]
     queries: list[torch.Tensor]
@@ -88,6 +91,10 @@ class HiSparseEngine:
         self.meta_device = self.device if cfg.metadata_device == "device" else torch.device("cpu")
         self.bs = cfg.cache_block_size
         self.S = cfg.buffer_tokens
+        # two-level bounds: super-blocks kept per KV head, enough for every block the selection
+        # can take (its budget, anchors that may overlap it, rank slack and prefetch)
+        self.n_super = -(-(cfg.top_k - cfg.window_size + cfg.global_tokens) // self.bs) + 2 + cfg.prefetch_blocks
+        self.two_level_scores = 0        # decode selections scored through super-blocks
         self.scale = head_dim ** -0.5
         self.pool = BlockPool(0, grace_s=cfg.recycle_grace_s)
         self.pages = PageTable(self.pool, self.bs)
@@ -161,6 +168,7 @@ class HiSparseEngine:
             hot=[HotBufferState(self.Hkv, self.S, dev) for _ in range(self.L)],
             kmin=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=dev) for _ in range(self.L)],
             kmax=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=dev) for _ in range(self.L)],
+            smin=[None] * self.L, smax=[None] * self.L,
             anchors=[torch.full((self.Hkv, A), -1, dtype=torch.int64, device=dev) for _ in range(self.L)],
             anchor_p=[torch.full((self.Hkv, A), -1.0, device=dev) for _ in range(self.L)],
             queries=[torch.zeros(self.cfg.recalibrate_queries, self.Hq, self.D, device=dev)
@@ -320,6 +328,7 @@ class HiSparseEngine:
                 t = torch.full((self.Hkv, new, self.D), fill, dtype=self.dtype, device=self.device)
                 t[:, :cap] = arr[layer]
                 arr[layer] = t
+            s.smin[layer] = s.smax[layer] = None     # rebuilt from the grown arrays when needed
         r = (-p0) % bs
         r = min(r, T)
         if r:
@@ -332,6 +341,30 @@ class HiSparseEngine:
             b0 = (p0 + r) // bs
             s.kmin[layer][:, b0:b0 + lo.shape[1]] = lo
             s.kmax[layer][:, b0:b0 + hi.shape[1]] = hi
+        if s.smin[layer] is not None:
+            # the super-blocks holding the changed blocks, refolded from their blocks' bounds
+            g = self.cfg.bound_group
+            sb0, sb1 = (p0 // bs) // g, (nb - 1) // g + 1
+            lo, hi = superblock_bounds(s.kmin[layer][:, sb0 * g:sb1 * g], s.kmax[layer][:, sb0 * g:sb1 * g], g)
+            s.smin[layer][:, sb0:sb1] = lo
+            s.smax[layer][:, sb0:sb1] = hi
+
+    def _scores(self, s: _Seq, layer: int, q: torch.Tensor, nb: int) -> torch.Tensor:
+        """Quest bounds (Hkv, nb) of the first nb blocks for q (Hkv, G, D). At long context only the
+        blocks of the best super-blocks are scored (two-level); the others get -inf."""
+        kmin, kmax = s.kmin[layer][:, :nb], s.kmax[layer][:, :nb]
+        g = self.cfg.bound_group
+        if not two_level_pays(nb, g, self.n_super):
+            return block_scores(q, kmin, kmax)
+        if s.smin[layer] is None:
+            s.smin[layer], s.smax[layer] = superblock_bounds(s.kmin[layer], s.kmax[layer], g)
+        ns = -(-nb // g)
+        blocks, sc = two_level_candidates(q, kmin, kmax, s.smin[layer][:, :ns], s.smax[layer][:, :ns], g,
+                                          self.n_super)
+        self.two_level_scores += 1
+        # column 0 collects the -1 padding of the candidate list and is cut off
+        full = torch.full((self.Hkv, nb + 1), float("-inf"), device=sc.device)
+        return full.scatter_(1, blocks + 1, sc)[:, 1:]
 
     # -- append --------------------------------------------------------------------------------
     def append(self, layer: int, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -479,8 +512,7 @@ class HiSparseEngine:
             holes = s.holes[:nb].to(self.device) if s.has_holes else None
             scores = None
             if n - s.first > cfg.top_k:
-                qg = q[b].view(H, self.G, self.D)
-                scores = block_scores(qg, s.kmin[layer][:, :nb], s.kmax[layer][:, :nb])
+                scores = self._scores(s, layer, q[b].view(H, self.G, self.D), nb)
             sel = select(scores, n, s.first, cfg.window_size, cfg.top_k, bs, s.anchors[layer], holes,
                          cfg.prefetch_blocks, num_heads=H)
             s.last_selection[layer] = sel.tokens
@@ -672,6 +704,7 @@ class HiSparseEngine:
         for s in self.seqs.values():
             dev_meta += sum(hb.memory_bytes() for hb in s.hot)
             dev_meta += sum(nbytes(t) for t in s.kmin + s.kmax + s.anchors + s.anchor_p + s.queries)
+            dev_meta += sum(nbytes(t) for t in s.smin + s.smax if t is not None)
             pt = 8 * len(self.pages.seqs[s.seq_id].blocks) + nbytes(s.importance) + nbytes(s.holes)
             if self.meta_device.type == "cpu":
                 host_meta += pt

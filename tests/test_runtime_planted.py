@@ -54,9 +54,11 @@ def audited_rate(eng, wl, ids, query, steps):
     return sum(a[4] for a in audits) / lookups
 
 
-@pytest.mark.parametrize("bits", [None, "auto"])
-def test_query_aware_selection_finds_needles(bits):
-    wl, eng, ids = make(global_tokens=0, audit_top_m=1, host_kv_bits=bits, metadata_device="device")
+@pytest.mark.parametrize("bits,group", [(None, 16), ("auto", 16), (None, 2)], ids=["bf-one-level", "auto-one-level",
+                                                                              "two-level"])
+def test_query_aware_selection_finds_needles(bits, group):
+    wl, eng, ids = make(global_tokens=0, audit_top_m=1, host_kv_bits=bits, metadata_device="device",
+                        bound_group=group)
     needles = tuple(range(16))
     seg = wl.segment(4096, needles=needles, margin=64)
     run_prefill(eng, ids, seg.k[None], seg.v[None])
@@ -70,6 +72,8 @@ def test_query_aware_selection_finds_needles(bits):
     recall = (st.anchor_hits - hits_before) / lookups
     assert lookups == len(needles)
     assert recall >= 0.95, recall
+    # 128 blocks of 32: super-blocks of 2 blocks pay off (the refined set is under a quarter)
+    assert (eng.two_level_scores > 0) == (group == 2)
     # the needle positions themselves were selected (the audit's top-1 was the needle)
     sel = eng.selection(0, ids[0])
     assert seg.needles[needles[-1]] in sel.flatten().tolist()
@@ -129,3 +133,20 @@ def test_control_file_request_is_counted_and_acknowledged(segment_dir):
     assert eng.stats.recalibrations["request"] == 1
     eng.close()
     seg.close()
+
+
+def test_super_block_bounds_stay_equal_to_a_fresh_fold_while_decoding():
+    """Two-level bounds are kept up to date incrementally (appends, block boundaries, growth)."""
+    from hi_sparse.kernels import superblock_bounds
+    wl, eng, ids = make(global_tokens=0, bound_group=3, max_seq_len=16384)
+    seg = wl.segment(4000, needles=(0,), margin=64)
+    run_prefill(eng, ids, seg.k[None], seg.v[None])
+    s = eng.seqs[ids[0]]
+    for step in range(300):      # 4000 -> 4300 tokens: crosses blocks of 32 and a capacity doubling
+        k, v = wl.noise(1)
+        run_decode(eng, ids, wl.needle_query(0)[None, :, None], k[None], v[None])
+        if step in (0, 150, 299):
+            assert s.smin[0] is not None
+            want_lo, want_hi = superblock_bounds(s.kmin[0], s.kmax[0], 3)
+            assert torch.equal(s.smin[0], want_lo) and torch.equal(s.smax[0], want_hi)
+    assert eng.two_level_scores == 300
