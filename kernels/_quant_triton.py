@@ -252,15 +252,17 @@ def _quantize_fused_kernel(
         # int64 start: the loop index is an int64 block number (bounds are promoted to one type)
         for i_n in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
             p_xn = p_x + i_n * T * D
-            b_lo = tl.full([BLOCK_T, BLOCK_G, 8], float("inf"), tl.float32)
-            b_hi = tl.full([BLOCK_T, BLOCK_G, 8], float("-inf"), tl.float32)
+            # running min / max per (row, group): the 8-axis reduces within a thread, and the
+            # accumulators are an eighth of the tile (registers stay for the loads in flight)
+            b_lo = tl.full([BLOCK_T, BLOCK_G], float("inf"), tl.float32)
+            b_hi = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
             for t0 in range(0, T, BLOCK_T):
                 m = (((t0 + o_t) < T)[:, None] & m_g)[:, :, None]
                 b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_v, mask=m, other=0.0).to(tl.float32)
-                b_lo = tl.minimum(b_lo, tl.where(m, b_x, float("inf")))
-                b_hi = tl.maximum(b_hi, tl.where(m, b_x, float("-inf")))
-            lo = tl.min(tl.min(tl.min(b_lo, 2), 1), 0)
-            hi = tl.max(tl.max(tl.max(b_hi, 2), 1), 0)
+                b_lo = tl.minimum(b_lo, tl.min(tl.where(m, b_x, float("inf")), 2))
+                b_hi = tl.maximum(b_hi, tl.max(tl.where(m, b_x, float("-inf")), 2))
+            lo = tl.min(tl.min(b_lo, 1), 0)
+            hi = tl.max(tl.max(b_hi, 1), 0)
             inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS)
             p_on = p_packed + i_n * T * P
             for t0 in range(0, T, BLOCK_T):
@@ -305,13 +307,13 @@ PROGRAMS_PER_SM = 2      # fused looped path: programs in flight (their blocks m
 
 
 def quantize(x: torch.Tensor, bits: int, method: str = "fused", reg_cap: int = REG_CAP, fused_warps: int = 0,
-             tile_rows: int = 0, programs: int = 0, chunk: int = MINMAX_CHUNK, minmax_warps: int = 8,
+             tile_rows: int = 0, programs: int = 0, fused_stages: int = 0, chunk: int = MINMAX_CHUNK, minmax_warps: int = 8,
              pack_values: int = 2048, pack_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel: a block of at most reg_cap padded values is read
     once into registers; larger blocks loop over tiles of tile_rows rows twice in a grid of
-    `programs` programs) or "split" (partial min/max kernel, then a pack kernel: two HBM reads).
+    `programs` programs, fused_stages pipelining its loads) or "split" (partial min/max kernel, then a pack kernel: two HBM reads).
     Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
     """
     if method not in ("fused", "split"):
@@ -333,7 +335,8 @@ def quantize(x: torch.Tensor, bits: int, method: str = "fused", reg_cap: int = R
             BLOCK_T = next_pow2(tile_rows) if tile_rows else max(1, min(next_pow2(t), LOOP_TILE // (BLOCK_G * 8)))
             grid = min(n, programs or PROGRAMS_PER_SM * sm_count(x.device))
             _quantize_fused_kernel[(grid,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
-                                            BLOCK_G=BLOCK_G, LOOP=True, num_warps=fused_warps or 8)
+                                            BLOCK_G=BLOCK_G, LOOP=True, num_warps=fused_warps or 8,
+                                            **({"num_stages": fused_stages} if fused_stages else {}))
         return packed, scale, zero
     if d % 8 == 0:
         # split: two streaming passes of small programs (the input is read from HBM twice)
