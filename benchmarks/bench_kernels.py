@@ -250,21 +250,64 @@ def bench_quant(hbm: float) -> None:
 
 
 def sweep_quant(hbm: float) -> None:
-    """Quantizer variants (4-bit, 2048 x 512 x 128 bf16): the two passes alone and tile sizes."""
+    """Quantizer variants, bf16, 4 and 5 bits, both benchmark shapes: the fused kernel's knobs (warps,
+    register cap, looped row tiles, grid size, load pipelining) against the split two-kernel path.
+
+    The first variant of each shape is the default path of quantize(); `diff` is the fraction of
+    packed bytes that differ from the split path's (ties may round either way: tiny but not 0).
+    """
     from hi_sparse.kernels import _quant_triton as Q
-    x = torch.randn(2048, 512, 128, device="cuda", dtype=torch.bfloat16)
-    moved = x.numel() * 2 + x.numel() // 2
-    part = torch.empty(2048, 16, 2, device="cuda")
-    ms_mm = bench(lambda: Q._minmax_kernel[(2048, 16)](x, part, 512 * 128, 16, CHUNK=4096, num_warps=4))
-    print(f"    minmax pass alone: {ms_mm:.4f} ms ({x.numel() * 2 / ms_mm / 1e6:.0f} GB/s read)", flush=True)
-    rows = [{"minmax_ms": ms_mm}]
-    for chunk, mw, pv, pw in [(4096, 4, 2048, 4), (8192, 8, 2048, 4), (16384, 8, 2048, 4), (4096, 4, 4096, 4),
-                              (4096, 4, 4096, 8), (4096, 4, 1024, 4), (8192, 8, 4096, 8)]:
-        ms = bench(lambda: Q.quantize(x, 4, chunk=chunk, minmax_warps=mw, pack_values=pv, pack_warps=pw))
-        rows.append({"chunk": chunk, "minmax_warps": mw, "pack_values": pv, "pack_warps": pw, "ms": ms,
-                     "pct_hbm": 100 * moved / ms / 1e6 / hbm})
-        print(f"    quantize 4b chunk={chunk} mw={mw} pack_values={pv} pw={pw}: {ms:.4f} ms "
-              f"{100 * moved / ms / 1e6 / hbm:5.1f}% HBM", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = {
+        (2048, 512, 128): [
+            ("default (fused looped)", {}),
+            ("split", {"method": "split"}),
+            ("looped rows32", {"tile_rows": 32}),
+            ("looped rows128", {"tile_rows": 128}),
+            ("looped rows64 warps4", {"tile_rows": 64, "fused_warps": 4}),
+            ("looped 1 program/SM", {"programs": sms}),
+            ("looped 4 programs/SM", {"programs": 4 * sms}),
+            ("looped 1 program/block", {"programs": 2048}),
+            ("looped stages1", {"fused_stages": 1}),
+            ("register cap 65536 warps16", {"reg_cap": 65536, "fused_warps": 16}),
+        ],
+        (16384, 64, 128): [
+            ("default (fused register)", {}),
+            ("split", {"method": "split"}),
+            ("register warps4", {"fused_warps": 4}),
+            ("register warps16", {"fused_warps": 16}),
+            ("looped rows32 1 program/block", {"reg_cap": 0, "tile_rows": 32, "programs": 16384}),
+            ("looped rows64 4 programs/SM", {"reg_cap": 0, "programs": 4 * sms}),
+        ],
+    }
+    rows = []
+    t_start = time.perf_counter()
+    for shape, configs in variants.items():
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        for bits in (4, 5):
+            ref_packed, ref_scale, ref_zero = Q.quantize(x, bits, method="split")
+            moved = x.numel() * 2 + ref_packed.numel()
+            print(f"    quantize sweep {shape[0]} x {shape[1]} x {shape[2]} bf16, {bits}b "
+                  f"(floor {moved / hbm / 1e6:.4f} ms at the HBM copy rate)", flush=True)
+            for name, kw in configs:
+                try:
+                    packed, scale, zero = Q.quantize(x, bits, **kw)
+                    diff = float((packed != ref_packed).float().mean())
+                    same_params = bool(torch.equal(zero, ref_zero) and torch.allclose(scale, ref_scale, rtol=1e-6))
+                    del packed, scale, zero
+                    ms = bench(lambda: Q.quantize(x, bits, **kw), warmup=10, rep=40)
+                except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported
+                    print(f"      {name:32s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    rows.append({"shape": list(shape), "bits": bits, "variant": name, "kw": kw, "error": str(e)[:300]})
+                    continue
+                gbps = moved / ms / 1e6
+                rows.append({"shape": list(shape), "bits": bits, "variant": name, "kw": kw, "ms": ms, "GBps": gbps,
+                             "pct_hbm": 100 * gbps / hbm, "diff_vs_split": diff, "scale_zero_match": same_params})
+                print(f"      {name:32s} {ms:7.4f} ms {gbps:7.1f} GB/s {100 * gbps / hbm:5.1f}% HBM  "
+                      f"diff {diff:.1e}{'' if same_params else '  SCALE/ZERO DIFFER'}", flush=True)
+        del x
+        torch.cuda.empty_cache()
+    print(f"    quantize sweep took {time.perf_counter() - t_start:.1f} s (compiles included)", flush=True)
     RESULTS["quant_sweep"] = rows
 
 
