@@ -38,7 +38,8 @@ from .probe import ImportanceProbe, probe_threshold
 from .recalibration import RecalibrationController, pick_anchors, score_tokens, training_set
 from .selection import select
 
-_PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk
+_PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk (CPU: math kernel)
+_PREFILL_MASK_BUDGET = 1 << 29   # bytes of one prefill boolean mask chunk (CUDA: fused kernels)
 
 
 def _bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,14 +482,22 @@ class HiSparseEngine:
         kpos = torch.arange(n, device=q.device)
         vis = self._visible(s, n)
         qpos = torch.arange(n - Tq, n, device=q.device)
-        chunk = max(1, _PREFILL_SCORE_BUDGET // max(1, self.Hq * n))
+        gqa = self.G > 1
+        if q.is_cuda:
+            # the memory-efficient kernel takes a mask without materialising scores, so chunks
+            # are bounded by the mask; it wants equal head counts, so K/V are expanded
+            chunk = max(1, _PREFILL_MASK_BUDGET // n)
+            if gqa:
+                k, v, gqa = k.repeat_interleave(self.G, 0), v.repeat_interleave(self.G, 0), False
+        else:
+            chunk = max(1, _PREFILL_SCORE_BUDGET // max(1, self.Hq * n))
         outs = []
         for c in range(0, Tq, chunk):
             qp = qpos[c:c + chunk]
             mask = ((kpos[None] <= qp[:, None]) & vis[None]) | (kpos[None] == qp[:, None])
             outs.append(torch.nn.functional.scaled_dot_product_attention(
                 q[None, :, c:c + chunk], k[None], v[None], attn_mask=mask[None, None],
-                enable_gqa=self.G > 1)[0])
+                enable_gqa=gqa)[0])
         self._remember_queries(s, layer, q.transpose(0, 1))
         return torch.cat(outs, 1)
 
