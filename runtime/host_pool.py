@@ -188,27 +188,30 @@ class HostPool:
         return nbytes
 
     def read(self, layer: int, block_table: torch.Tensor, tail_slot: int, full_blocks: int,
-             heads: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.float32
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of tokens ``pos`` at ``heads`` (broadcast to a common shape S) -> two (*S, D) tensors.
+             heads: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.float32,
+             device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of tokens ``pos`` at ``heads`` (broadcast to a common shape S) -> two (*S, D) tensors
+        on ``device`` (default: the host).
 
         ``full_blocks``: blocks of the sequence that are complete (quantized pools keep the rest
-        in the tail). Used by prefill attention, the audit and recalibration.
+        in the tail). Used by prefill attention, the audit and recalibration. On a CUDA device
+        the rows are gathered by the GPU straight from the pinned pool (no host-side gather).
         """
         heads, pos = torch.broadcast_tensors(heads, pos)
         shape = pos.shape
         heads, pos = heads.reshape(-1), pos.reshape(-1)
         # read in the stored dtype (swap-in copies without converting), convert once at the end
-        out_k = torch.empty(pos.numel(), self.D, dtype=self.dtype)
-        out_v = torch.empty(pos.numel(), self.D, dtype=self.dtype)
-        idx = torch.arange(pos.numel())
+        out_k = torch.empty(pos.numel(), self.D, dtype=self.dtype, device=device)
+        out_v = torch.empty(pos.numel(), self.D, dtype=self.dtype, device=device)
+        idx = torch.arange(pos.numel(), device=device)
         empty = torch.empty(0, dtype=torch.int64)
         if self.quantized:
             in_tail = pos // self.bs >= full_blocks
             t = in_tail.nonzero().squeeze(1)
             m = (~in_tail).nonzero().squeeze(1)
             self.load(layer, self.rows(block_table, heads[m], pos[m]),
-                      self.tail_rows(tail_slot, heads[t], pos[t]), out_k, out_v, idx[m], idx[t])
+                      self.tail_rows(tail_slot, heads[t], pos[t]), out_k, out_v, idx[m.to(idx.device)],
+                      idx[t.to(idx.device)])
         else:
             self.load(layer, self.rows(block_table, heads, pos), empty, out_k, out_v, idx, empty)
         out_k, out_v = out_k.to(dtype), out_v.to(dtype)
