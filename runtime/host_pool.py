@@ -104,6 +104,8 @@ class HostPool:
         """
         store, H, bs = self.layers[layer], self.H, self.bs
         T = k.shape[1]
+        # quantize where the tokens come from when that is a GPU (Triton kernels), not on the host
+        qdev = k.device if k.device.type == "cuda" else None
         k = k.to("cpu", self.dtype)
         v = v.to("cpu", self.dtype)
         heads = torch.arange(H)[:, None]
@@ -129,7 +131,7 @@ class HostPool:
             vu = v[:, : n_full * bs].reshape(H, n_full, bs, self.D).transpose(0, 1).reshape(-1, bs, self.D)
             kb, vb = self.policy.choose(ku, vu)
             for x, bits, prefix in ((ku, kb, "k"), (vu, vb, "v")):
-                written += self._store_units(store, prefix, units, x, bits, events)
+                written += self._store_units(store, prefix, units, x, bits, events, qdev)
         rem = k.shape[1] - n_full * bs
         if rem:
             tpos = torch.arange(b0 + n_full * bs, b0 + n_full * bs + rem)[None]
@@ -140,12 +142,13 @@ class HostPool:
         return written, events
 
     def _store_units(self, store: dict, prefix: str, units: torch.Tensor, x: torch.Tensor,
-                     bits: torch.Tensor, events: QuantEvents) -> int:
+                     bits: torch.Tensor, events: QuantEvents, qdev: torch.device | None = None) -> int:
         written = 0
         offs = torch.arange(self.bs)
         for b in sorted(set(bits.tolist())):
             sel = (bits == b).nonzero().squeeze(1)
-            packed, scale, zero, err = quantize_roundtrip(x[sel], b)
+            xs = x[sel] if qdev is None else x[sel].to(qdev)
+            packed, scale, zero, err = (t.cpu() for t in quantize_roundtrip(xs, b))
             u = units[sel]
             rows = (u[:, None] * self.bs + offs[None]).reshape(-1)
             P = packed.shape[-1]
