@@ -10,6 +10,7 @@ _LAZY = {
     "HiSparseCache": "integration",
     "HiSparseEngine": "engine",
     "HiSparseConfig": "config",
+    "split_layers": "multigpu",
 }
 
 

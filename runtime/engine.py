@@ -10,6 +10,9 @@ Driven per layer by a model integration (no transformers import here)::
         out = eng.attend(layer, ids, q)    # (B, Hq, Tq, D): exact causal if Tq > 1, sparse if 1
     eng.end_step()                         # timing, audit bookkeeping, recalibration, publish
 
+Several GPUs: ``layer_devices`` puts each layer's hot buffer and per-layer metadata on its own
+device (the layers of a model split with a device_map); the host pool is shared (pinned, UVA).
+
 Decode, per sequence and layer: block upper bounds -> selection (window + anchors + top blocks)
 -> hot buffer lookup (hits, LRU misses) -> swap-in of misses from the host pool (dequantized)
 -> prefetch of next-ranked blocks -> sparse attention over the selected slots.
@@ -17,8 +20,10 @@ Decode, per sequence and layer: block upper bounds -> selection (window + anchor
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,10 +79,41 @@ class _Seq:
     last_selection: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def _normalize(device: torch.device | str) -> torch.device:
+    """A device with its index: 'cuda' is the current CUDA device (tensors report cuda:N)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _layer_devices(layer_devices: Sequence[torch.device | str] | None, num_layers: int,
+                   primary: torch.device) -> list[torch.device]:
+    """One device per layer (every layer on ``primary`` when None); clear errors for bad input."""
+    if layer_devices is None:
+        return [primary] * num_layers
+    if isinstance(layer_devices, (str, torch.device)) or not hasattr(layer_devices, "__len__"):
+        raise ValueError(f"layer_devices must be a list of devices, one per layer, got {layer_devices!r}: "
+                         f"pass e.g. ['cuda:0'] * {num_layers}, or None for every layer on device")
+    if len(layer_devices) != num_layers:
+        raise ValueError(f"layer_devices has {len(layer_devices)} entries but the engine has {num_layers} "
+                         f"layers: pass one device per layer, or None for every layer on device")
+    try:
+        devices = [_normalize(d) for d in layer_devices]
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"layer_devices holds something that is not a device ({exc}): pass "
+                         "torch.device or strings like 'cuda:1'") from None
+    return devices
+
+
 class HiSparseEngine:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 model_name: str = "llama", segment=None) -> None:
+                 model_name: str = "llama", segment=None,
+                 layer_devices: Sequence[torch.device | str] | None = None) -> None:
+        """device: the primary device (page tables with metadata_device="device", the info label);
+        layer_devices: the device of each layer's hot buffer and per-layer metadata (default: all
+        on ``device``). Layers on different GPUs share one pinned host pool."""
         cfg.validate()
         if num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
             raise ValueError("num_layers, num_kv_heads and head_dim must be >= 1")
@@ -88,8 +124,16 @@ class HiSparseEngine:
         self.L, self.Hq, self.Hkv, self.D = num_layers, num_q_heads, num_kv_heads, head_dim
         self.G = num_q_heads // num_kv_heads
         self.device = torch.device(device)
+        ld = self.layer_devices = _layer_devices(layer_devices, num_layers, _normalize(self.device))
+        # Triton launches on the current CUDA device and stream: with layers on several GPUs (or
+        # one that is not the current) each layer's work runs under its device; otherwise a
+        # shared nullcontext keeps the single-device path free of per-call device switches.
+        cuda = sorted({d.index for d in ld if d.type == "cuda"})
+        switch = len(cuda) > 1 or (len(cuda) == 1 and cuda[0] != torch.cuda.current_device())
+        self._nullctx = contextlib.nullcontext()
+        self._switch = [switch and d.type == "cuda" for d in ld]
         self.dtype = cfg.kv_dtype or dtype
-        self.meta_device = self.device if cfg.metadata_device == "device" else torch.device("cpu")
+        self.meta_device = _normalize(self.device) if cfg.metadata_device == "device" else torch.device("cpu")
         self.bs = cfg.cache_block_size
         self.S = cfg.buffer_tokens
         # two-level bounds: super-blocks kept per KV head, enough for every block the selection
@@ -100,13 +144,12 @@ class HiSparseEngine:
         self.pool = BlockPool(0, grace_s=cfg.recycle_grace_s)
         self.pages = PageTable(self.pool, self.bs)
         self.host = HostPool(num_layers, num_kv_heads, head_dim, self.bs, self.dtype,
-                             pin=self.device.type == "cuda" and torch.cuda.is_available(),
+                             pin=torch.cuda.is_available() and any(d.type == "cuda" for d in ld + [self.device]),
                              host_kv_bits=cfg.host_kv_bits, error_budget=cfg.quant_error_budget)
         if cfg.host_pool_blocks:
             self.pool.grow(cfg.host_pool_blocks)
             self.host.grow(blocks=cfg.host_pool_blocks)
-        self.k_hot = [torch.zeros(0, num_kv_heads, self.S, head_dim, dtype=self.dtype, device=self.device)
-                      for _ in range(num_layers)]
+        self.k_hot = [torch.zeros(0, num_kv_heads, self.S, head_dim, dtype=self.dtype, device=d) for d in ld]
         self.v_hot = [t.clone() for t in self.k_hot]
         self._free_rows: list[int] = []
         self._free_tails: list[int] = []
@@ -115,8 +158,11 @@ class HiSparseEngine:
         self._removed: dict[int, tuple[float, _Seq, SequencePages]] = {}
         self._next_id = 0
         self._stats = RuntimeStats()
-        self._dev = DeviceCounters(self.device)
-        self._head_base = torch.arange(num_kv_heads, device=self.device)[:, None] * self.S  # (Hkv, 1)
+        # per distinct device: per-step counters (summed at read-back) and each head's first slot
+        self._counters = {d: DeviceCounters(d) for d in dict.fromkeys(ld)}
+        self._dev = [self._counters[d] for d in ld]
+        bases = {d: torch.arange(num_kv_heads, device=d)[:, None] * self.S for d in self._counters}  # (Hkv, 1)
+        self._head_base = [bases[d] for d in ld]
         self.recal = RecalibrationController(cfg.recalibrate_every, cfg.drift_floor, cfg.drift_window)
         self._rng = random.Random(cfg.seed)
         self.decode_steps = 0
@@ -156,7 +202,7 @@ class HiSparseEngine:
         return ids
 
     def _new_seq(self, sid: int, row: int, pad: int) -> _Seq:
-        A, dev, meta = self.cfg.global_tokens, self.device, self.meta_device
+        A, ld, meta = self.cfg.global_tokens, self.layer_devices, self.meta_device
         tail = -1
         if self.host.quantized:
             if not self._free_tails:
@@ -166,14 +212,13 @@ class HiSparseEngine:
             tail = self._free_tails.pop(0)
         return _Seq(
             seq_id=sid, row=row, first=pad, tail=tail, n=[0] * self.L,
-            hot=[HotBufferState(self.Hkv, self.S, dev) for _ in range(self.L)],
-            kmin=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=dev) for _ in range(self.L)],
-            kmax=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=dev) for _ in range(self.L)],
+            hot=[HotBufferState(self.Hkv, self.S, d) for d in ld],
+            kmin=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=d) for d in ld],
+            kmax=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=d) for d in ld],
             smin=[None] * self.L, smax=[None] * self.L,
-            anchors=[torch.full((self.Hkv, A), -1, dtype=torch.int64, device=dev) for _ in range(self.L)],
-            anchor_p=[torch.full((self.Hkv, A), -1.0, device=dev) for _ in range(self.L)],
-            queries=[torch.zeros(self.cfg.recalibrate_queries, self.Hq, self.D, device=dev)
-                     for _ in range(self.L)],
+            anchors=[torch.full((self.Hkv, A), -1, dtype=torch.int64, device=d) for d in ld],
+            anchor_p=[torch.full((self.Hkv, A), -1.0, device=d) for d in ld],
+            queries=[torch.zeros(self.cfg.recalibrate_queries, self.Hq, self.D, device=d) for d in ld],
             q_count=[0] * self.L,
             importance=torch.zeros(0, device=meta), holes=torch.zeros(0, dtype=torch.bool, device=meta))
 
@@ -188,7 +233,7 @@ class HiSparseEngine:
         cap = max(start + n, 2 * start)
         for layer in range(self.L):
             for bufs in (self.k_hot, self.v_hot):
-                new = torch.zeros(cap, self.Hkv, self.S, self.D, dtype=self.dtype, device=self.device)
+                new = torch.zeros(cap, self.Hkv, self.S, self.D, dtype=self.dtype, device=self.layer_devices[layer])
                 new[:start] = bufs[layer]
                 bufs[layer] = new
         self._free_rows.extend(range(start + n, cap))
@@ -234,8 +279,7 @@ class HiSparseEngine:
             self._release_tail(s)
             return False
         s.row = self._take_rows(1)[0]
-        s.hot = [HotBufferState(self.Hkv, self.S, self.device, token_capacity=max(s.n))
-                 for _ in range(self.L)]
+        s.hot = [HotBufferState(self.Hkv, self.S, d, token_capacity=max(s.n)) for d in self.layer_devices]
         s.bt_version = -1
         self.seqs[seq_id] = s
         self._publish()
@@ -290,7 +334,7 @@ class HiSparseEngine:
             imp = s.importance[:limit].clone()
             imp[s.holes[:limit]] = float("inf")
             for layer in range(self.L):
-                a = s.anchors[layer]
+                a = s.anchors[layer].to(imp.device)
                 a = a[a >= 0] // self.bs
                 imp[a[a < limit]] = float("inf")
             imp[: -(-s.first // self.bs) if s.first else 0] = float("inf")  # keep pad blocks simple
@@ -326,7 +370,7 @@ class HiSparseEngine:
         if nb > cap:
             new = max(nb, 2 * cap, 8)
             for arr, fill in ((s.kmin, float("inf")), (s.kmax, float("-inf"))):
-                t = torch.full((self.Hkv, new, self.D), fill, dtype=self.dtype, device=self.device)
+                t = torch.full((self.Hkv, new, self.D), fill, dtype=self.dtype, device=self.layer_devices[layer])
                 t[:, :cap] = arr[layer]
                 arr[layer] = t
             s.smin[layer] = s.smax[layer] = None     # rebuilt from the grown arrays when needed
@@ -375,9 +419,17 @@ class HiSparseEngine:
                 or k.shape[3] != self.D:
             raise ValueError(f"append expects k and v of shape (B={len(seq_ids)}, Hkv={self.Hkv}, T, "
                              f"D={self.D}); got {tuple(k.shape)} and {tuple(v.shape)}")
-        T = k.shape[2]
-        if T == 0:
+        if k.shape[2] == 0:
             return
+        with self._on(layer):
+            self._append(layer, seq_ids, k, v)
+
+    def _on(self, layer: int):
+        """The context the layer's work runs in: its CUDA device when layers span several."""
+        return torch.cuda.device(self.layer_devices[layer]) if self._switch[layer] else self._nullctx
+
+    def _append(self, layer: int, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        T, dev = k.shape[2], self.layer_devices[layer]
         for b, sid in enumerate(seq_ids):
             s = self._seq(sid)
             p0 = s.n[layer]
@@ -390,7 +442,7 @@ class HiSparseEngine:
                 need = self.pages.blocks_needed(sid, n - have)
                 self.pages.extend(sid, n - have, self._allocate(s, need) if need else [])
                 self._grow_seq_meta(s, -(-n // self.bs))
-            kb, vb = k[b].to(self.device, self.dtype), v[b].to(self.device, self.dtype)
+            kb, vb = k[b].to(dev, self.dtype), v[b].to(dev, self.dtype)
             nbytes, events = self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0, kb, vb)
             st = self._stats
             st.backup_bytes += nbytes
@@ -399,11 +451,11 @@ class HiSparseEngine:
             for e in events.errors:
                 st.quant_error.observe(e)
             self._update_bounds(s, layer, p0, kb)
-            slots = s.hot[layer].insert(torch.arange(p0, n, device=self.device), end=n)
+            slots = s.hot[layer].insert(torch.arange(p0, n, device=dev), end=n)
             Tn = slots.shape[1]
             # flat (Hkv*S, D) rows + index_copy_: several times cheaper on CPU than a scatter_
             # with an index expanded over D (slots are unique per head, so the writes agree)
-            flat = (self._head_base + slots).reshape(-1)
+            flat = (self._head_base[layer] + slots).reshape(-1)
             self.k_hot[layer][s.row].view(-1, self.D).index_copy_(0, flat, kb[:, T - Tn:].reshape(-1, self.D))
             self.v_hot[layer][s.row].view(-1, self.D).index_copy_(0, flat, vb[:, T - Tn:].reshape(-1, self.D))
             self._pin_anchors(s, layer, p0, kb, n)
@@ -422,9 +474,9 @@ class HiSparseEngine:
         if A == 0 or not self.probes[layer].fitted:
             return
         # the probe lives on the CPU; its scores join device tensors below
-        p = self.probes[layer].predict(k).to(self.device)                    # (Hkv, T)
+        p = self.probes[layer].predict(k).to(k.device)                       # (Hkv, T)
         thr = probe_threshold(n, self.cfg.threshold_base, self.cfg.threshold_min, self.cfg.threshold_max)
-        pos = torch.arange(p0, p0 + k.shape[1], device=self.device)[None].expand(self.Hkv, -1)
+        pos = torch.arange(p0, p0 + k.shape[1], device=k.device)[None].expand(self.Hkv, -1)
         p = torch.where((p > thr) & (pos >= s.first), p, -1.0)
         if p.shape[1] > A:
             p, i = p.topk(A, dim=1)
@@ -447,22 +499,28 @@ class HiSparseEngine:
             if self._seq(sid).n[layer] < Tq:
                 raise ValueError(f"attend at layer {layer}: sequence {sid} holds {self._seq(sid).n[layer]} "
                                  f"tokens but q has {Tq}; append k/v for this layer first")
-        if Tq == 1:
-            return self._attend_decode(layer, seq_ids, q[:, :, 0])[:, :, None]
-        return torch.stack([self._attend_prefill(layer, self.seqs[sid], q[b])
-                            for b, sid in enumerate(seq_ids)])
+        qd = q.to(self.layer_devices[layer])  # a no-op when q is already on the layer's device
+        with self._on(layer):
+            if Tq == 1:
+                out = self._attend_decode(layer, seq_ids, qd[:, :, 0])[:, :, None]
+            else:
+                out = torch.stack([self._attend_prefill(layer, self.seqs[sid], qd[b])
+                                   for b, sid in enumerate(seq_ids)])
+        return out.to(q.device)
 
     def _context(self, s: _Seq, layer: int, heads: torch.Tensor, pos: torch.Tensor,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         full = self.pages.num_tokens(s.seq_id) // self.bs
         k, v = self.host.read(layer, self._block_table(s, cpu=True), s.tail, full, heads.cpu(), pos.cpu(), dtype)
-        return k.to(self.device), v.to(self.device)
+        dev = self.layer_devices[layer]
+        return k.to(dev), v.to(dev)
 
-    def _visible(self, s: _Seq, n: int) -> torch.Tensor:
-        pos = torch.arange(n, device=self.device)
+    def _visible(self, s: _Seq, n: int, device: torch.device) -> torch.Tensor:
+        """(n,) bool on ``device``: positions after the left padding and outside holes."""
+        pos = torch.arange(n, device=device)
         vis = pos >= s.first
         if s.has_holes:
-            vis &= ~s.holes.to(self.device)[pos // self.bs]
+            vis &= ~s.holes.to(device)[pos // self.bs]
         return vis
 
     def _attend_prefill(self, layer: int, s: _Seq, q: torch.Tensor) -> torch.Tensor:
@@ -480,7 +538,7 @@ class HiSparseEngine:
             k, v = kl, vl
         k, v = k.to(q.dtype), v.to(q.dtype)
         kpos = torch.arange(n, device=q.device)
-        vis = self._visible(s, n)
+        vis = self._visible(s, n, q.device)
         qpos = torch.arange(n - Tq, n, device=q.device)
         gqa = self.G > 1
         if q.is_cuda:
@@ -511,14 +569,14 @@ class HiSparseEngine:
 
     def _attend_decode(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, D) -> (B, Hq, D) over each sequence's selected hot-buffer slots."""
-        cfg, bs, H = self.cfg, self.bs, self.Hkv
+        cfg, bs, H, dev = self.cfg, self.bs, self.Hkv, self.layer_devices[layer]
         src_rows, src_tail, dst_rows, dst_tail = [], [], [], []
         slot_lists = []
         for b, sid in enumerate(seq_ids):
             s = self.seqs[sid]
             n = s.n[layer]
             nb = -(-n // bs)
-            holes = s.holes[:nb].to(self.device) if s.has_holes else None
+            holes = s.holes[:nb].to(dev) if s.has_holes else None
             scores = None
             if n - s.first > cfg.top_k:
                 scores = self._scores(s, layer, q[b].view(H, self.G, self.D), nb)
@@ -534,7 +592,7 @@ class HiSparseEngine:
             toks = torch.cat([look.miss_token, pf_t])
             slots = torch.cat([look.miss_slot, pf_s])
             self._plan_copy(s, heads, toks, slots, src_rows, src_tail, dst_rows, dst_tail)
-            self._dev.add(look.lookups, look.hits, look.prefetch_used, used.sum(), sel.loaded)
+            self._dev[layer].add(look.lookups, look.hits, look.prefetch_used, used.sum(), sel.loaded)
             if sel.block_hits.numel():
                 s.importance[: sel.block_hits.shape[0]] += sel.block_hits.to(s.importance.device)
             slot_lists.append(look.slots)
@@ -546,7 +604,7 @@ class HiSparseEngine:
         if rows == list(range(rows[0], rows[0] + len(rows))):
             kb, vb = self.k_hot[layer][rows[0]:rows[0] + len(rows)], self.v_hot[layer][rows[0]:rows[0] + len(rows)]
         else:
-            ridx = torch.tensor(rows, device=self.device)
+            ridx = torch.tensor(rows, device=dev)
             kb, vb = self.k_hot[layer][ridx], self.v_hot[layer][ridx]
         out = sparse_decode_attention(q.to(self.dtype), kb, vb, slots, self.scale).to(q.dtype)
         self._step_decoded = True
@@ -585,10 +643,12 @@ class HiSparseEngine:
 
         dk = self.k_hot[layer].view(-1, self.D)
         dv = self.v_hot[layer].view(-1, self.D)
-        md = self.meta_device
+        md, dev = self.meta_device, self.layer_devices[layer]
+        src, src_t = cat(src_rows, md), cat(src_tail, md)
+        if md.type == "cuda" and md != dev:  # page-table rows from the primary GPU to this layer's
+            src, src_t = src.to(dev), src_t.to(dev)
         self._stats.swap_in_bytes += self.host.load(
-            layer, cat(src_rows, md), cat(src_tail, md), dk, dv,
-            cat(dst_rows, self.device), cat(dst_tail, self.device))
+            layer, src, src_t, dk, dv, cat(dst_rows, dev), cat(dst_tail, dev))
 
     # -- audit and recalibration ---------------------------------------------------------------
     def _audit(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> None:
@@ -598,7 +658,7 @@ class HiSparseEngine:
             s = self.seqs[sid]
             n = s.n[layer]
             keys, _ = self._context(s, layer, torch.tensor([h]), torch.arange(n))
-            look, hits = audit_hits(q[b, head], keys[0] if keys.dim() == 3 else keys, self._visible(s, n),
+            look, hits = audit_hits(q[b, head], keys[0] if keys.dim() == 3 else keys, self._visible(s, n, q.device),
                                     s.last_selection[layer][h], self.cfg.audit_top_m, self.scale)
             self._stats.anchor_lookups += look
             self._stats.anchor_hits += hits
@@ -613,29 +673,35 @@ class HiSparseEngine:
 
     def _recalibrate(self) -> None:
         """Re-score anchors from the attention mass recent queries gave, and refit each probe."""
-        cfg, A = self.cfg, self.cfg.global_tokens
-        if A == 0:
+        if self.cfg.global_tokens == 0:
             return  # nothing is pinned, so there is nothing to re-score or fit
         for layer in range(self.L):
-            xs, ys, picks = [], [], []
-            g = torch.Generator().manual_seed(cfg.seed + layer)
-            for s in self.seqs.values():
-                nq, n = s.q_count[layer], s.n[layer]
-                if nq == 0 or n - s.first <= cfg.window_size:
-                    continue
-                keys, _ = self._context(s, layer, torch.arange(self.Hkv)[:, None], torch.arange(n)[None])
-                qs = s.queries[layer][-nq:].view(nq, self.Hkv, self.G, self.D)
-                mass, target, outside = score_tokens(qs, keys, self._visible(s, n), cfg.window_size, self.scale)
-                if not bool(outside.any()):
-                    continue
-                x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g)
-                xs.append(x)
-                ys.append(y)
-                picks.append((s, mass, target, outside))
-            if xs:
-                self.probes[layer].fit(torch.cat(xs), torch.cat(ys))
-            for s, mass, target, outside in picks:
-                s.anchors[layer], s.anchor_p[layer] = pick_anchors(mass, target, outside, A)
+            with self._on(layer):
+                self._recalibrate_layer(layer)
+
+    def _recalibrate_layer(self, layer: int) -> None:
+        """One layer's recalibration, on that layer's device (keys, queries and anchors live there)."""
+        cfg, A = self.cfg, self.cfg.global_tokens
+        xs, ys, picks = [], [], []
+        g = torch.Generator().manual_seed(cfg.seed + layer)
+        for s in self.seqs.values():
+            nq, n = s.q_count[layer], s.n[layer]
+            if nq == 0 or n - s.first <= cfg.window_size:
+                continue
+            keys, _ = self._context(s, layer, torch.arange(self.Hkv)[:, None], torch.arange(n)[None])
+            qs = s.queries[layer][-nq:].view(nq, self.Hkv, self.G, self.D)
+            mass, target, outside = score_tokens(qs, keys, self._visible(s, n, keys.device), cfg.window_size,
+                                                 self.scale)
+            if not bool(outside.any()):
+                continue
+            x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g)
+            xs.append(x)
+            ys.append(y)
+            picks.append((s, mass, target, outside))
+        if xs:
+            self.probes[layer].fit(torch.cat(xs), torch.cat(ys))
+        for s, mass, target, outside in picks:
+            s.anchors[layer], s.anchor_p[layer] = pick_anchors(mass, target, outside, A)
 
     # -- steps ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -687,7 +753,8 @@ class HiSparseEngine:
 
     def _refresh_stats(self) -> None:
         st = self._stats
-        self._dev.flush_into(st)
+        for counters in self._counters.values():  # one read-back per device, summed into st
+            counters.flush_into(st)
         st.sequences = len(self.seqs)
         st.context_tokens = sum(max(s.n) for s in self.seqs.values())
         st.anchors = sum(int((a >= 0).sum()) for s in self.seqs.values() for a in s.anchors)

@@ -176,6 +176,17 @@ def _model_dtype_device(model: torch.nn.Module) -> tuple[torch.dtype, torch.devi
     return param.dtype, param.device
 
 
+def _layer_devices(modules: list[torch.nn.Module], default: torch.device) -> list[torch.device]:
+    """Each attention layer's device, from its own weights: with a device_map (accelerate's
+    dispatch_model, or hi_sparse.split_layers) the layers live on different GPUs and each layer's
+    hot buffer belongs next to it. Weights offloaded to the meta device count as ``default``."""
+    devices = []
+    for module in modules:
+        param = next(iter(module.parameters()), None)
+        devices.append(default if param is None or param.device.type == "meta" else param.device)
+    return devices
+
+
 def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     """Use HiSparse in every attention layer of ``model``; returns the same model.
 
@@ -215,7 +226,8 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     previous_attn = getattr(config, "_attn_implementation", None)
     engine = HiSparseEngine(cfg, num_layers=shape.num_layers, num_q_heads=shape.num_q_heads,
                             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                            device=device, dtype=dtype, model_name=family)
+                            device=device, dtype=dtype, model_name=family,
+                            layer_devices=_layer_devices(modules, device))
     binding = Binding(engine, cfg, shape, modules, previous_attn)
     try:
         model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
