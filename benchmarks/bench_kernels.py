@@ -128,8 +128,7 @@ def pick_blocks(q, kmin, kmax, sup, n_blocks: int, window_blocks: int, two_stage
         scores[..., nb - window_blocks:] = float("-inf")                         # window is always in
         return K.top_blocks(scores, n_blocks) if two_stage else scores.topk(n_blocks, dim=-1).indices
     smin, smax, n_super = sup
-    blocks, scores = K.two_level_candidates(qg, kmin, kmax, smin, smax, GROUP, n_super)
-    scores = torch.where(blocks >= nb - window_blocks, float("-inf"), scores)
+    blocks, scores = K.two_level_candidates(qg, kmin, kmax, smin, smax, GROUP, n_super, limit=nb - window_blocks)
     return blocks.gather(-1, K.top_blocks(scores, n_blocks))
 
 

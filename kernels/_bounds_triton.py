@@ -36,22 +36,26 @@ def _bounds_kernel(
 
 @triton.jit
 def _scores_kernel(
-    p_q, p_kmin, p_kmax, p_blocks, p_out, NB, M, D,
-    G: tl.constexpr, GATHER: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
+    p_q, p_kmin, p_kmax, p_idx, p_blocks, p_out, NB, M, NSUP, D, LIMIT,
+    G: tl.constexpr, MODE: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Scores of M entries per (batch, KV head) row: blocks 0..M-1 (M = NB), or the M block
-    indices listed in p_blocks (GATHER; -1 entries score -inf)."""
+    """Scores of M entries per (batch, KV head) row. MODE 0: blocks 0..M-1 (M = NB); 1: the block
+    indices listed in p_idx (M per row); 2: the GROUP blocks of each of the NSUP super-blocks listed
+    in p_idx (M = NSUP * GROUP), block numbers also written to p_blocks. Blocks < 0 or >= LIMIT
+    score -inf (and are written as -1)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_nb = tl.program_id(1)
     o_nb = i_nb * BLOCK_NB + tl.arange(0, BLOCK_NB)
     o_d = tl.arange(0, BLOCK_D)
     m_out = o_nb < M
-    if GATHER:
-        o_blk = tl.load(p_blocks + i_bh * M + o_nb, mask=m_out, other=-1)
-        m_nb = o_blk >= 0
+    if MODE == 1:
+        o_blk = tl.load(p_idx + i_bh * M + o_nb, mask=m_out, other=-1)
+    elif MODE == 2:
+        sup = tl.load(p_idx + i_bh * NSUP + o_nb // GROUP, mask=m_out, other=-1)
+        o_blk = tl.where(sup >= 0, sup * GROUP + o_nb % GROUP, -1)
     else:
         o_blk = o_nb.to(tl.int64)
-        m_nb = m_out
+    m_nb = m_out & (o_blk >= 0) & (o_blk < LIMIT)
     m = m_nb[:, None] & (o_d < D)[None, :]
     o_kv = (i_bh * NB + o_blk)[:, None] * D + o_d[None, :]
     b_lo = tl.load(p_kmin + o_kv, mask=m, other=0.0).to(tl.float32)
@@ -63,6 +67,8 @@ def _scores_kernel(
         b_best = tl.maximum(b_best, b_s)
     b_best = tl.where(m_nb, b_best, float("-inf"))
     tl.store(p_out + i_bh * M + o_nb, b_best, mask=m_out)
+    if MODE == 2:
+        tl.store(p_blocks + i_bh * M + o_nb, tl.where(m_nb, o_blk, -1), mask=m_out)
 
 
 def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,23 +87,34 @@ def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torch.Tensor | None = None,
-           block_values: int = 4096, num_warps: int = 4) -> torch.Tensor:
-    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) [, blocks (..., Hkv, M)] -> (..., Hkv, NB or M)
-    fp32 (keywords: benchmark tuning)."""
+           limit: int | None = None, super_idx: torch.Tensor | None = None, group: int = 1,
+           block_values: int = 4096, num_warps: int = 4):
+    """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, M) fp32: every block (M = NB),
+    the listed `blocks` (..., Hkv, M), or with `super_idx` (..., Hkv, S) the blocks of those
+    super-blocks of `group` blocks (M = S * group; returns (blocks, scores) then). Blocks >= limit
+    score -inf. Keywords after group: benchmark tuning."""
     lead = q.shape[:-2]
     g, d = q.shape[-2:]
     nb = kmin.shape[-2]
     qf = q.reshape(-1, g, d).contiguous()
     lo = kmin.reshape(-1, nb, d).contiguous()
     hi = kmax.reshape(-1, nb, d).contiguous()
-    m = nb if blocks is None else blocks.shape[-1]
+    mode, nsup, idx = 0, 1, None
+    if super_idx is not None:
+        mode, nsup = 2, super_idx.shape[-1]
+        idx = super_idx.reshape(-1, nsup).contiguous()
+        m = nsup * group
+    elif blocks is not None:
+        mode, m = 1, blocks.shape[-1]
+        idx = blocks.reshape(-1, m).contiguous()
+    else:
+        m = nb
     out = torch.empty(lead + (m,), device=q.device, dtype=torch.float32)
-    if out.numel() == 0:
-        return out
-    idx = out if blocks is None else blocks.reshape(-1, m).contiguous()   # unused pointer when not gathering
-    BLOCK_D = next_pow2(d)
-    BLOCK_NB = max(16, min(256, block_values // BLOCK_D))
-    _scores_kernel[(qf.shape[0], triton.cdiv(m, BLOCK_NB))](
-        qf, lo, hi, idx, out, nb, m, d, G=g, GATHER=blocks is not None, BLOCK_NB=BLOCK_NB, BLOCK_D=BLOCK_D,
-        num_warps=num_warps)
-    return out
+    blk = torch.empty(lead + (m,), device=q.device, dtype=torch.int64) if mode == 2 else out
+    if out.numel():
+        BLOCK_D = next_pow2(d)
+        BLOCK_NB = max(16, min(256, block_values // BLOCK_D))
+        _scores_kernel[(qf.shape[0], triton.cdiv(m, BLOCK_NB))](
+            qf, lo, hi, out if idx is None else idx, blk, out, nb, m, nsup, d, nb if limit is None else limit,
+            G=g, MODE=mode, GROUP=group, BLOCK_NB=BLOCK_NB, BLOCK_D=BLOCK_D, num_warps=num_warps)
+    return (blk, out) if mode == 2 else out

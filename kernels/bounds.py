@@ -33,20 +33,24 @@ def reference_block_bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tens
 
 
 def reference_block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                           blocks: torch.Tensor | None = None) -> torch.Tensor:
+                           blocks: torch.Tensor | None = None, limit: int | None = None) -> torch.Tensor:
     """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32; with blocks
-    (..., Hkv, M) int64 (-1 = none): (..., Hkv, M), -inf where blocks is -1.
+    (..., Hkv, M) int64 (-1 = none): (..., Hkv, M), -inf where blocks is -1. Blocks >= limit
+    score -inf.
 
     max(q*kmin, q*kmax) summed over d equals relu(q).kmax + min(q, 0).kmin, so two matmuls do it.
     """
+    nb = kmin.shape[-2]
+    limit = nb if limit is None else limit
     if blocks is not None:
         idx = blocks.clamp(min=0)[..., None].expand(*blocks.shape, kmin.shape[-1])
         s = reference_block_scores(q, kmin.gather(-2, idx), kmax.gather(-2, idx))
-        return torch.where(blocks >= 0, s, float("-inf"))
+        return torch.where((blocks >= 0) & (blocks < limit), s, float("-inf"))
     qf = q.float()
     pos, neg = qf.clamp(min=0), qf.clamp(max=0)
     s = pos @ kmax.float().transpose(-1, -2) + neg @ kmin.float().transpose(-1, -2)   # (..., Hkv, G, NB)
-    return s.amax(dim=-2)
+    s = s.amax(dim=-2)
+    return s if limit >= nb else torch.where(torch.arange(nb, device=s.device) < limit, s, float("-inf"))
 
 
 def superblock_bounds(kmin: torch.Tensor, kmax: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,23 +79,28 @@ def two_level_pays(nb: int, group: int, n_super: int) -> bool:
 
 
 def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor,
-                         smax: torch.Tensor, group: int, n_super: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         smax: torch.Tensor, group: int, n_super: int,
+                         limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate blocks of the `n_super` best super-blocks per KV head and their bounds.
 
     q (..., Hkv, G, D); kmin/kmax (..., Hkv, NB, D); smin/smax (..., Hkv, NS, D) from
-    `superblock_bounds(kmin, kmax, group)` (or kept up to date incrementally).
-    Returns blocks (..., Hkv, n_super * group) int64 (-1 past NB) and their scores (fp32, -inf
-    where blocks is -1); with n_super >= NS every block is a candidate.
+    `superblock_bounds(kmin, kmax, group)` (or kept up to date incrementally). Only blocks below
+    `limit` (default NB) are candidates (e.g. the blocks before an always-selected window).
+    Returns blocks (..., Hkv, n_super * group) int64 (-1 for no candidate) and their scores (fp32,
+    -inf where blocks is -1); with n_super >= NS every block below limit is a candidate.
     """
     nb, ns = kmin.shape[-2], smin.shape[-2]
     check(ns == -(-nb // group), f"smin/smax hold {ns} super-blocks but {nb} blocks in groups of {group} "
           f"need {-(-nb // group)}; rebuild them with superblock_bounds")
     check(n_super >= 1, f"n_super must be >= 1, got {n_super}")
+    limit = nb if limit is None else max(0, min(limit, nb))
     n_super = min(n_super, ns)
-    sup = top_blocks(block_scores(q, smin, smax), n_super)                     # (..., Hkv, n_super)
+    sup = top_blocks(block_scores(q, smin, smax, limit=-(-limit // group)), n_super)   # (..., Hkv, n_super)
+    if use_triton(q, kmin, kmax):   # one launch: candidate numbers and their scores
+        return kernel_module("_bounds_triton").scores(q, kmin, kmax, limit=limit, super_idx=sup, group=group)
     blocks = (sup[..., None] * group + torch.arange(group, device=sup.device)).flatten(-2)
-    blocks = torch.where(blocks < nb, blocks, -1)
-    return blocks, block_scores(q, kmin, kmax, blocks)
+    blocks = torch.where(blocks < limit, blocks, -1)
+    return blocks, reference_block_scores(q, kmin, kmax, blocks)
 
 
 def top_blocks(scores: torch.Tensor, n: int, chunk: int = 1024) -> torch.Tensor:
@@ -129,10 +138,11 @@ def block_bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
 
 
 def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                 blocks: torch.Tensor | None = None) -> torch.Tensor:
+                 blocks: torch.Tensor | None = None, limit: int | None = None) -> torch.Tensor:
     """Quest upper bound of q.k per block: q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, NB) fp32.
 
     With blocks (..., Hkv, M) int64 block indices (-1 = none): only those, (..., Hkv, M), -inf at -1.
+    Blocks numbered >= limit (default: none) score -inf.
     """
     check(q.dim() >= 3, f"q must be (..., Hkv, G, D), got shape {tuple(q.shape)}")
     check(kmin.shape == kmax.shape, f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} differ")
@@ -147,5 +157,5 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         check(blocks.dtype == torch.int64 and blocks.device == q.device,
               f"blocks must be int64 on {q.device}, got {blocks.dtype} on {blocks.device}")
     if use_triton(q, kmin, kmax):
-        return kernel_module("_bounds_triton").scores(q, kmin, kmax, blocks)
-    return reference_block_scores(q, kmin, kmax, blocks)
+        return kernel_module("_bounds_triton").scores(q, kmin, kmax, blocks, limit)
+    return reference_block_scores(q, kmin, kmax, blocks, limit)

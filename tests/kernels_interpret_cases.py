@@ -134,6 +134,25 @@ def _scores_listed() -> None:
     _need(s.shape == (2, 2, 21) and err < 1e-5, f"listed scores differ: {err:.2e}")
 
 
+def _two_level() -> None:
+    q, kmin = torch.randn(2, 2, 3, 60), torch.randn(2, 2, 45, 60)
+    kmax = kmin + torch.rand(2, 2, 45, 60)
+    smin, smax = K.superblock_bounds(kmin, kmax, 4)                     # 12 super-blocks, last partial
+    s_sup = K.block_scores(q, smin, smax, limit=10)
+    _need(bool(torch.isinf(s_sup[..., 10:]).all()), "super-blocks at or past limit must score -inf")
+    blocks, sc = K.two_level_candidates(q, kmin, kmax, smin, smax, 4, n_super=3, limit=38)
+    sup = K.top_blocks(K.reference_block_scores(q, smin, smax, limit=10), 3)
+    want = (sup[..., None] * 4 + torch.arange(4)).flatten(-2)
+    want = torch.where(want < 38, want, -1)
+    ref = K.reference_block_scores(q, kmin, kmax, want)
+    for r in range(4):
+        got_r = sorted(zip(blocks.view(4, -1)[r].tolist(), sc.view(4, -1)[r].tolist()))
+        want_r = sorted(zip(want.view(4, -1)[r].tolist(), ref.view(4, -1)[r].tolist()))
+        _need([b for b, _ in got_r] == [b for b, _ in want_r], f"row {r}: candidate blocks differ")
+        for (b, x), (_, y) in zip(got_r, want_r):
+            _need((b < 0 and x == float("-inf")) or abs(x - y) <= 1e-4 * max(1.0, abs(y)), f"row {r}: scores differ")
+
+
 def _scores() -> None:
     q, kmin = torch.randn(2, 2, 3, 60), torch.randn(2, 2, 40, 60)
     kmax = kmin + torch.rand(2, 2, 40, 60)
@@ -161,6 +180,10 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"quantize-{b}bit-d24-fused-looped": (lambda b=b: _quantize(b, 24, 9, 3, reg_cap=0, tile_rows=4, programs=3))
        for b in (5, 6)},
     **{f"quantize-{b}bit-d64-split": (lambda b=b: _quantize(b, 64, 40, 3, method="split")) for b in (4, 5, 6, 8)},
+    # 5/6 bits store whole 32-bit words per quad / pair of groups where a row has whole ones: D=96 is
+    # 12 groups padded to 16 (the last quad / pair masked off); D=40 (5 groups) stores bytes
+    **{f"quantize-{b}bit-d96-t5": (lambda b=b: _quantize(b, 96, 5)) for b in (5, 6)},
+    **{f"quantize-{b}bit-d40-split": (lambda b=b: _quantize(b, 40, 7, method="split")) for b in (5, 6)},
     "quantize-constant-block": _constant_block,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit-d64": (lambda b=b: _dequantize(b, 64)) for b in (4, 5, 6, 8)},
@@ -168,6 +191,7 @@ CASES: dict[str, Callable[[], None]] = {
     "block_bounds-t63-d60": _bounds,
     "block_scores-d60": _scores,
     "block_scores-listed-d60": _scores_listed,
+    "two_level_candidates-d60": _two_level,
 }
 
 

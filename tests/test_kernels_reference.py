@@ -192,6 +192,11 @@ def test_two_level_candidates_find_planted_blocks_and_cover_everything_when_wide
         valid = every[h] >= 0
         assert sorted(every[h][valid].tolist()) == list(range(nb))
         assert torch.allclose(every_sc[h][valid], full[h][every[h][valid]], atol=1e-5)
+    # a limit keeps the candidates before it (e.g. before the always-selected window)
+    lim_blocks, lim_sc = two_level_candidates(q, kmin, kmax, smin, smax, group, n_super=10 ** 6, limit=150)
+    assert sorted(lim_blocks[0][lim_blocks[0] >= 0].tolist()) == list(range(150))
+    assert bool(torch.isinf(lim_sc[lim_blocks < 0]).all())
+    assert bool(torch.isinf(block_scores(q, kmin, kmax, limit=150)[:, 150:]).all())
     with pytest.raises(ValueError, match="rebuild them with superblock_bounds"):
         two_level_candidates(q, kmin, kmax, smin[:, :-1], smax[:, :-1], group, 3)
 
