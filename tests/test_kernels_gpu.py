@@ -190,3 +190,25 @@ def test_quantize_paths(bits, T, tuning):
     assert float((codes.double() - exact).abs().max()) <= 0.5 + 1e-3
     assert int((codes - K.unpack_codes(rp, bits, D)).abs().max()) <= 1
     assert bool((codes[-1] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_level_candidates_match_the_reference(dtype):
+    """The one-launch candidate kernel (super-blocks expanded in the kernel, limit masked)."""
+    torch.manual_seed(3)
+    B, H, G, D, nb, group = 3, 8, 4, 128, 1000, 16
+    kmin = torch.randn(B, H, nb, D, device="cuda").to(dtype)
+    kmax = (kmin.float() + torch.rand(B, H, nb, D, device="cuda")).to(dtype)
+    q = torch.randn(B, H, G, D, device="cuda").to(dtype)
+    smin, smax = K.superblock_bounds(kmin, kmax, group)
+    limit = nb - 16
+    _poison_allocator()
+    blocks, sc = K.two_level_candidates(q, kmin, kmax, smin, smax, group, n_super=18, limit=limit)
+    sup = K.top_blocks(K.reference_block_scores(q, smin, smax, limit=-(-limit // group)), 18)
+    want = (sup[..., None] * group + torch.arange(group, device="cuda")).flatten(-2)
+    want = torch.where(want < limit, want, -1)
+    assert torch.equal(blocks.sort(-1).values, want.sort(-1).values)
+    ref = K.reference_block_scores(q, kmin, kmax, blocks)
+    ok = blocks >= 0
+    assert torch.equal(torch.isinf(sc), ~ok)
+    assert _rel(torch.where(ok, sc, 0.0), torch.where(ok, ref, 0.0)) < 1e-5
