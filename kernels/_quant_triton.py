@@ -122,9 +122,9 @@ def _minmax_kernel(p_x, p_part, numel, C, CHUNK: tl.constexpr):
 @triton.jit
 def _pack_grouped_kernel(
     p_x, p_part, p_packed, p_scale, p_zero, T, D, P, C,
-    BITS: tl.constexpr, NBYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """D % 8 == 0: 8 codes make exactly BITS bytes, packed through one int64 word.
+    """D % 8 == 0: 8 codes make exactly BITS bytes, stored as in _store_groups (WORDS: see there).
 
     One program per (block, tile of BLOCK_T rows): small programs keep enough loads in flight;
     each first folds its block's C partial min/max (written by _minmax_kernel).
@@ -136,8 +136,7 @@ def _pack_grouped_kernel(
     p_pn = p_part + (i_n * C + o_c) * 2
     lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf")), 0)
     hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf")), 0)
-    levels = (1 << BITS) - 1
-    scale = (hi - lo) / levels
+    scale = (hi - lo) / ((1 << BITS) - 1)
     if i_t == 0:
         tl.store(p_scale + i_n, scale)
         tl.store(p_zero + i_n, lo)
@@ -149,25 +148,8 @@ def _pack_grouped_kernel(
     m = (o_t < T)[:, None, None] & (o_g < D // 8)[None, :, None]
     b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + (o_g[None, :, None] * 8 + o_i[None, None, :]),
                   mask=m, other=0.0).to(tl.float32)
-    b_c = tl.floor((b_x - lo) * inv + 0.5)
-    b_c = tl.minimum(tl.maximum(b_c, 0.0), levels * 1.0)
-    p_on = p_packed + i_n * T * P
-    if BITS == 8:
-        # one byte per code: 8 contiguous bytes per group, a single wide store
-        p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * 8 + o_i[None, None, :])
-        tl.store(p_o, b_c.to(tl.uint8), mask=m)
-    elif BITS == 4:
-        # 8 four-bit codes are one 32-bit word, stored whole (P % 4 == 0 since D % 8 == 0)
-        b_w = tl.sum(b_c.to(tl.int32) << (o_i * 4)[None, None, :], 2)                 # (T, G)
-        p_w = p_on.to(tl.pointer_type(tl.int32)) + o_t[:, None] * (P // 4) + o_g[None, :]
-        tl.store(p_w, b_w, mask=(o_t < T)[:, None] & (o_g < D // 8)[None, :])
-    else:
-        b_c = b_c.to(tl.int64)
-        b_w = tl.sum(b_c << (o_i * BITS).to(tl.int64)[None, None, :], 2)            # (T, G) packed words
-        b_bytes = (b_w[:, :, None] >> (o_i * 8).to(tl.int64)[None, None, :]) & 0xFF
-        m_o = m & (o_i < NBYTES)[None, None, :]
-        p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * NBYTES + o_i[None, None, :])
-        tl.store(p_o, b_bytes.to(tl.uint8), mask=m_o)
+    _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
+                  BLOCK_T, BLOCK_G, WORDS)
 
 
 @triton.jit
@@ -179,38 +161,79 @@ def _codes(b_x, lo, inv, BITS: tl.constexpr):
 
 
 @triton.jit
-def _store_groups(b_c, p_on, o_t, o_g, m_tg, P, BITS: tl.constexpr):
-    """Pack codes b_c (BLOCK_T, BLOCK_G, 8) int32 of rows o_t, 8-code groups o_g into the rows at p_on.
+def _halves(b_w, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Even and odd columns of b_w (BLOCK_T, BLOCK_G): two (BLOCK_T, BLOCK_G // 2) tiles."""
+    return tl.split(tl.reshape(b_w, [BLOCK_T, BLOCK_G // 2, 2]))
 
-    m_tg (BLOCK_T, BLOCK_G) masks rows and groups. 8 codes make exactly BITS bytes; only int32
-    arithmetic (no int64): 4 bits is one word, 8 bits is one byte per code, 5 and 6 bits are a low
-    word (stream bits 0-31) and a high word (bits 32 and up) stored byte by byte.
+
+@triton.jit
+def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_G: tl.constexpr, WORDS: tl.constexpr):
+    """Pack codes b_c (BLOCK_T, BLOCK_G, 8) int32 of rows o_t (valid where m_t) into the rows at p_on.
+
+    Groups of 8 codes (n_g valid per row) make exactly BITS bytes; only int32 arithmetic. Every
+    store is of whole 32-bit words (the store instruction count, not the ALU work, bounds this on
+    the H200) unless WORDS is False: 5 / 6 bits then store bytes (rows of groups not a multiple
+    of the 4 / 2 groups that make whole words). Words are little-endian: stream bit s is bit s % 8
+    of byte s // 8, as in the contract.
     """
     o_i = tl.arange(0, 8)
-    if BITS == 8:
-        p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * 8 + o_i[None, None, :])
-        tl.store(p_o, b_c.to(tl.uint8), mask=m_tg[:, :, None])
-    elif BITS == 4:
-        # P % 4 == 0 since D % 8 == 0: whole 32-bit words
+    o_g = tl.arange(0, BLOCK_G)
+    m_tg = m_t[:, None] & (o_g < n_g)[None, :]
+    p_w = p_on.to(tl.pointer_type(tl.int32)) + o_t[:, None] * (P // 4)    # row starts, used where P % 4 == 0
+    if BITS == 4:
+        # 8 four-bit codes are one 32-bit word
         b_w = tl.sum(b_c << (o_i * 4)[None, None, :], 2)                               # (T, G)
-        p_w = p_on.to(tl.pointer_type(tl.int32)) + o_t[:, None] * (P // 4) + o_g[None, :]
-        tl.store(p_w, b_w, mask=m_tg)
+        tl.store(p_w + o_g[None, :], b_w, mask=m_tg)
     else:
         s = o_i * BITS                               # stream bit of each code's bit 0
         low = s < 32
         # the bits are disjoint, so the sum is an OR; int32 wrap drops the bits a straddling code
         # carries past bit 31 (shift amounts are clamped below 32 on every lane: no undefined shifts)
         sl = tl.where(low, s, 0)[None, None, :]
-        w_lo = tl.sum(tl.where(low[None, None, :], b_c << sl, 0), 2)                    # (T, G)
+        w_lo = tl.sum(tl.where(low[None, None, :], b_c << sl, 0), 2)                    # (T, G) bytes 0-3
         # bits 32+: a code starting below 32 gives its top bits (>> 32 - s, zero unless it straddles:
         # codes are < 2^BITS <= 2^31), a code starting at 32 or above gives all its bits
         sr = tl.minimum(tl.where(low, 32 - s, 0), 31)[None, None, :]
         sh = tl.where(low, 0, s - 32)[None, None, :]
-        w_hi = tl.sum(tl.where(low[None, None, :], b_c >> sr, b_c << sh), 2)           # (T, G)
-        b_w = tl.where((o_i < 4)[None, None, :], w_lo[:, :, None], w_hi[:, :, None])
-        b_b = (b_w >> ((o_i % 4) * 8)[None, None, :]) & 0xFF
-        p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * BITS + o_i[None, None, :])
-        tl.store(p_o, b_b.to(tl.uint8), mask=m_tg[:, :, None] & (o_i < BITS)[None, None, :])
+        w_hi = tl.sum(tl.where(low[None, None, :], b_c >> sr, b_c << sh), 2)           # (T, G) bytes 4..BITS-1
+        if BITS == 8:
+            # a group is two words: lo (codes 0-3) then hi (codes 4-7)
+            o_w = o_g[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+            tl.store(p_w[:, :, None] + o_w, tl.join(w_lo, w_hi), mask=m_tg[:, :, None])
+        elif WORDS and BITS == 6:
+            # a pair of groups is 12 bytes = 3 words: lo0 | hi0 lo1[0:2] | lo1[2:4] hi1
+            lo0, lo1 = _halves(w_lo, BLOCK_T, BLOCK_G)
+            hi0, hi1 = _halves(w_hi, BLOCK_T, BLOCK_G)
+            o_q = tl.arange(0, BLOCK_G // 2)
+            m_q = m_t[:, None] & (o_q < n_g // 2)[None, :]
+            p_q = p_w + (o_q * 3)[None, :]
+            tl.store(p_q, lo0, mask=m_q)
+            tl.store(p_q + 1, (hi0 & 0xFFFF) | (lo1 << 16), mask=m_q)
+            # >> is arithmetic on int32: mask after it
+            tl.store(p_q + 2, ((lo1 >> 16) & 0xFFFF) | (hi1 << 16), mask=m_q)
+        elif WORDS and BITS == 5:
+            # a quad of groups is 20 bytes = 5 words; each group is its lo word then one hi byte
+            lo_e, lo_o = _halves(w_lo, BLOCK_T, BLOCK_G)
+            hi_e, hi_o = _halves(w_hi, BLOCK_T, BLOCK_G)
+            lo0, lo2 = _halves(lo_e, BLOCK_T, BLOCK_G // 2)
+            lo1, lo3 = _halves(lo_o, BLOCK_T, BLOCK_G // 2)
+            hi0, hi2 = _halves(hi_e, BLOCK_T, BLOCK_G // 2)
+            hi1, hi3 = _halves(hi_o, BLOCK_T, BLOCK_G // 2)
+            o_q = tl.arange(0, BLOCK_G // 4)
+            m_q = m_t[:, None] & (o_q < n_g // 4)[None, :]
+            p_q = p_w + (o_q * 5)[None, :]
+            tl.store(p_q, lo0, mask=m_q)
+            tl.store(p_q + 1, hi0 | (lo1 << 8), mask=m_q)
+            tl.store(p_q + 2, ((lo1 >> 24) & 0xFF) | (hi1 << 8) | (lo2 << 16), mask=m_q)
+            tl.store(p_q + 3, ((lo2 >> 16) & 0xFFFF) | (hi2 << 16) | (lo3 << 24), mask=m_q)
+            tl.store(p_q + 4, ((lo3 >> 8) & 0xFFFFFF) | (hi3 << 24), mask=m_q)
+        else:
+            # byte fallback: BITS bytes per group
+            b_w = tl.where((o_i < 4)[None, None, :], w_lo[:, :, None], w_hi[:, :, None])
+            b_b = (b_w >> ((o_i % 4) * 8)[None, None, :]) & 0xFF
+            p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * BITS + o_i[None, None, :])
+            tl.store(p_o, b_b.to(tl.uint8), mask=m_tg[:, :, None] & (o_i < BITS)[None, None, :])
 
 
 @triton.jit
@@ -226,7 +249,7 @@ def _block_params(p_scale, p_zero, i_n, lo, hi, BITS: tl.constexpr):
 @triton.jit
 def _quantize_fused_kernel(
     p_x, p_packed, p_scale, p_zero, N, T, D, P,
-    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, LOOP: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, LOOP: tl.constexpr, WORDS: tl.constexpr,
 ):
     """D % 8 == 0, one program per block (LOOP=False) or a grid of programs striding over blocks.
 
@@ -247,7 +270,8 @@ def _quantize_fused_kernel(
         lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
         hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
         inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS)
-        _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_g, m, P, BITS)
+        _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
+                      BLOCK_T, BLOCK_G, WORDS)
     else:
         # int64 start: the loop index is an int64 block number (bounds are promoted to one type)
         for i_n in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
@@ -269,7 +293,8 @@ def _quantize_fused_kernel(
                 m = ((t0 + o_t) < T)[:, None] & m_g
                 b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0)
                 b_x = b_x.to(tl.float32)
-                _store_groups(_codes(b_x, lo, inv, BITS), p_on, t0 + o_t, o_g, m, P, BITS)
+                _store_groups(_codes(b_x, lo, inv, BITS), p_on, t0 + o_t, (t0 + o_t) < T, D // 8, P, BITS,
+                              BLOCK_T, BLOCK_G, WORDS)
 
 
 @triton.jit
@@ -304,6 +329,12 @@ MINMAX_CHUNK = 16384     # split path: values per partial min/max program (H200 
 REG_CAP = 16384          # fused path: blocks of up to this many (padded) values are one register tile
 LOOP_TILE = 8192         # fused looped path: values per row tile
 PROGRAMS_PER_SM = 2      # fused looped path: programs in flight (their blocks must stay in L2 between passes)
+_WORD_GROUPS = {4: 1, 5: 4, 6: 2, 8: 1}   # 8-code groups that make whole 32-bit words
+
+
+def _word_stores(d: int, bits: int) -> bool:
+    """Whether rows of d codes (d % 8 == 0) pack into whole 32-bit words (else 5/6 bits store bytes)."""
+    return (d // 8) % _WORD_GROUPS[bits] == 0
 
 
 def quantize(x: torch.Tensor, bits: int, method: str = "fused", reg_cap: int = REG_CAP, fused_warps: int = 0,
@@ -324,18 +355,19 @@ def quantize(x: torch.Tensor, bits: int, method: str = "fused", reg_cap: int = R
     packed = torch.empty(n, t, p, device=x.device, dtype=torch.uint8)
     scale = torch.empty(n, device=x.device, dtype=torch.float32)
     zero = torch.empty_like(scale)
+    words = _word_stores(d, bits)
     if d % 8 == 0 and method == "fused":
         BLOCK_G = next_pow2(d // 8)
         if next_pow2(t) * BLOCK_G * 8 <= reg_cap:
             BLOCK_T = next_pow2(t)
             warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 >= 8192 else 4)
             _quantize_fused_kernel[(n,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
-                                         BLOCK_G=BLOCK_G, LOOP=False, num_warps=warps)
+                                         BLOCK_G=BLOCK_G, LOOP=False, WORDS=words, num_warps=warps)
         else:
             BLOCK_T = next_pow2(tile_rows) if tile_rows else max(1, min(next_pow2(t), LOOP_TILE // (BLOCK_G * 8)))
             grid = min(n, programs or PROGRAMS_PER_SM * sm_count(x.device))
             _quantize_fused_kernel[(grid,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
-                                            BLOCK_G=BLOCK_G, LOOP=True, num_warps=fused_warps or 8,
+                                            BLOCK_G=BLOCK_G, LOOP=True, WORDS=words, num_warps=fused_warps or 8,
                                             **({"num_stages": fused_stages} if fused_stages else {}))
         return packed, scale, zero
     if d % 8 == 0:
@@ -347,7 +379,7 @@ def quantize(x: torch.Tensor, bits: int, method: str = "fused", reg_cap: int = R
         BLOCK_G = next_pow2(d // 8)
         BLOCK_T = max(1, min(next_pow2(t), pack_values // (BLOCK_G * 8)))
         _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
-            x, part, packed, scale, zero, t, d, p, c, BITS=bits, NBYTES=bits, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
+            x, part, packed, scale, zero, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
             BLOCK_C=max(2, next_pow2(c)), num_warps=pack_warps)
         return packed, scale, zero
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
