@@ -172,8 +172,22 @@ def _poison_bytes(nbytes: int) -> None:
         "split-t64", "split-t512"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference."""
+    _check_quantize(bits, T, 128, tuning)
+
+
+@pytest.mark.parametrize("bits", [5, 6, 8])
+@pytest.mark.parametrize("D", [40, 48, 96])
+@pytest.mark.parametrize("T,tuning", [(64, {}), (500, {"programs": 3, "tile_rows": 32}), (64, {"method": "split"})],
+                         ids=["fused-register", "fused-looped", "split"])
+def test_quantize_word_and_byte_stores(bits, D, T, tuning):
+    """Whole-word stores where rows hold whole word groups (6 bits: D=48, 96; 5 bits: D=96, the last of
+    4 padded quads masked off; 8 bits: every D) and the byte stores otherwise (D=40; 5 bits D=48)."""
+    _check_quantize(bits, T, D, tuning)
+
+
+def _check_quantize(bits: int, T: int, D: int, tuning: dict) -> None:
     from hi_sparse.kernels import _quant_triton as Q
-    n, D = 37, 128
+    n = 37
     x = (torch.randn(n, T, D, device="cuda") * torch.linspace(0.5, 20.0, n, device="cuda")[:, None, None])
     x = x.to(torch.bfloat16)
     x[-1] = 1.25                                     # a constant block: scale 0, every code 0
