@@ -394,9 +394,11 @@ class HiSparseEngine:
             s.smin[layer][:, sb0:sb1] = lo
             s.smax[layer][:, sb0:sb1] = hi
 
-    def _scores(self, s: _Seq, layer: int, q: torch.Tensor, nb: int) -> torch.Tensor:
-        """Quest bounds (Hkv, nb) of the first nb blocks for q (Hkv, G, D). At long context only the
-        blocks of the best super-blocks are scored (two-level); the others get -inf."""
+    def _scores(self, s: _Seq, layer: int, q: torch.Tensor, n: int) -> torch.Tensor:
+        """Quest bounds (Hkv, nb) of the blocks of n tokens for q (Hkv, G, D). At long context only
+        the blocks of the best super-blocks before the window are scored (two-level); the others
+        get -inf (select never takes window blocks from the ranking anyway)."""
+        nb = -(-n // self.bs)
         kmin, kmax = s.kmin[layer][:, :nb], s.kmax[layer][:, :nb]
         g = self.cfg.bound_group
         if not two_level_pays(nb, g, self.n_super):
@@ -404,8 +406,9 @@ class HiSparseEngine:
         if s.smin[layer] is None:
             s.smin[layer], s.smax[layer] = superblock_bounds(s.kmin[layer], s.kmax[layer], g)
         ns = -(-nb // g)
+        w0 = max(s.first, n - self.cfg.window_size)      # select's candidates start before w0
         blocks, sc = two_level_candidates(q, kmin, kmax, s.smin[layer][:, :ns], s.smax[layer][:, :ns], g,
-                                          self.n_super)
+                                          self.n_super, limit=-(-w0 // self.bs))
         self.two_level_scores += 1
         # column 0 collects the -1 padding of the candidate list and is cut off
         full = torch.full((self.Hkv, nb + 1), float("-inf"), device=sc.device)
@@ -511,8 +514,10 @@ class HiSparseEngine:
     def _context(self, s: _Seq, layer: int, heads: torch.Tensor, pos: torch.Tensor,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         full = self.pages.num_tokens(s.seq_id) // self.bs
-        k, v = self.host.read(layer, self._block_table(s, cpu=True), s.tail, full, heads.cpu(), pos.cpu(), dtype)
         dev = self.layer_devices[layer]
+        # on a GPU the rows are gathered by the GPU from the pinned pool (no host-side gather)
+        k, v = self.host.read(layer, self._block_table(s, cpu=True), s.tail, full, heads.cpu(), pos.cpu(), dtype,
+                              device=dev if dev.type == "cuda" else None)
         return k.to(dev), v.to(dev)
 
     def _visible(self, s: _Seq, n: int, device: torch.device) -> torch.Tensor:
@@ -579,7 +584,7 @@ class HiSparseEngine:
             holes = s.holes[:nb].to(dev) if s.has_holes else None
             scores = None
             if n - s.first > cfg.top_k:
-                scores = self._scores(s, layer, q[b].view(H, self.G, self.D), nb)
+                scores = self._scores(s, layer, q[b].view(H, self.G, self.D), n)
             sel = select(scores, n, s.first, cfg.window_size, cfg.top_k, bs, s.anchors[layer], holes,
                          cfg.prefetch_blocks, num_heads=H)
             s.last_selection[layer] = sel.tokens
