@@ -152,6 +152,9 @@ def main() -> int:
                     help="dense decode at the largest batch of this context that fits (cache replicated)")
     ap.add_argument("--check-tol", type=float, default=None,
                     help="relative logit tolerance of the full-budget check (default 1e-4 fp32, 3e-2 bf16)")
+    ap.add_argument("--split-gpus", type=int, default=1,
+                    help="split the model's layers over this many GPUs (hi_sparse.split_layers); HiSparse then "
+                         "keeps each layer's hot buffer on its layer's GPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -168,6 +171,10 @@ def main() -> int:
                      "runs": []}
     t_build = time.perf_counter()
     model = build_model(args.tiny, dtype, device)
+    if args.split_gpus > 1:
+        devs = [f"cuda:{i}" for i in range(args.split_gpus)] if device == "cuda" else ["cpu"] * args.split_gpus
+        hs.split_layers(model, devs)
+        results["split_gpus"] = devs
     cfg = model.config
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
