@@ -144,6 +144,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--host-ram-gib", type=float, default=None, help="host RAM for capacity (default: this machine's)")
     ap.add_argument("--skip-quant", action="store_true")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of single-sequence variants to run (default: dense,hisparse,hisparse-int8,hisparse-int4)")
     ap.add_argument("--telemetry-check", action="store_true",
                     help="at the first context also run HiSparse with telemetry on and easymats attached at 10 Hz")
     ap.add_argument("--batch", type=int, default=0, help="aggregate decode of this many sequences (0 = skip)")
@@ -295,6 +297,12 @@ def main() -> int:
 
     variants = [("dense", None), ("hisparse", None)] + ([] if args.skip_quant else [("hisparse-int8", 8),
                                                                                      ("hisparse-int4", 4)])
+    if args.variants:
+        known = dict(variants)
+        bad = [v for v in args.variants.split(",") if v not in known]
+        if bad:
+            raise SystemExit(f"unknown --variants {bad}; choose from {', '.join(known)}")
+        variants = [(v, known[v]) for v in args.variants.split(",")]
     for ci, ctx in enumerate(contexts):
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
         extra = [("hisparse+easymats", None)] if ci == 0 and args.telemetry_check else []
