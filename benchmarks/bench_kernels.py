@@ -259,24 +259,15 @@ def sweep_quant(hbm: float) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     variants = {
         (2048, 512, 128): [
-            ("default (fused looped)", {}),
-            ("split", {"method": "split"}),
-            ("looped rows32", {"tile_rows": 32}),
-            ("looped rows128", {"tile_rows": 128}),
-            ("looped rows64 warps4", {"tile_rows": 64, "fused_warps": 4}),
-            ("looped 1 program/SM", {"programs": sms}),
-            ("looped 4 programs/SM", {"programs": 4 * sms}),
-            ("looped 1 program/block", {"programs": 2048}),
-            ("looped stages1", {"fused_stages": 1}),
+            ("default (auto: split)", {}),
+            ("fused looped", {"method": "fused"}),
+            ("looped 1 program/block", {"method": "fused", "programs": 2048}),
             ("register cap 65536 warps16", {"reg_cap": 65536, "fused_warps": 16}),
         ],
         (16384, 64, 128): [
-            ("default (fused register)", {}),
+            ("default (auto: fused register, 4 warps)", {}),
             ("split", {"method": "split"}),
-            ("register warps4", {"fused_warps": 4}),
-            ("register warps16", {"fused_warps": 16}),
-            ("looped rows32 1 program/block", {"reg_cap": 0, "tile_rows": 32, "programs": 16384}),
-            ("looped rows64 4 programs/SM", {"reg_cap": 0, "programs": 4 * sms}),
+            ("register warps8", {"fused_warps": 8}),
         ],
     }
     rows = []

@@ -175,9 +175,9 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"quantize-{b}bit-d7": (lambda b=b: _quantize(b, 7, 9)) for b in (4, 5, 6, 8)},
     # D % 8 == 0 paths of the Triton quantize: the fused kernel's looped path (row tiles of 16, two
     # programs striding over five blocks, T not a multiple of the tile) and the split two-kernel path
-    **{f"quantize-{b}bit-d64-fused-looped": (lambda b=b: _quantize(b, 64, 40, 5, reg_cap=0, tile_rows=16, programs=2))
+    **{f"quantize-{b}bit-d64-fused-looped": (lambda b=b: _quantize(b, 64, 40, 5, method="fused", reg_cap=0, tile_rows=16, programs=2))
        for b in (4, 5, 6, 8)},
-    **{f"quantize-{b}bit-d24-fused-looped": (lambda b=b: _quantize(b, 24, 9, 3, reg_cap=0, tile_rows=4, programs=3))
+    **{f"quantize-{b}bit-d24-fused-looped": (lambda b=b: _quantize(b, 24, 9, 3, method="fused", reg_cap=0, tile_rows=4, programs=3))
        for b in (5, 6)},
     **{f"quantize-{b}bit-d64-split": (lambda b=b: _quantize(b, 64, 40, 3, method="split")) for b in (4, 5, 6, 8)},
     # 5/6 bits store whole 32-bit words per quad / pair of groups where a row has whole ones: D=96 is
