@@ -265,9 +265,10 @@ def sweep_quant(hbm: float) -> None:
             ("register cap 65536 warps16", {"reg_cap": 65536, "fused_warps": 16}),
         ],
         (16384, 64, 128): [
-            ("default (auto: fused register, 4 warps)", {}),
+            ("default (auto: 4b fused register, 4 warps; 5b split)", {}),
+            ("fused register", {"method": "fused"}),
             ("split", {"method": "split"}),
-            ("register warps8", {"fused_warps": 8}),
+            ("register warps8", {"method": "fused", "fused_warps": 8}),
         ],
     }
     rows = []

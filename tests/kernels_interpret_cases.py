@@ -170,8 +170,8 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"swap_in_dequant-{b}bit-d64": (lambda b=b: _swap_dequant(b, 64)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit": (lambda b=b: _quantize(b)) for b in (4, 5, 6, 8)},
     # d64 at t200 / t16: the fused kernel's register path (whole block one tile; t200 pads to 16384 values)
-    **{f"quantize-{b}bit-d64-t200": (lambda b=b: _quantize(b, 64, 200)) for b in (4, 5, 6, 8)},
-    **{f"quantize-{b}bit-d64-t16": (lambda b=b: _quantize(b, 64, 16)) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d64-t200": (lambda b=b: _quantize(b, 64, 200, method="fused")) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d64-t16": (lambda b=b: _quantize(b, 64, 16, method="fused")) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d7": (lambda b=b: _quantize(b, 7, 9)) for b in (4, 5, 6, 8)},
     # D % 8 == 0 paths of the Triton quantize: the fused kernel's looped path (row tiles of 16, two
     # programs striding over five blocks, T not a multiple of the tile) and the split two-kernel path
@@ -182,7 +182,7 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"quantize-{b}bit-d64-split": (lambda b=b: _quantize(b, 64, 40, 3, method="split")) for b in (4, 5, 6, 8)},
     # 5/6 bits store whole 32-bit words per quad / pair of groups where a row has whole ones: D=96 is
     # 12 groups padded to 16 (the last quad / pair masked off); D=40 (5 groups) stores bytes
-    **{f"quantize-{b}bit-d96-t5": (lambda b=b: _quantize(b, 96, 5)) for b in (5, 6)},
+    **{f"quantize-{b}bit-d96-t5": (lambda b=b: _quantize(b, 96, 5, method="fused")) for b in (5, 6)},
     **{f"quantize-{b}bit-d40-split": (lambda b=b: _quantize(b, 40, 7, method="split")) for b in (5, 6)},
     "quantize-constant-block": _constant_block,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
