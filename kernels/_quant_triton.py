@@ -185,7 +185,45 @@ def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.c
         # 8 four-bit codes are one 32-bit word
         b_w = tl.sum(b_c << (o_i * 4)[None, None, :], 2)                               # (T, G)
         tl.store(p_w + o_g[None, :], b_w, mask=m_tg)
+    elif WORDS:
+        # codes 0-3 and 4-7 of each group as two 4*BITS-bit values A and B (shifts < 32, the sum
+        # is an OR: the same in-thread shift-and-sum as 4 bits), then whole words of them
+        o_j = tl.arange(0, 4)
+        b_ab = tl.sum(tl.reshape(b_c, [BLOCK_T, BLOCK_G, 2, 4]) << (o_j * BITS)[None, None, None, :], 3)
+        if BITS == 8:
+            # a group is two words: A (codes 0-3) then B (codes 4-7)
+            o_w = o_g[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+            tl.store(p_w[:, :, None] + o_w, b_ab, mask=m_tg[:, :, None])
+        else:
+            b_a, b_b = tl.split(b_ab)                                                   # (T, G) each
+            a0, a1 = _halves(b_a, BLOCK_T, BLOCK_G)
+            b0, b1 = _halves(b_b, BLOCK_T, BLOCK_G)
+            if BITS == 6:
+                # a pair of groups is 96 bits = 3 words: A0 B0 | A1 B1, 24 bits each
+                o_q = tl.arange(0, BLOCK_G // 2)
+                m_q = m_t[:, None] & (o_q < n_g // 2)[None, :]
+                p_q = p_w + (o_q * 3)[None, :]
+                tl.store(p_q, a0 | (b0 << 24), mask=m_q)
+                tl.store(p_q + 1, (b0 >> 8) | (a1 << 16), mask=m_q)
+                tl.store(p_q + 2, (a1 >> 16) | (b1 << 8), mask=m_q)
+            else:
+                # a quad of groups is 160 bits = 5 words: A0 B0 A1 B1 A2 B2 A3 B3, 20 bits each
+                # (A and B are < 2^20: the arithmetic >> shifts in zeros)
+                a0, a2 = _halves(a0, BLOCK_T, BLOCK_G // 2)
+                a1, a3 = _halves(a1, BLOCK_T, BLOCK_G // 2)
+                b0, b2 = _halves(b0, BLOCK_T, BLOCK_G // 2)
+                b1, b3 = _halves(b1, BLOCK_T, BLOCK_G // 2)
+                o_q = tl.arange(0, BLOCK_G // 4)
+                m_q = m_t[:, None] & (o_q < n_g // 4)[None, :]
+                p_q = p_w + (o_q * 5)[None, :]
+                tl.store(p_q, a0 | (b0 << 20), mask=m_q)
+                tl.store(p_q + 1, (b0 >> 12) | (a1 << 8) | (b1 << 28), mask=m_q)
+                tl.store(p_q + 2, (b1 >> 4) | (a2 << 16), mask=m_q)
+                tl.store(p_q + 3, (a2 >> 16) | (b2 << 4) | (a3 << 24), mask=m_q)
+                tl.store(p_q + 4, (a3 >> 8) | (b3 << 12), mask=m_q)
     else:
+        # byte fallback (5 / 6 bits, rows without whole pairs / quads of groups): BITS bytes per
+        # group from a low word (stream bits 0-31) and a high word (bits 32 and up)
         s = o_i * BITS                               # stream bit of each code's bit 0
         low = s < 32
         # the bits are disjoint, so the sum is an OR; int32 wrap drops the bits a straddling code
@@ -197,43 +235,10 @@ def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.c
         sr = tl.minimum(tl.where(low, 32 - s, 0), 31)[None, None, :]
         sh = tl.where(low, 0, s - 32)[None, None, :]
         w_hi = tl.sum(tl.where(low[None, None, :], b_c >> sr, b_c << sh), 2)           # (T, G) bytes 4..BITS-1
-        if BITS == 8:
-            # a group is two words: lo (codes 0-3) then hi (codes 4-7)
-            o_w = o_g[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-            tl.store(p_w[:, :, None] + o_w, tl.join(w_lo, w_hi), mask=m_tg[:, :, None])
-        elif WORDS and BITS == 6:
-            # a pair of groups is 12 bytes = 3 words: lo0 | hi0 lo1[0:2] | lo1[2:4] hi1
-            lo0, lo1 = _halves(w_lo, BLOCK_T, BLOCK_G)
-            hi0, hi1 = _halves(w_hi, BLOCK_T, BLOCK_G)
-            o_q = tl.arange(0, BLOCK_G // 2)
-            m_q = m_t[:, None] & (o_q < n_g // 2)[None, :]
-            p_q = p_w + (o_q * 3)[None, :]
-            tl.store(p_q, lo0, mask=m_q)
-            tl.store(p_q + 1, (hi0 & 0xFFFF) | (lo1 << 16), mask=m_q)
-            # >> is arithmetic on int32: mask after it
-            tl.store(p_q + 2, ((lo1 >> 16) & 0xFFFF) | (hi1 << 16), mask=m_q)
-        elif WORDS and BITS == 5:
-            # a quad of groups is 20 bytes = 5 words; each group is its lo word then one hi byte
-            lo_e, lo_o = _halves(w_lo, BLOCK_T, BLOCK_G)
-            hi_e, hi_o = _halves(w_hi, BLOCK_T, BLOCK_G)
-            lo0, lo2 = _halves(lo_e, BLOCK_T, BLOCK_G // 2)
-            lo1, lo3 = _halves(lo_o, BLOCK_T, BLOCK_G // 2)
-            hi0, hi2 = _halves(hi_e, BLOCK_T, BLOCK_G // 2)
-            hi1, hi3 = _halves(hi_o, BLOCK_T, BLOCK_G // 2)
-            o_q = tl.arange(0, BLOCK_G // 4)
-            m_q = m_t[:, None] & (o_q < n_g // 4)[None, :]
-            p_q = p_w + (o_q * 5)[None, :]
-            tl.store(p_q, lo0, mask=m_q)
-            tl.store(p_q + 1, hi0 | (lo1 << 8), mask=m_q)
-            tl.store(p_q + 2, ((lo1 >> 24) & 0xFF) | (hi1 << 8) | (lo2 << 16), mask=m_q)
-            tl.store(p_q + 3, ((lo2 >> 16) & 0xFFFF) | (hi2 << 16) | (lo3 << 24), mask=m_q)
-            tl.store(p_q + 4, ((lo3 >> 8) & 0xFFFFFF) | (hi3 << 24), mask=m_q)
-        else:
-            # byte fallback: BITS bytes per group
-            b_w = tl.where((o_i < 4)[None, None, :], w_lo[:, :, None], w_hi[:, :, None])
-            b_b = (b_w >> ((o_i % 4) * 8)[None, None, :]) & 0xFF
-            p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * BITS + o_i[None, None, :])
-            tl.store(p_o, b_b.to(tl.uint8), mask=m_tg[:, :, None] & (o_i < BITS)[None, None, :])
+        b_w = tl.where((o_i < 4)[None, None, :], w_lo[:, :, None], w_hi[:, :, None])
+        b_b = (b_w >> ((o_i % 4) * 8)[None, None, :]) & 0xFF
+        p_o = p_on + o_t[:, None, None] * P + (o_g[None, :, None] * BITS + o_i[None, None, :])
+        tl.store(p_o, b_b.to(tl.uint8), mask=m_tg[:, :, None] & (o_i < BITS)[None, None, :])
 
 
 @triton.jit
