@@ -173,8 +173,9 @@ def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.c
 
     Groups of 8 codes (n_g valid per row) make exactly BITS bytes; only int32 arithmetic. Every
     store is of whole 32-bit words (on the H200 this lifted the split path's 5/6-bit quantize from
-    30-34 % to 44-45 % of the copy rate; the register-tile path stayed at 29-34 %) unless WORDS is False: 5 / 6 bits then store bytes (rows of groups not a multiple
-    of the 4 / 2 groups that make whole words). Words are little-endian: stream bit s is bit s % 8
+    30-34 % to 44-46 % of the copy rate; the register-tile path stayed at 29-35 %) unless WORDS is
+    False: 5 / 6 bits then store bytes (rows of groups not a multiple of the 4 / 2 groups that make
+    whole words). Words are little-endian: stream bit s is bit s % 8
     of byte s // 8, as in the contract.
     """
     o_i = tl.arange(0, 8)
@@ -364,8 +365,8 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
     words = _word_stores(d, bits)
     if method == "auto":
         # H200 (2026-11-30): a 4-bit block that fits one register tile is read once (61-63 % of the
-        # HBM copy rate); 5/6/8-bit register tiles measured 29-34 %, below split (44-45 %), and larger
-        # blocks do better split (41-45 %) than looped in one program (19-35 %)
+        # HBM copy rate); 5/6/8-bit register tiles measured 29-35 %, below split (41-46 %), and larger
+        # blocks do better split (41-46 %) than looped in one program (17-35 %)
         method = "fused" if bits == 4 and next_pow2(t) * next_pow2(d // 8) * 8 <= reg_cap else "split"
     if d % 8 == 0 and method == "fused":
         BLOCK_G = next_pow2(d // 8)
