@@ -1,0 +1,41 @@
+"""benchmarks/e2e_h200.py in its --tiny CPU mode: the same code paths as the H200 run (full-budget
+check first, dense and HiSparse rows, the easymats-attached telemetry row, a batch row), and a
+non-zero exit when the full-budget check fails."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "e2e_h200.py")
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "e2e.json"
+    p = subprocess.run([sys.executable, SCRIPT, "--tiny", "--json", str(out), *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return p, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
+    p, res = _run(tmp_path, "--contexts", "256", "--decode-steps", "3", "--variants", "dense,hisparse-int4",
+                  "--telemetry-check", "--batch", "2", "--batch-context", "128")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert res["check"]["rel_max_err"] <= res["check"]["tolerance"]
+    rows = {(r["variant"], r["batch"]): r for r in res["runs"]}
+    assert set(rows) == {("dense", 1), ("hisparse-int4", 1), ("hisparse+easymats", 1), ("dense", 2), ("hisparse", 2)}
+    for r in rows.values():
+        assert "error" not in r and r["decode_tokens_per_s"] > 0
+    hs = rows[("hisparse-int4", 1)]
+    assert 0 < hs["host_kv_bytes"] < rows[("hisparse+easymats", 1)]["host_kv_bytes"]   # 4-bit host < bf16
+    agent = rows[("hisparse+easymats", 1)]["agent"]
+    assert agent["alive_at_start"] and agent["alive_at_end"] and agent["log_lines"] >= 3, agent
+
+
+def test_a_failed_full_budget_check_exits_non_zero(tmp_path):
+    p, res = _run(tmp_path, "--contexts", "128", "--decode-steps", "2", "--variants", "hisparse",
+                  "--check-tol", "1e-12")
+    assert p.returncode == 1
+    assert "diverges from dense" in p.stderr
+    assert res["check"]["rel_max_err"] > 1e-12 and res["runs"] == []
