@@ -39,3 +39,16 @@ def test_a_failed_full_budget_check_exits_non_zero(tmp_path):
     assert p.returncode == 1
     assert "diverges from dense" in p.stderr
     assert res["check"]["rel_max_err"] > 1e-12 and res["runs"] == []
+
+
+def test_two_device_benchmark_runs_on_two_cpu_devices_and_agrees():
+    """benchmarks/bench_multidev.py with 'cpu,cpu' (the plumbing of the two-GPU run): identical
+    engine outputs split or not, and the split model generates the same tokens with HiSparse."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_multidev.py"), "--devices", "cpu,cpu",
+                        "--contexts", "512", "--steps", "4", "--warmup", "1", "--layers", "2", "--q-heads", "4",
+                        "--kv-heads", "2", "--head-dim", "32", "--model-layers", "2", "--prompt", "64",
+                        "--new-tokens", "4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = [ln for ln in p.stdout.splitlines() if ln.startswith("| 512 |")]
+    assert row and row[0].split("|")[5].strip() == "0.00e+00", p.stdout
+    assert "tokens match: True" in p.stdout, p.stdout
