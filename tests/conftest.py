@@ -11,3 +11,15 @@ def segment_dir(monkeypatch):
     os.chmod(d, 0o700)
     monkeypatch.setenv("EASYMATS_SEGMENT_DIR", d)
     yield d
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small tensors: one thread avoids OpenMP spin-waits when the 2-core machine is busy.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -6,14 +6,7 @@ import torch
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.engine import HiSparseEngine
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Small tensors: one thread avoids OpenMP spin-waits when the 2-core machine is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def dense(q, k, v, pads):

@@ -24,13 +24,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two N
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Small tensors: one thread avoids OpenMP spin-waits when the 2-core machine is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _drive(eng, L, B, Hq, Hkv, D, P, steps, seed, device="cpu", dtype=torch.float32):

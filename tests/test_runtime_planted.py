@@ -18,14 +18,7 @@ from hi_sparse.workloads import PlantedWorkload, run_decode, run_prefill
 
 L, HQ, HKV, D = 1, 4, 2, 32
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Small tensors: one thread avoids OpenMP spin-waits when the 2-core machine is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(seed=1, **over):
