@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
@@ -249,18 +248,17 @@ def bench_quant(hbm: float) -> None:
 
 
 def sweep_quant(hbm: float) -> None:
-    """Quantizer variants, bf16, 4 and 5 bits, both benchmark shapes: the fused kernel's knobs (warps,
-    register cap, looped row tiles, grid size, load pipelining) against the split two-kernel path.
+    """Quantizer variants, bf16, 4/5/6/8 bits, both benchmark shapes: the fused register-tile kernel
+    (warps, register cap) against the split two-kernel path.
 
     The first variant of each shape is the default path of quantize(); `diff` is the fraction of
     packed bytes that differ from the split path's (ties may round either way: tiny but not 0).
     """
     from hi_sparse.kernels import _quant_triton as Q
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     variants = {
         (2048, 512, 128): [
             ("default (auto)", {}),
-            ("fused looped", {"method": "fused"}),
+            ("register cap 65536 warps16", {"method": "fused", "reg_cap": 65536, "fused_warps": 16}),
         ],
         (16384, 64, 128): [
             ("default (auto)", {}),

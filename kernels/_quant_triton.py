@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import next_pow2, sm_count
+from ._launch import next_pow2
 
 
 @triton.jit
@@ -136,12 +136,7 @@ def _pack_grouped_kernel(
     p_pn = p_part + (i_n * C + o_c) * 2
     lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf")), 0)
     hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf")), 0)
-    scale = (hi - lo) / ((1 << BITS) - 1)
-    if i_t == 0:
-        tl.store(p_scale + i_n, scale)
-        tl.store(p_zero + i_n, lo)
-    # one exact reciprocal per program; codes then cost a multiply (a tie may round either way)
-    inv = tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
+    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, i_t == 0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_g = tl.arange(0, BLOCK_G)
     o_i = tl.arange(0, 8)
@@ -243,64 +238,35 @@ def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.c
 
 
 @triton.jit
-def _block_params(p_scale, p_zero, i_n, lo, hi, BITS: tl.constexpr):
-    """Store block i_n's scale and zero point; returns the exact reciprocal of the scale (0 if constant)."""
+def _block_params(p_scale, p_zero, i_n, lo, hi, BITS: tl.constexpr, write):
+    """Block i_n's scale and zero point (stored where ``write``); returns the exact reciprocal of
+    the scale (0 if constant)."""
     scale = (hi - lo) / ((1 << BITS) - 1)
-    tl.store(p_scale + i_n, scale)
-    tl.store(p_zero + i_n, lo)
+    tl.store(p_scale + i_n, scale, mask=write)
+    tl.store(p_zero + i_n, lo, mask=write)
     # one exact reciprocal per block; codes then cost a multiply (a tie may round either way)
     return tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
 
 
 @triton.jit
 def _quantize_fused_kernel(
-    p_x, p_packed, p_scale, p_zero, N, T, D, P,
-    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, LOOP: tl.constexpr, WORDS: tl.constexpr,
+    p_x, p_packed, p_scale, p_zero, T, D, P,
+    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, WORDS: tl.constexpr,
 ):
-    """D % 8 == 0, one program per block (LOOP=False) or a grid of programs striding over blocks.
-
-    LOOP=False: BLOCK_T >= T, the whole block is one (BLOCK_T, BLOCK_G, 8) register tile, read from
-    memory once. LOOP=True: tiles of BLOCK_T rows, pass 1 min/max and pass 2 pack; the second read
-    hits L2 when few enough programs run at once (the grid size bounds the blocks in flight).
-    """
+    """D % 8 == 0, one program per block (BLOCK_T >= T): the whole block is one
+    (BLOCK_T, BLOCK_G, 8) register tile, read from memory once."""
+    i_n = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, BLOCK_T)
     o_g = tl.arange(0, BLOCK_G)
     o_i = tl.arange(0, 8)
-    m_g = (o_g < D // 8)[None, :]
+    m = (o_t < T)[:, None] & (o_g < D // 8)[None, :]
     o_v = o_g[None, :, None] * 8 + o_i[None, None, :]      # value index in a row: 8 consecutive per group
-    if not LOOP:
-        i_n = tl.program_id(0).to(tl.int64)
-        p_xn = p_x + i_n * T * D
-        m = (o_t < T)[:, None] & m_g
-        b_x = tl.load(p_xn + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0).to(tl.float32)
-        lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
-        hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
-        inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS)
-        _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
-                      BLOCK_T, BLOCK_G, WORDS)
-    else:
-        # int64 start: the loop index is an int64 block number (bounds are promoted to one type)
-        for i_n in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
-            p_xn = p_x + i_n * T * D
-            # running min / max per (row, group): the 8-axis reduces within a thread, and the
-            # accumulators are an eighth of the tile (registers stay for the loads in flight)
-            b_lo = tl.full([BLOCK_T, BLOCK_G], float("inf"), tl.float32)
-            b_hi = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
-            for t0 in range(0, T, BLOCK_T):
-                m = (((t0 + o_t) < T)[:, None] & m_g)[:, :, None]
-                b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_v, mask=m, other=0.0).to(tl.float32)
-                b_lo = tl.minimum(b_lo, tl.min(tl.where(m, b_x, float("inf")), 2))
-                b_hi = tl.maximum(b_hi, tl.max(tl.where(m, b_x, float("-inf")), 2))
-            lo = tl.min(tl.min(b_lo, 1), 0)
-            hi = tl.max(tl.max(b_hi, 1), 0)
-            inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS)
-            p_on = p_packed + i_n * T * P
-            for t0 in range(0, T, BLOCK_T):
-                m = ((t0 + o_t) < T)[:, None] & m_g
-                b_x = tl.load(p_xn + (t0 + o_t)[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0)
-                b_x = b_x.to(tl.float32)
-                _store_groups(_codes(b_x, lo, inv, BITS), p_on, t0 + o_t, (t0 + o_t) < T, D // 8, P, BITS,
-                              BLOCK_T, BLOCK_G, WORDS)
+    b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0).to(tl.float32)
+    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
+    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
+    _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
+                  BLOCK_T, BLOCK_G, WORDS)
 
 
 @triton.jit
@@ -333,8 +299,6 @@ def _dequant_grouped_kernel(
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
 MINMAX_CHUNK = 16384     # split path: values per partial min/max program (H200 sweep: 16384 / 8 warps best)
 REG_CAP = 16384          # fused path: blocks of up to this many (padded) values are one register tile
-LOOP_TILE = 8192         # fused looped path: values per row tile
-PROGRAMS_PER_SM = 2      # fused looped path: programs in flight (their blocks must stay in L2 between passes)
 _WORD_GROUPS = {4: 1, 5: 4, 6: 2, 8: 1}   # 8-code groups that make whole 32-bit words
 
 
@@ -344,15 +308,16 @@ def _word_stores(d: int, bits: int) -> bool:
 
 
 def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
-             tile_rows: int = 0, programs: int = 0, fused_stages: int = 0, chunk: int = MINMAX_CHUNK, minmax_warps: int = 8,
-             pack_values: int = 2048, pack_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 2048,
+             pack_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
-    D % 8 == 0 runs method "auto" (fused for blocks of at most reg_cap padded values, else split),
-    "fused" (one kernel: a block of at most reg_cap padded values is read
-    once into registers; larger blocks loop over tiles of tile_rows rows twice in a grid of
-    `programs` programs, fused_stages pipelining its loads) or "split" (partial min/max kernel, then a pack kernel: two HBM reads).
+    D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
+    most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
+    read twice) or "auto" (the one measured faster for the block: fused at 4 bits, else split).
     Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
+    A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
+    copy rate against split's 41-46 % (docs/BENCHMARKS.md) and was removed.
     """
     if method not in ("auto", "fused", "split"):
         raise ValueError(f"method={method!r} unknown; use 'auto', 'fused' or 'split'")
@@ -363,24 +328,20 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
     scale = torch.empty(n, device=x.device, dtype=torch.float32)
     zero = torch.empty_like(scale)
     words = _word_stores(d, bits)
+    BLOCK_T, BLOCK_G = next_pow2(t), next_pow2(d // 8)
+    fits = BLOCK_T * BLOCK_G * 8 <= reg_cap
     if method == "auto":
         # H200 (2026-11-30): a 4-bit block that fits one register tile is read once (61-63 % of the
-        # HBM copy rate); 5/6/8-bit register tiles measured 29-35 %, below split (41-46 %), and larger
-        # blocks do better split (41-46 %) than looped in one program (17-35 %)
-        method = "fused" if bits == 4 and next_pow2(t) * next_pow2(d // 8) * 8 <= reg_cap else "split"
+        # HBM copy rate); 5/6/8-bit register tiles measured 29-35 %, below split (41-46 %)
+        method = "fused" if bits == 4 and fits else "split"
     if d % 8 == 0 and method == "fused":
-        BLOCK_G = next_pow2(d // 8)
-        if next_pow2(t) * BLOCK_G * 8 <= reg_cap:
-            BLOCK_T = next_pow2(t)
-            warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 > 8192 else 4)   # 8192 values: 4 warps best
-            _quantize_fused_kernel[(n,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
-                                         BLOCK_G=BLOCK_G, LOOP=False, WORDS=words, num_warps=warps)
-        else:
-            BLOCK_T = next_pow2(tile_rows) if tile_rows else max(1, min(next_pow2(t), LOOP_TILE // (BLOCK_G * 8)))
-            grid = min(n, programs or PROGRAMS_PER_SM * sm_count(x.device))
-            _quantize_fused_kernel[(grid,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
-                                            BLOCK_G=BLOCK_G, LOOP=True, WORDS=words, num_warps=fused_warps or 8,
-                                            **({"num_stages": fused_stages} if fused_stages else {}))
+        if not fits:
+            raise ValueError(f"method='fused' holds a block as one register tile of at most reg_cap={reg_cap} "
+                             f"values; a {t} x {d} block needs {BLOCK_T * BLOCK_G * 8}: raise reg_cap or use "
+                             "method='auto'")
+        warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 > 8192 else 4)   # 8192 values: 4 warps best
+        _quantize_fused_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
+                                     BLOCK_G=BLOCK_G, WORDS=words, num_warps=warps)
         return packed, scale, zero
     if d % 8 == 0:
         # split: two streaming passes of small programs (the input is read from HBM twice)
@@ -388,8 +349,7 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         c = triton.cdiv(t * d, chunk)
         part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
         _minmax_kernel[(n, c)](x, part, t * d, c, CHUNK=chunk, num_warps=minmax_warps)
-        BLOCK_G = next_pow2(d // 8)
-        BLOCK_T = max(1, min(next_pow2(t), pack_values // (BLOCK_G * 8)))
+        BLOCK_T = max(1, min(BLOCK_T, pack_values // (BLOCK_G * 8)))
         _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
             x, part, packed, scale, zero, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
             BLOCK_C=max(2, next_pow2(c)), num_warps=pack_warps)

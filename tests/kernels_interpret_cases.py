@@ -106,6 +106,16 @@ def _constant_block() -> None:
     _need(torch.equal(K.dequantize_blocks(packed, scale, zero, 6, 64), x), "constant block must round-trip exactly")
 
 
+def _fused_too_big() -> None:
+    from hi_sparse.kernels import _quant_triton
+    try:
+        _quant_triton.quantize(torch.randn(1, 64, 128), 4, method="fused", reg_cap=4096)
+    except ValueError as exc:
+        _need("raise reg_cap or use method='auto'" in str(exc), f"unclear message: {exc}")
+    else:
+        _need(False, "a block over reg_cap must be refused by method='fused'")
+
+
 def _dequantize(bits: int, d: int = 60) -> None:
     x = torch.randn(2, 63, d)
     packed, scale, zero = K.reference_quantize_blocks(x, bits)
@@ -173,18 +183,16 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"quantize-{b}bit-d64-t200": (lambda b=b: _quantize(b, 64, 200, method="fused")) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d64-t16": (lambda b=b: _quantize(b, 64, 16, method="fused")) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d7": (lambda b=b: _quantize(b, 7, 9)) for b in (4, 5, 6, 8)},
-    # D % 8 == 0 paths of the Triton quantize: the fused kernel's looped path (row tiles of 16, two
-    # programs striding over five blocks, T not a multiple of the tile) and the split two-kernel path
-    **{f"quantize-{b}bit-d64-fused-looped": (lambda b=b: _quantize(b, 64, 40, 5, method="fused", reg_cap=0, tile_rows=16, programs=2))
-       for b in (4, 5, 6, 8)},
-    **{f"quantize-{b}bit-d24-fused-looped": (lambda b=b: _quantize(b, 24, 9, 3, method="fused", reg_cap=0, tile_rows=4, programs=3))
-       for b in (5, 6)},
+    # D % 8 == 0 paths of the Triton quantize: the fused register tile at D=24 (3 groups: 5/6 bits
+    # store bytes) and the split two-kernel path
+    **{f"quantize-{b}bit-d24-fused": (lambda b=b: _quantize(b, 24, 9, 3, method="fused")) for b in (5, 6)},
     **{f"quantize-{b}bit-d64-split": (lambda b=b: _quantize(b, 64, 40, 3, method="split")) for b in (4, 5, 6, 8)},
     # 5/6 bits store whole 32-bit words per quad / pair of groups where a row has whole ones: D=96 is
     # 12 groups padded to 16 (the last quad / pair masked off); D=40 (5 groups) stores bytes
     **{f"quantize-{b}bit-d96-t5": (lambda b=b: _quantize(b, 96, 5, method="fused")) for b in (5, 6)},
     **{f"quantize-{b}bit-d40-split": (lambda b=b: _quantize(b, 40, 7, method="split")) for b in (5, 6)},
     "quantize-constant-block": _constant_block,
+    "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit-d64": (lambda b=b: _dequantize(b, 64)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit-d7": (lambda b=b: _dequantize(b, 7)) for b in (4, 5, 6, 8)},
