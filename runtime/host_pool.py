@@ -104,24 +104,23 @@ class HostPool:
         """
         store, H, bs = self.layers[layer], self.H, self.bs
         T = k.shape[1]
-        # quantize where the tokens come from when that is a GPU (Triton kernels), not on the host
-        qdev = k.device if k.device.type == "cuda" else None
-        k = k.to("cpu", self.dtype)
-        v = v.to("cpu", self.dtype)
         heads = torch.arange(H)[:, None]
         events = QuantEvents()
         if not self.quantized:
+            k, v = k.to("cpu", self.dtype), v.to("cpu", self.dtype)
             pos = torch.arange(start, start + T)[None]
             rows = self.rows(block_table, heads, pos).reshape(-1)
             store["k"].index_copy_(0, rows, k.reshape(-1, self.D))
             store["v"].index_copy_(0, rows, v.reshape(-1, self.D))
             return 2 * k.numel() * k.element_size(), events
-        # quantized: complete the tail block, quantize every full block, keep the remainder
+        # quantized: complete the tail block, quantize every full block where the tokens are (on a
+        # GPU: Triton, and only the packed result crosses to the host), keep the remainder
+        k, v = k.to(dtype=self.dtype), v.to(dtype=self.dtype)
         b0 = start - start % bs
         if start > b0:
             old = self.tail_rows(tail_slot, heads, torch.arange(b0, start)[None]).reshape(-1)
-            k = torch.cat([store["k_tail"][old].view(H, -1, self.D), k], 1)
-            v = torch.cat([store["v_tail"][old].view(H, -1, self.D), v], 1)
+            k = torch.cat([store["k_tail"][old].view(H, -1, self.D).to(k.device), k], 1)
+            v = torch.cat([store["v_tail"][old].view(H, -1, self.D).to(v.device), v], 1)
         n_full = k.shape[1] // bs
         written = 0
         if n_full:
@@ -131,24 +130,24 @@ class HostPool:
             vu = v[:, : n_full * bs].reshape(H, n_full, bs, self.D).transpose(0, 1).reshape(-1, bs, self.D)
             kb, vb = self.policy.choose(ku, vu)
             for x, bits, prefix in ((ku, kb, "k"), (vu, vb, "v")):
-                written += self._store_units(store, prefix, units, x, bits, events, qdev)
+                written += self._store_units(store, prefix, units, x, bits, events)
         rem = k.shape[1] - n_full * bs
         if rem:
             tpos = torch.arange(b0 + n_full * bs, b0 + n_full * bs + rem)[None]
             trows = self.tail_rows(tail_slot, heads, tpos).reshape(-1)
-            store["k_tail"].index_copy_(0, trows, k[:, n_full * bs:].reshape(-1, self.D))
-            store["v_tail"].index_copy_(0, trows, v[:, n_full * bs:].reshape(-1, self.D))
+            store["k_tail"].index_copy_(0, trows, k[:, n_full * bs:].reshape(-1, self.D).cpu())
+            store["v_tail"].index_copy_(0, trows, v[:, n_full * bs:].reshape(-1, self.D).cpu())
             written += 2 * rem * H * self.D * k.element_size()
         return written, events
 
     def _store_units(self, store: dict, prefix: str, units: torch.Tensor, x: torch.Tensor,
-                     bits: torch.Tensor, events: QuantEvents, qdev: torch.device | None = None) -> int:
+                     bits: torch.Tensor, events: QuantEvents) -> int:
+        """Quantize units x (N, bs, D), on any device, at their chosen bits (N,) into the pool."""
         written = 0
         offs = torch.arange(self.bs)
         for b in sorted(set(bits.tolist())):
-            sel = (bits == b).nonzero().squeeze(1)
-            xs = x[sel] if qdev is None else x[sel].to(qdev)
-            packed, scale, zero, err = (t.cpu() for t in quantize_roundtrip(xs, b))
+            sel = (bits == b).nonzero().squeeze(1).cpu()
+            packed, scale, zero, err = (t.cpu() for t in quantize_roundtrip(x[sel.to(x.device)], b))
             u = units[sel]
             rows = (u[:, None] * self.bs + offs[None]).reshape(-1)
             P = packed.shape[-1]

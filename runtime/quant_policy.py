@@ -1,7 +1,9 @@
 """Bit-width policies for per-block host KV quantization (VTQ).
 
 A *unit* is one block of one layer and KV head, keys or values: (T, D) values quantized with one
-scale and zero point. Policies see units batched as (N, T, D) and return bits per unit.
+scale and zero point. Policies see units batched as (N, T, D) on any device and return bits per
+unit; the data-dependent ones decide on the host (the same decisions whatever device the units
+came from).
 
 Error of asymmetric uniform quantization at b bits on a unit with value range r: the step is
 Delta = r / (2^b - 1); every element is off by at most Delta / 2 (hard bound), and for values
@@ -89,7 +91,7 @@ class SeedBimodalPolicy:
 
     def choose(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (N, T, D) units of one block each -> (k_bits (N,), v_bits (N,)) int64."""
-        split = peak_separation(k) > self.separation
+        split = peak_separation(k.cpu()) > self.separation
         kb = torch.where(split, 6, 5).long()
         vb = torch.where(split, 4, 5).long()
         return kb, vb
@@ -101,6 +103,7 @@ class ErrorBudgetPolicy:
     budget: float = 0.02
 
     def _one(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.cpu()
         chosen = torch.full((x.shape[0],), 8, dtype=torch.int64)
         done = torch.zeros(x.shape[0], dtype=torch.bool)
         for b in BITS[:-1]:
