@@ -9,7 +9,8 @@ Two-level bounds keep the bound read short at long context: super-blocks of `gro
 blocks carry the min of their blocks' kmin and the max of their kmax, so a super-block's bound is
 >= the bound of every block in it. `two_level_candidates` scores the super-blocks, keeps the best
 `n_super` per KV head and scores only their blocks: bytes read per step fall from NB to
-NB / group + n_super * group block bounds (1M tokens, 64-token blocks, group 16: 16,384 -> 1,584).
+NB / group + n_super * group block bounds (1M tokens, 64-token blocks, group 16, n_super 18:
+16,384 -> 1,312).
 It is a heuristic: a block outside the kept super-blocks is never a candidate, even if its own
 bound would have ranked it (keep n_super >= the blocks selected, which the runtime does).
 """
