@@ -44,7 +44,8 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
 
 
 def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] for src (R, W) pinned host or device, dst (S, W)."""
+    """dst[dst_rows[i]] = src[src_rows[i]]; src (R, W) and dst (S, W) on the device or in pinned host
+    memory (a device -> host copy writes the host rows over UVA)."""
     if src.stride(-1) != 1 or dst.stride(-1) != 1:
         raise ValueError("swap_in needs rows with unit stride in the last dim; pass .contiguous() tensors")
     src_w, dst_w = _as_words(src), _as_words(dst)
@@ -52,8 +53,9 @@ def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_ro
         src_w, dst_w = src.view(torch.uint8), dst.view(torch.uint8)
     m = src_rows.numel()
     w = src_w.shape[1]
-    src_rows = on_device(src_rows, dst.device)
-    dst_rows = on_device(dst_rows, dst.device)
+    dev = dst.device if dst.is_cuda or not src.is_cuda else src.device  # a device->host copy runs on src's GPU
+    src_rows = on_device(src_rows, dev)
+    dst_rows = on_device(dst_rows, dev)
     BLOCK_W = min(next_pow2(w), 1024)
     BLOCK_M = max(1, min(32, 2048 // BLOCK_W))
     _gather_rows_kernel[(triton.cdiv(m, BLOCK_M),)](

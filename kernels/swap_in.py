@@ -26,6 +26,8 @@ def _device_path(src: torch.Tensor, dst: torch.Tensor, *index: torch.Tensor) -> 
     """Triton only when the source is device memory or pinned host memory the GPU can read."""
     if dst.is_cuda and not src.is_cuda and not src.is_pinned():
         return False          # pageable host memory is not mapped for the GPU: copy through torch
+    if src.is_cuda and not dst.is_cuda and not dst.is_pinned():
+        return False
     return use_triton(src, dst, *index)
 
 
@@ -46,7 +48,8 @@ def reference_swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: t
 
 
 def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] in place. src (R, W) (pinned host on CUDA), dst (S, W)."""
+    """dst[dst_rows[i]] = src[src_rows[i]] in place. src (R, W), dst (S, W): on CUDA either may be
+    pinned host memory (host -> device: swap-in; device -> host: the batched decode's backup)."""
     check(src.dim() == 2 and dst.dim() == 2, f"src and dst must be 2-D (rows, W), got {tuple(src.shape)} and {tuple(dst.shape)}")
     check(src.shape[1] == dst.shape[1], f"row widths differ: src W={src.shape[1]}, dst W={dst.shape[1]}")
     check(src.dtype == dst.dtype, f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")

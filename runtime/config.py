@@ -41,6 +41,8 @@ class HiSparseConfig:
     bound_group: int = 16                # blocks per super-block: at long context selection scores
                                          # super-blocks first, then only the best ones' blocks
                                          # (1 = always score every block)
+    batch_decode: bool = True            # decode sequences of one length in consecutive rows as one
+                                         # batch (False: one by one, the reference path)
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand

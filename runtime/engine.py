@@ -36,11 +36,12 @@ from .audit import audit_hits
 from .block_pool import BlockPool
 from .config import HiSparseConfig
 from .host_pool import HostPool
-from .hot_buffer import HotBufferState
+from .hot_buffer import HotBufferBank
 from .metrics import DeviceCounters, Publisher, RuntimeStats
 from .page_table import PageTable, PoolExhausted, SequencePages
 from .probe import ImportanceProbe, probe_threshold
 from .recalibration import RecalibrationController, pick_anchors, score_tokens, training_set
+from .row_bank import RowBank, RowView
 from .selection import select
 
 _PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk (CPU: math kernel)
@@ -62,14 +63,8 @@ class _Seq:
     first: int
     tail: int
     n: list[int]
-    hot: list[HotBufferState]
-    kmin: list[torch.Tensor]
-    kmax: list[torch.Tensor]
-    smin: list[torch.Tensor | None]      # super-block bounds, built when two-level scoring first pays
-    smax: list[torch.Tensor | None]
-    anchors: list[torch.Tensor]
-    anchor_p: list[torch.Tensor]
-    queries: list[torch.Tensor]
+    hot: list            # per layer: HotBufferState, a view of the layer's HotBufferBank row
+    banks: list[RowBank]
     q_count: list[int]
     importance: torch.Tensor
     holes: torch.Tensor
@@ -77,6 +72,38 @@ class _Seq:
     bt_version: int = -1
     has_holes: bool = False  # host mirror of holes.any(): the decode path skips holes without a sync
     last_selection: dict[int, torch.Tensor] = field(default_factory=dict)
+    saved: list[dict[str, torch.Tensor]] | None = None  # the bank rows of a freed sequence (resume)
+
+    # per layer, views of this sequence's row in the layer's RowBank: key bounds per block
+    # (Hkv, NB, D), per super-block (Hkv, NS, D), anchors (Hkv, A) and their probabilities,
+    # recent queries (R, Hq, D)
+    @property
+    def kmin(self) -> RowView:
+        return RowView(self.banks, "kmin", self)
+
+    @property
+    def kmax(self) -> RowView:
+        return RowView(self.banks, "kmax", self)
+
+    @property
+    def smin(self) -> RowView:
+        return RowView(self.banks, "smin", self)
+
+    @property
+    def smax(self) -> RowView:
+        return RowView(self.banks, "smax", self)
+
+    @property
+    def anchors(self) -> RowView:
+        return RowView(self.banks, "anchors", self)
+
+    @property
+    def anchor_p(self) -> RowView:
+        return RowView(self.banks, "anchor_p", self)
+
+    @property
+    def queries(self) -> RowView:
+        return RowView(self.banks, "queries", self)
 
 
 def _normalize(device: torch.device | str) -> torch.device:
@@ -140,6 +167,7 @@ class HiSparseEngine:
         # can take (its budget, anchors that may overlap it, rank slack and prefetch)
         self.n_super = -(-(cfg.top_k - cfg.window_size + cfg.global_tokens) // self.bs) + 2 + cfg.prefetch_blocks
         self.two_level_scores = 0        # decode selections scored through super-blocks
+        self.batched_decodes = 0         # (layer, batch) decode attends that ran as one batch
         self.scale = head_dim ** -0.5
         self.pool = BlockPool(0, grace_s=cfg.recycle_grace_s)
         self.pages = PageTable(self.pool, self.bs)
@@ -151,9 +179,14 @@ class HiSparseEngine:
             self.host.grow(blocks=cfg.host_pool_blocks)
         self.k_hot = [torch.zeros(0, num_kv_heads, self.S, head_dim, dtype=self.dtype, device=d) for d in ld]
         self.v_hot = [t.clone() for t in self.k_hot]
+        # per-row metadata and LRU state of each layer, in banks (a batch of rows is one slice)
+        self.banks = [self._new_bank(d) for d in ld]
+        self.hot_banks = [HotBufferBank(num_kv_heads, self.S, d, max_tokens=cfg.max_seq_len) for d in ld]
         self._free_rows: list[int] = []
         self._free_tails: list[int] = []
-        self.probes = [ImportanceProbe(head_dim, seed=cfg.seed + i) for i in range(num_layers)]
+        # each layer's probe lives on its layer's device (decode scores new keys where they are)
+        self.probes = [ImportanceProbe(head_dim, seed=cfg.seed + i).to(ld[i]) for i in range(num_layers)]
+        self._batch_cache: dict = {}    # per batch of sequences: block tables, tails, firsts
         self.seqs: dict[int, _Seq] = {}
         self._removed: dict[int, tuple[float, _Seq, SequencePages]] = {}
         self._next_id = 0
@@ -201,8 +234,23 @@ class HiSparseEngine:
         self._publish()
         return ids
 
+    def _new_bank(self, device: torch.device) -> RowBank:
+        H, D, A, inf = self.Hkv, self.D, self.cfg.global_tokens, float("inf")
+        b = RowBank(device)
+        for name, fill in (("kmin", inf), ("kmax", -inf), ("smin", inf), ("smax", -inf)):
+            b.add(name, (H, 0, D), self.dtype, fill)
+        b.add("anchors", (H, A), torch.int64, -1)
+        b.add("anchor_p", (H, A), torch.float32, -1.0)
+        b.add("queries", (self.cfg.recalibrate_queries, self.Hq, D), torch.float32, 0.0)
+        return b
+
+    def _reset_row(self, row: int) -> None:
+        for layer in range(self.L):
+            self.banks[layer].reset(row)
+            self.hot_banks[layer].reset(row)
+
     def _new_seq(self, sid: int, row: int, pad: int) -> _Seq:
-        A, ld, meta = self.cfg.global_tokens, self.layer_devices, self.meta_device
+        meta = self.meta_device
         tail = -1
         if self.host.quantized:
             if not self._free_tails:
@@ -210,15 +258,10 @@ class HiSparseEngine:
                 self.host.grow(tails=max(4, 2 * n))
                 self._free_tails.extend(range(n, self.host.num_tail))
             tail = self._free_tails.pop(0)
+        self._reset_row(row)
         return _Seq(
             seq_id=sid, row=row, first=pad, tail=tail, n=[0] * self.L,
-            hot=[HotBufferState(self.Hkv, self.S, d) for d in ld],
-            kmin=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=d) for d in ld],
-            kmax=[torch.empty(self.Hkv, 0, self.D, dtype=self.dtype, device=d) for d in ld],
-            smin=[None] * self.L, smax=[None] * self.L,
-            anchors=[torch.full((self.Hkv, A), -1, dtype=torch.int64, device=d) for d in ld],
-            anchor_p=[torch.full((self.Hkv, A), -1.0, device=d) for d in ld],
-            queries=[torch.zeros(self.cfg.recalibrate_queries, self.Hq, self.D, device=d) for d in ld],
+            hot=[hb.rows(row) for hb in self.hot_banks], banks=self.banks,
             q_count=[0] * self.L,
             importance=torch.zeros(0, device=meta), holes=torch.zeros(0, dtype=torch.bool, device=meta))
 
@@ -236,8 +279,49 @@ class HiSparseEngine:
                 new = torch.zeros(cap, self.Hkv, self.S, self.D, dtype=self.dtype, device=self.layer_devices[layer])
                 new[:start] = bufs[layer]
                 bufs[layer] = new
+            self.banks[layer].grow_rows(cap)
+            self.hot_banks[layer].grow_rows(cap)
         self._free_rows.extend(range(start + n, cap))
         return list(range(start, start + n))
+
+    def fork_sequences(self, seq_id: int, copies: int) -> list[int]:
+        """``copies`` new sequences that continue from ``seq_id`` as it is now (n samples of one
+        prompt: transformers' ``batch_repeat_interleave``). Each gets its own copy of the host
+        blocks, key bounds, anchors, recent queries and hot buffer, in consecutive rows (so the
+        source and its copies decode as one batch when they are consecutive too). Returns their ids.
+        """
+        src = self._seq(seq_id)
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1, got {copies}")
+        if src.has_holes:
+            raise ValueError(f"sequence {seq_id} lost blocks to streaming eviction; it cannot be forked")
+        if len(set(src.n)) != 1:
+            raise ValueError(f"sequence {seq_id} is in the middle of a step (its layers hold {sorted(set(src.n))} "
+                             "tokens): fork between forward passes")
+        pages = self.pages.seqs[seq_id]
+        ids = []
+        for row in self._take_rows(copies):
+            sid = self._next_id
+            self._next_id += 1
+            self.pages.add_sequence(sid)
+            s = self._new_seq(sid, row, src.first)
+            self.seqs[sid] = s
+            ids.append(sid)
+            blocks = self._allocate(s, len(pages.blocks)) if pages.blocks else []
+            self.pages.extend(sid, pages.num_tokens, blocks)
+            self.host.copy_blocks([b.block_id for b in pages.blocks], [b.block_id for b in blocks])
+            if src.tail >= 0:
+                self.host.copy_tail(src.tail, s.tail)
+            s.n, s.q_count = list(src.n), list(src.q_count)
+            self._grow_seq_meta(s, src.importance.shape[0])
+            s.importance.copy_(src.importance)
+            for layer in range(self.L):
+                self.banks[layer].copy_row(src.row, row)
+                self.hot_banks[layer].copy_row(src.row, row)
+                self.k_hot[layer][row].copy_(self.k_hot[layer][src.row])
+                self.v_hot[layer][row].copy_(self.v_hot[layer][src.row])
+        self._publish()
+        return ids
 
     def seq_len(self, seq_id: int) -> int:
         """Tokens held for a sequence (including its left padding)."""
@@ -258,6 +342,7 @@ class HiSparseEngine:
             del self.seqs[sid]
             pages = self.pages.remove(sid)
             self._free_rows.append(s.row)
+            s.saved = [b.save(s.row) for b in self.banks]  # the row goes back; metadata is kept
             s.hot = []  # device slots go back with the row; a resumed sequence starts cold
             self._removed[sid] = (now, s, pages)
             for layer in range(self.L):
@@ -279,7 +364,14 @@ class HiSparseEngine:
             self._release_tail(s)
             return False
         s.row = self._take_rows(1)[0]
-        s.hot = [HotBufferState(self.Hkv, self.S, d, token_capacity=max(s.n)) for d in self.layer_devices]
+        self._reset_row(s.row)
+        for layer in range(self.L):
+            self._grow_bounds(layer, -(-max(s.n) // self.bs))
+            self.banks[layer].load(s.row, s.saved[layer])
+        s.saved = None
+        s.hot = [hb.rows(s.row) for hb in self.hot_banks]
+        for hb in s.hot:
+            hb.ensure_tokens(max(s.n))
         s.bt_version = -1
         self.seqs[seq_id] = s
         self._publish()
@@ -366,14 +458,7 @@ class HiSparseEngine:
         """Per-block key min/max of new tokens k (Hkv, T, D) starting at position p0."""
         T, bs = k.shape[1], self.bs
         nb = -(-(p0 + T) // bs)
-        cap = s.kmin[layer].shape[1]
-        if nb > cap:
-            new = max(nb, 2 * cap, 8)
-            for arr, fill in ((s.kmin, float("inf")), (s.kmax, float("-inf"))):
-                t = torch.full((self.Hkv, new, self.D), fill, dtype=self.dtype, device=self.layer_devices[layer])
-                t[:, :cap] = arr[layer]
-                arr[layer] = t
-            s.smin[layer] = s.smax[layer] = None     # rebuilt from the grown arrays when needed
+        self._grow_bounds(layer, nb)
         r = (-p0) % bs
         r = min(r, T)
         if r:
@@ -386,13 +471,28 @@ class HiSparseEngine:
             b0 = (p0 + r) // bs
             s.kmin[layer][:, b0:b0 + lo.shape[1]] = lo
             s.kmax[layer][:, b0:b0 + hi.shape[1]] = hi
-        if s.smin[layer] is not None:
-            # the super-blocks holding the changed blocks, refolded from their blocks' bounds
-            g = self.cfg.bound_group
-            sb0, sb1 = (p0 // bs) // g, (nb - 1) // g + 1
-            lo, hi = superblock_bounds(s.kmin[layer][:, sb0 * g:sb1 * g], s.kmax[layer][:, sb0 * g:sb1 * g], g)
-            s.smin[layer][:, sb0:sb1] = lo
-            s.smax[layer][:, sb0:sb1] = hi
+        # the super-blocks holding the changed blocks, refolded from their blocks' bounds
+        g = self.cfg.bound_group
+        sb0, sb1 = (p0 // bs) // g, (nb - 1) // g + 1
+        lo, hi = superblock_bounds(s.kmin[layer][:, sb0 * g:sb1 * g], s.kmax[layer][:, sb0 * g:sb1 * g], g)
+        s.smin[layer][:, sb0:sb1] = lo
+        s.smax[layer][:, sb0:sb1] = hi
+
+    def _grow_bounds(self, layer: int, nb: int) -> None:
+        """Room for nb blocks of bounds (and their super-blocks) in every row of the layer."""
+        bank = self.banks[layer]
+        cap = bank.size("kmin", 1)
+        if nb <= cap:
+            return
+        new = max(nb, 2 * cap, 8)
+        limit = -(-self.cfg.max_seq_len // self.bs)
+        new = max(nb, min(new, limit))
+        g = self.cfg.bound_group
+        ns = -(-new // g)
+        for name in ("kmin", "kmax"):
+            bank.grow(name, 1, ns * g)   # whole super-blocks, so a fold never reads past the end
+        for name in ("smin", "smax"):
+            bank.grow(name, 1, ns)
 
     def _scores(self, s: _Seq, layer: int, q: torch.Tensor, n: int) -> torch.Tensor:
         """Quest bounds (Hkv, nb) of the blocks of n tokens for q (Hkv, G, D). At long context only
@@ -403,8 +503,6 @@ class HiSparseEngine:
         g = self.cfg.bound_group
         if not two_level_pays(nb, g, self.n_super):
             return block_scores(q, kmin, kmax)
-        if s.smin[layer] is None:
-            s.smin[layer], s.smax[layer] = superblock_bounds(s.kmin[layer], s.kmax[layer], g)
         ns = -(-nb // g)
         w0 = max(s.first, n - self.cfg.window_size)      # select's candidates start before w0
         blocks, sc = two_level_candidates(q, kmin, kmax, s.smin[layer][:, :ns], s.smax[layer][:, :ns], g,
@@ -433,6 +531,11 @@ class HiSparseEngine:
 
     def _append(self, layer: int, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         T, dev = k.shape[2], self.layer_devices[layer]
+        if T == 1:
+            seqs = [self._seq(sid) for sid in seq_ids]
+            if self._batchable(layer, seqs):
+                self._append_batch(layer, seqs, k.to(dev, self.dtype), v.to(dev, self.dtype))
+                return
         for b, sid in enumerate(seq_ids):
             s = self._seq(sid)
             p0 = s.n[layer]
@@ -446,13 +549,8 @@ class HiSparseEngine:
                 self.pages.extend(sid, n - have, self._allocate(s, need) if need else [])
                 self._grow_seq_meta(s, -(-n // self.bs))
             kb, vb = k[b].to(dev, self.dtype), v[b].to(dev, self.dtype)
-            nbytes, events = self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0, kb, vb)
+            self._count_write(*self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0, kb, vb))
             st = self._stats
-            st.backup_bytes += nbytes
-            for bits, c in events.counts.items():
-                st.quant_blocks[bits] += c
-            for e in events.errors:
-                st.quant_error.observe(e)
             self._update_bounds(s, layer, p0, kb)
             slots = s.hot[layer].insert(torch.arange(p0, n, device=dev), end=n)
             Tn = slots.shape[1]
@@ -471,12 +569,173 @@ class HiSparseEngine:
                     st.tokens_decode += T
                 self.recal.on_tokens(T)
 
+    def _count_write(self, nbytes: int, events) -> None:
+        st = self._stats
+        st.backup_bytes += nbytes
+        for bits, c in events.counts.items():
+            st.quant_blocks[bits] += c
+        for e in events.errors:
+            st.quant_error.observe(e)
+
+    # -- batched decode ------------------------------------------------------------------------
+    def _batchable(self, layer: int, seqs: list[_Seq], attend: bool = False) -> bool:
+        """Whether this step of these sequences runs as one batch at ``layer``: consecutive rows,
+        one length, no holes; to attend, every context is longer than top_k with its window after
+        the left padding. Otherwise (and with batch_decode=False) sequences go one by one."""
+        cfg = self.cfg
+        if not cfg.batch_decode or cfg.streaming:
+            return False
+        r0, n = seqs[0].row, seqs[0].n[layer]
+        for i, s in enumerate(seqs):
+            if s.row != r0 + i or s.n[layer] != n or s.has_holes:
+                return False
+            if attend and (n - cfg.window_size < s.first or n - s.first <= cfg.top_k):
+                return False
+        return True
+
+    def _batch_meta(self, seqs: list[_Seq], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block tables (B, NB), tail slots (B,), first positions (B,)) on ``device``, rebuilt
+        only when a sequence's page table changed (once per block_size tokens)."""
+        key = (device, tuple(s.seq_id for s in seqs))
+        versions = tuple(self.pages.seqs[s.seq_id].version for s in seqs)
+        hit = self._batch_cache.get(key)
+        if hit is not None and hit[0] == versions:
+            return hit[1]
+        ids = [self.pages.block_ids(s.seq_id) for s in seqs]
+        w = max(len(x) for x in ids)
+        meta = (torch.tensor([x + [-1] * (w - len(x)) for x in ids], dtype=torch.int64).to(device),
+                torch.tensor([s.tail for s in seqs], dtype=torch.int64).to(device),
+                torch.tensor([s.first for s in seqs], dtype=torch.int64).to(device))
+        if len(self._batch_cache) > 16:
+            self._batch_cache.clear()
+        self._batch_cache[key] = (versions, meta)
+        return meta
+
+    def _append_batch(self, layer: int, seqs: list[_Seq], k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token for each of B sequences of one length in consecutive rows, k, v
+        (B, Hkv, 1, D) on the layer's device: backed up, bounded, made hot, scored as an
+        anchor, with one set of kernels for the batch (no host sync but every block_size steps)."""
+        cfg, bs, H, D, dev = self.cfg, self.bs, self.Hkv, self.D, self.layer_devices[layer]
+        B, r0, p0 = len(seqs), seqs[0].row, seqs[0].n[layer]
+        n = p0 + 1
+        if n > cfg.max_seq_len:
+            raise ValueError(f"sequence {seqs[0].seq_id} would hold {n} tokens, more than max_seq_len="
+                             f"{cfg.max_seq_len}; raise max_seq_len")
+        for s in seqs:
+            have = self.pages.num_tokens(s.seq_id)
+            if n > have:
+                need = self.pages.blocks_needed(s.seq_id, n - have)
+                self.pages.extend(s.seq_id, n - have, self._allocate(s, need) if need else [])
+                self._grow_seq_meta(s, -(-n // bs))
+        kf, vf = k[:, :, 0], v[:, :, 0]                                        # (B, H, D)
+        heads = self._head_base[layer][:, 0] // self.S                         # (H,) 0..H-1
+        if not self.host.quantized or n % bs:
+            tables, tails, _ = self._batch_meta(seqs, dev)
+            where = tails if self.host.quantized else tables[:, p0 // bs]      # tail slot or block
+            rows = ((where[:, None] * H + heads) * bs + p0 % bs).reshape(-1)
+            self._stats.backup_bytes += self.host.backup_rows(layer, rows, kf.reshape(-1, D), vf.reshape(-1, D),
+                                                              tail=self.host.quantized)
+        else:  # the token fills its block: quantize it (once per block_size steps)
+            for b, s in enumerate(seqs):
+                self._count_write(*self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0,
+                                                   k[b], v[b]))
+        # key bounds of the token's block and super-block (a fold with one more key)
+        self._grow_bounds(layer, -(-n // bs))
+        bank, r = self.banks[layer], slice(r0, r0 + B)
+        blk, sb = p0 // bs, p0 // bs // cfg.bound_group
+        for name, i, op in (("kmin", blk, torch.minimum), ("kmax", blk, torch.maximum),
+                            ("smin", sb, torch.minimum), ("smax", sb, torch.maximum)):
+            t = bank.t[name][r, :, i]                                          # (B, H, D) view
+            t.copy_(op(t, kf))
+        # hot: the token takes each head's LRU slot
+        hot = self.hot_banks[layer]
+        hot.ensure_tokens(n)
+        victims = hot.rows(r0, B).insert(torch.arange(p0, n, device=dev), end=n)   # (B*H, 1)
+        flat = torch.arange(r0 * H, (r0 + B) * H, device=dev) * self.S + victims[:, 0]
+        self.k_hot[layer].view(-1, D).index_copy_(0, flat, kf.reshape(-1, D))
+        self.v_hot[layer].view(-1, D).index_copy_(0, flat, vf.reshape(-1, D))
+        # anchors: the token replaces the weakest anchor when the probe scores it higher
+        A = cfg.global_tokens
+        if A and self.probes[layer].fitted:
+            thr = probe_threshold(n, cfg.threshold_base, cfg.threshold_min, cfg.threshold_max)
+            p = self.probes[layer].predict(kf)                                 # (B, H)
+            p = torch.where(p > thr, p, -1.0)[..., None]
+            ap, an = bank.t["anchor_p"][r], bank.t["anchors"][r]              # (B, H, A)
+            top_p, i = torch.cat([ap, p], 2).topk(A, dim=2)
+            pos = torch.cat([an, torch.full_like(an[..., :1], p0)], 2).gather(2, i)
+            an.copy_(torch.where(top_p >= 0, pos, -1))
+            ap.copy_(top_p)
+        for b, s in enumerate(seqs):
+            s.n[layer] = n
+            self._last_kv[layer][s.seq_id] = (k[b], v[b])
+        if layer == 0:
+            self._stats.tokens_decode += B
+            self.recal.on_tokens(B)
+
+    def _attend_batch(self, layer: int, seqs: list[_Seq], q: torch.Tensor) -> torch.Tensor:
+        """Sparse decode attention of B sequences of one length in consecutive rows, q (B, Hq, D):
+        bounds, selection, lookup, prefetch, swap-in and attention each once for the batch."""
+        cfg, bs, H, G, D, dev = self.cfg, self.bs, self.Hkv, self.G, self.D, self.layer_devices[layer]
+        B, r0, n = len(seqs), seqs[0].row, seqs[0].n[layer]
+        nb, w0, g = -(-n // bs), n - cfg.window_size, cfg.bound_group
+        bank, r = self.banks[layer], slice(r0, r0 + B)
+        qh = q.view(B, H, G, D)
+        kmin, kmax = bank.t["kmin"][r, :, :nb], bank.t["kmax"][r, :, :nb]
+        if two_level_pays(nb, g, self.n_super):
+            ns = -(-nb // g)
+            blocks, sc = two_level_candidates(qh, kmin, kmax, bank.t["smin"][r, :, :ns], bank.t["smax"][r, :, :ns],
+                                              g, self.n_super, limit=-(-w0 // bs))
+            self.two_level_scores += B
+            full = torch.full((B, H, nb + 1), float("-inf"), device=sc.device)
+            scores = full.scatter_(2, blocks + 1, sc)[..., 1:]
+        else:
+            scores = block_scores(qh, kmin, kmax)
+        tables, tails, firsts = self._batch_meta(seqs, dev)
+        first = [s.first for s in seqs]
+        sel = select(scores.reshape(B * H, nb), n, firsts.repeat_interleave(H), cfg.window_size, cfg.top_k, bs,
+                     bank.t["anchors"][r].reshape(B * H, -1), None, cfg.prefetch_blocks,
+                     first_range=(min(first), max(first)))
+        for b, s in enumerate(seqs):
+            s.last_selection[layer] = sel.tokens[b * H:(b + 1) * H]
+        state = self.hot_banks[layer].rows(r0, B)
+        look = state.lookup(sel.tokens)
+        used = (sel.tokens >= 0).sum(1)
+        pf_h, pf_t, pf_s = state.prefetch(sel.prefetch, self.S - used)
+        self._stats.prefetch_issued += int(pf_t.numel())
+        hh = torch.cat([look.miss_head, pf_h])
+        toks = torch.cat([look.miss_token, pf_t])
+        if toks.numel():
+            # rows of the batch's heads: head hh is KV head hh % H of sequence hh // H
+            sb, h = hh // H, hh % H
+            dst = (r0 * H + hh) * self.S + torch.cat([look.miss_slot, pf_s])
+            dk, dv = self.k_hot[layer].view(-1, D), self.v_hot[layer].view(-1, D)
+            if self.host.quantized:
+                full_blocks = self.pages.num_tokens(seqs[0].seq_id) // bs
+                in_tail = toks // bs >= full_blocks
+                t, m = in_tail.nonzero().squeeze(1), (~in_tail).nonzero().squeeze(1)
+                src = (tables[sb[m], toks[m] // bs].clamp_min(0) * H + h[m]) * bs + toks[m] % bs
+                src_t = (tails[sb[t]] * H + h[t]) * bs + toks[t] % bs
+                nbytes = self.host.load(layer, src, src_t, dk, dv, dst[m], dst[t])
+            else:
+                src = (tables[sb, toks // bs].clamp_min(0) * H + h) * bs + toks % bs
+                empty = toks[:0]
+                nbytes = self.host.load(layer, src, empty, dk, dv, dst, empty)
+            self._stats.swap_in_bytes += nbytes
+        self._dev[layer].add(look.lookups, look.hits, look.prefetch_used, used.sum(), sel.loaded)
+        # recent queries (recalibration re-scores anchors with them): shift this step's in
+        qb = bank.t["queries"][r]
+        qb.copy_(torch.cat([qb[:, 1:], q[:, None].float()], 1))
+        R = cfg.recalibrate_queries
+        for s in seqs:
+            s.q_count[layer] = min(R, s.q_count[layer] + 1)
+        return sparse_decode_attention(q.to(self.dtype), self.k_hot[layer][r], self.v_hot[layer][r],
+                                       look.slots.view(B, H, -1), self.scale).to(q.dtype)
+
     def _pin_anchors(self, s: _Seq, layer: int, p0: int, k: torch.Tensor, n: int) -> None:
         """Tokens the probe scores above the threshold become anchors (the top global_tokens stay)."""
         A = self.cfg.global_tokens
         if A == 0 or not self.probes[layer].fitted:
             return
-        # the probe lives on the CPU; its scores join device tensors below
         p = self.probes[layer].predict(k).to(k.device)                       # (Hkv, T)
         thr = probe_threshold(n, self.cfg.threshold_base, self.cfg.threshold_min, self.cfg.threshold_max)
         pos = torch.arange(p0, p0 + k.shape[1], device=k.device)[None].expand(self.Hkv, -1)
@@ -574,6 +833,19 @@ class HiSparseEngine:
 
     def _attend_decode(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, D) -> (B, Hq, D) over each sequence's selected hot-buffer slots."""
+        seqs = [self.seqs[sid] for sid in seq_ids]
+        if self._batchable(layer, seqs, attend=True):
+            out = self._attend_batch(layer, seqs, q)
+            self.batched_decodes += 1
+        else:
+            out = self._attend_each(layer, seq_ids, q)
+        self._step_decoded = True
+        if self._audit_at is not None and self._audit_at[0] == layer:
+            self._audit(layer, seq_ids, q)
+        return out
+
+    def _attend_each(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> torch.Tensor:
+        """The decode step one sequence at a time (any lengths, padding, holes, row order)."""
         cfg, bs, H, dev = self.cfg, self.bs, self.Hkv, self.layer_devices[layer]
         src_rows, src_tail, dst_rows, dst_tail = [], [], [], []
         slot_lists = []
@@ -611,11 +883,7 @@ class HiSparseEngine:
         else:
             ridx = torch.tensor(rows, device=dev)
             kb, vb = self.k_hot[layer][ridx], self.v_hot[layer][ridx]
-        out = sparse_decode_attention(q.to(self.dtype), kb, vb, slots, self.scale).to(q.dtype)
-        self._step_decoded = True
-        if self._audit_at is not None and self._audit_at[0] == layer:
-            self._audit(layer, seq_ids, q)
-        return out
+        return sparse_decode_attention(q.to(self.dtype), kb, vb, slots, self.scale).to(q.dtype)
 
     def _plan_copy(self, s: _Seq, heads, toks, slots, src_rows, src_tail, dst_rows, dst_tail) -> None:
         """Host rows of tokens to load and their flat hot-buffer rows (row, head, slot).
@@ -781,11 +1049,10 @@ class HiSparseEngine:
         """Bytes held by tier ('device'/'host') and kind ('data'/'metadata')."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         dev_data = sum(nbytes(t) for t in self.k_hot + self.v_hot)
-        dev_meta = host_meta = 0
+        # banks are allocated for every row (live or free), each sized by its longest sequence
+        dev_meta = sum(b.memory_bytes() for b in self.banks) + sum(b.memory_bytes() for b in self.hot_banks)
+        host_meta = 0
         for s in self.seqs.values():
-            dev_meta += sum(hb.memory_bytes() for hb in s.hot)
-            dev_meta += sum(nbytes(t) for t in s.kmin + s.kmax + s.anchors + s.anchor_p + s.queries)
-            dev_meta += sum(nbytes(t) for t in s.smin + s.smax if t is not None)
             pt = 8 * len(self.pages.seqs[s.seq_id].blocks) + nbytes(s.importance) + nbytes(s.holes)
             if self.meta_device.type == "cpu":
                 host_meta += pt

@@ -38,6 +38,9 @@ class HostPool:
         self.dtype, self.pin = dtype, pin
         self.policy = make_policy(host_kv_bits, error_budget)
         self.quantized = self.policy is not None
+        # one width for every unit: loads need not read the units' bits back first
+        self.fixed_bits = int(host_kv_bits) if self.quantized and host_kv_bits not in ("auto", "budget") else None
+        self._device_wrote = False  # a GPU kernel wrote pinned rows: sync before the CPU reads them
         self.P = packed_width(head_dim, max_bits(host_kv_bits)) if self.quantized else 0
         self.num_blocks = 0
         self.num_tail = 0
@@ -106,6 +109,7 @@ class HostPool:
         T = k.shape[1]
         heads = torch.arange(H)[:, None]
         events = QuantEvents()
+        self._host_visible()
         if not self.quantized:
             k, v = k.to("cpu", self.dtype), v.to("cpu", self.dtype)
             pos = torch.arange(start, start + T)[None]
@@ -160,6 +164,61 @@ class HostPool:
             written += packed.numel() + 8 * len(u)
         return written
 
+    def _host_visible(self) -> None:
+        """Wait for device writes into the pinned pool before the CPU reads or rewrites rows."""
+        if self._device_wrote:
+            torch.cuda.synchronize()
+            self._device_wrote = False
+
+    def backup_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    tail: bool = False) -> int:
+        """Write new tokens' rows from where they are: k, v (M, D), rows (M,) of the main pool
+        (unquantized) or of the tail blocks (``tail``: quantized pools, tokens of unfilled blocks).
+
+        On a GPU the kernel writes the pinned rows over UVA, in stream order (no host sync); the
+        CPU waits for it only before it next reads the pool itself. Returns bytes written.
+        """
+        store = self.layers[layer]
+        names = ("k_tail", "v_tail") if tail else ("k", "v")
+        if tail != self.quantized:
+            raise ValueError("bug: tail rows are for quantized pools, main rows for unquantized ones")
+        idx = torch.arange(rows.numel(), device=k.device)
+        for name, x in zip(names, (k, v)):
+            swap_in(x.to(self.dtype), idx, store[name], rows)
+        if k.is_cuda and self.pin:
+            self._device_wrote = True
+        return 2 * k.numel() * store[names[0]].element_size()
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks (every layer, head and token; packed rows with their scale, zero and
+        bits) from physical blocks ``src`` to ``dst`` (a forked sequence's own copy)."""
+        if not src:
+            return
+        self._host_visible()
+        H, bs = self.H, self.bs
+        s, d = torch.tensor(src), torch.tensor(dst)
+        units_s = (s[:, None] * H + torch.arange(H)).reshape(-1)
+        units_d = (d[:, None] * H + torch.arange(H)).reshape(-1)
+        rows_s = (units_s[:, None] * bs + torch.arange(bs)).reshape(-1)
+        rows_d = (units_d[:, None] * bs + torch.arange(bs)).reshape(-1)
+        for store in self.layers:
+            for name, t in store.items():
+                if name.endswith("_tail"):
+                    continue
+                per_unit = name.endswith(("scale", "zero", "bits"))
+                i, o = (units_s, units_d) if per_unit else (rows_s, rows_d)
+                t.index_copy_(0, o, t.index_select(0, i))
+
+    def copy_tail(self, src: int, dst: int) -> None:
+        """Copy the float tail block of tail slot ``src`` to slot ``dst`` (quantized pools)."""
+        if not self.quantized:
+            return
+        self._host_visible()
+        n = self.H * self.bs
+        for store in self.layers:
+            for name in ("k_tail", "v_tail"):
+                store[name][dst * n:(dst + 1) * n] = store[name][src * n:(src + 1) * n]
+
     # -- reads (swap-in, audit, recalibration) -------------------------------------------------
     def load(self, layer: int, rows: torch.Tensor, tail_rows: torch.Tensor, dst_k: torch.Tensor,
              dst_v: torch.Tensor, dst_rows: torch.Tensor, dst_tail_rows: torch.Tensor) -> int:
@@ -174,19 +233,26 @@ class HostPool:
             return 2 * rows.numel() * self.D * store["k"].element_size()
         nbytes = 0
         if tail_rows.numel():
-            tail_rows = tail_rows.cpu()  # tail blocks are small and host-only
+            if not store["k_tail"].is_pinned():
+                tail_rows = tail_rows.cpu()  # pageable tail blocks are copied by torch on the host
             swap_in(store["k_tail"], tail_rows, dst_k, dst_tail_rows)
             swap_in(store["v_tail"], tail_rows, dst_v, dst_tail_rows)
             nbytes += 2 * tail_rows.numel() * self.D * store["k_tail"].element_size()
         if rows.numel():
             for prefix, dst in (("k", dst_k), ("v", dst_v)):
-                row_bits = store[f"{prefix}_bits"][(rows // self.bs).cpu()]
-                for b in row_bits.unique().tolist():
-                    sel = (row_bits == b).nonzero().squeeze(1).to(rows.device)
+                if self.fixed_bits is not None:   # every unit at one width: no read-back of bits
+                    groups = [(self.fixed_bits, rows, dst_rows)]
+                else:
+                    row_bits = store[f"{prefix}_bits"][(rows // self.bs).cpu()]
+                    groups = []
+                    for b in row_bits.unique().tolist():
+                        sel = (row_bits == b).nonzero().squeeze(1).to(rows.device)
+                        groups.append((b, rows[sel], dst_rows[sel.to(dst_rows.device)]))
+                for b, r, d in groups:
                     P = packed_width(self.D, b)
                     swap_in_dequant(store[f"{prefix}_packed"][:, :P], store[f"{prefix}_scale"],
-                                    store[f"{prefix}_zero"], b, self.bs, rows[sel], dst, dst_rows[sel])
-                    nbytes += sel.numel() * P + 8 * sel.numel()
+                                    store[f"{prefix}_zero"], b, self.bs, r, dst, d)
+                    nbytes += r.numel() * P + 8 * r.numel()
         return nbytes
 
     def read(self, layer: int, block_table: torch.Tensor, tail_slot: int, full_blocks: int,
@@ -199,6 +265,8 @@ class HostPool:
         in the tail). Used by prefill attention, the audit and recalibration. On a CUDA device
         the rows are gathered by the GPU straight from the pinned pool (no host-side gather).
         """
+        if device is None or torch.device(device).type == "cpu":
+            self._host_visible()
         heads, pos = torch.broadcast_tensors(heads, pos)
         shape = pos.shape
         heads, pos = heads.reshape(-1), pos.reshape(-1)

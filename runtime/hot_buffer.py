@@ -38,27 +38,121 @@ class Lookup:
     prefetch_used: torch.Tensor
 
 
-class HotBufferState:
+class HotBufferBank:
+    """The LRU state of every engine row at one layer: (rows x H) heads of S slots.
+
+    Each sequence's :class:`HotBufferState` is a view of its row's H heads, so a batch of
+    sequences in consecutive rows is one state of B x H heads (:meth:`rows`) that a decode step
+    looks up with one set of kernels. Stamps come from one clock per bank (unique per head).
+    """
+
     def __init__(self, num_heads: int, num_slots: int, device: torch.device | str = "cpu",
-                 token_capacity: int = 0) -> None:
+                 rows: int = 0, token_capacity: int = 0, max_tokens: int | None = None) -> None:
         self.H, self.S, self.device = num_heads, num_slots, torch.device(device)
-        self.slot_token = torch.full((num_heads, num_slots), -1, dtype=torch.int64, device=self.device)
-        # empty slots are the oldest, lowest index first
-        self.slot_stamp = (torch.arange(num_slots, device=self.device) - num_slots).repeat(num_heads, 1)
-        self.prefetched = torch.zeros(num_heads, num_slots, dtype=torch.bool, device=self.device)
-        self.token_slot = torch.full((num_heads, 0), -1, dtype=torch.int64, device=self.device)
+        self.max_tokens = max_tokens
         self.clock = 0
-        self._heads = torch.arange(num_heads, device=self.device)
+        self.num_rows = 0
+        self.slot_token = torch.empty(0, num_slots, dtype=torch.int64, device=self.device)
+        self.slot_stamp = torch.empty(0, num_slots, dtype=torch.int64, device=self.device)
+        self.prefetched = torch.empty(0, num_slots, dtype=torch.bool, device=self.device)
+        self.token_slot = torch.empty(0, 0, dtype=torch.int64, device=self.device)
+        self.grow_rows(rows)
         self.ensure_tokens(token_capacity)
 
+    def grow_rows(self, rows: int) -> None:
+        """Hold at least ``rows`` rows (new rows start empty); contents kept."""
+        if rows <= self.num_rows:
+            return
+        n0, n1 = self.num_rows * self.H, rows * self.H
+        def grown(t: torch.Tensor, width: int, fill) -> torch.Tensor:
+            new = torch.full((n1, width), fill, dtype=t.dtype, device=self.device)
+            new[:n0] = t
+            return new
+        self.slot_token = grown(self.slot_token, self.S, -1)
+        self.slot_stamp = grown(self.slot_stamp, self.S, 0)
+        self.prefetched = grown(self.prefetched, self.S, False)
+        self.token_slot = grown(self.token_slot, self.token_slot.shape[1], -1)
+        self.num_rows = rows
+        for r in range(n0 // self.H, rows):
+            self.reset(r)
+
+    def reset(self, row: int) -> None:
+        """Empty one row (a new sequence takes it): no tokens, empty slots oldest, lowest first."""
+        h = slice(row * self.H, (row + 1) * self.H)
+        self.slot_token[h] = -1
+        self.slot_stamp[h] = torch.arange(self.S, device=self.device) - self.S
+        self.prefetched[h] = False
+        self.token_slot[h] = -1
+
     def ensure_tokens(self, n: int) -> None:
-        """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
+        """Make the token -> slot map cover positions [0, n) in every row (grows by doubling,
+        up to max_tokens)."""
         cap = self.token_slot.shape[1]
         if n <= cap:
             return
-        new = torch.full((self.H, max(n, 2 * cap, 64)), -1, dtype=torch.int64, device=self.device)
+        width = max(n, 2 * cap, 64)
+        if self.max_tokens is not None:
+            width = max(n, min(width, self.max_tokens))
+        new = torch.full((self.token_slot.shape[0], width), -1, dtype=torch.int64, device=self.device)
         new[:, :cap] = self.token_slot
         self.token_slot = new
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst takes row src's LRU state (a forked sequence; the caller copies the K/V)."""
+        s, d = slice(src * self.H, (src + 1) * self.H), slice(dst * self.H, (dst + 1) * self.H)
+        for t in (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot):
+            t[d] = t[s]
+
+    def rows(self, row: int, count: int = 1) -> "HotBufferState":
+        """The state of rows [row, row + count) as one HotBufferState of count x H heads."""
+        return HotBufferState(count * self.H, self.S, self.device, bank=self, head0=row * self.H)
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot))
+
+
+class HotBufferState:
+    """The LRU state of H heads: a view of a :class:`HotBufferBank` (its own one by default)."""
+
+    def __init__(self, num_heads: int, num_slots: int, device: torch.device | str = "cpu",
+                 token_capacity: int = 0, *, bank: HotBufferBank | None = None, head0: int = 0) -> None:
+        if bank is None:
+            bank = HotBufferBank(num_heads, num_slots, device, rows=1)
+            head0 = 0
+        self._bank, self._h0 = bank, head0
+        self.H, self.S, self.device = num_heads, num_slots, bank.device
+        self._heads = torch.arange(num_heads, device=self.device)
+        self.ensure_tokens(token_capacity)
+
+    # the bank's rows of these heads (views: in-place updates land in the bank)
+    @property
+    def slot_token(self) -> torch.Tensor:
+        return self._bank.slot_token[self._h0:self._h0 + self.H]
+
+    @property
+    def slot_stamp(self) -> torch.Tensor:
+        return self._bank.slot_stamp[self._h0:self._h0 + self.H]
+
+    @property
+    def prefetched(self) -> torch.Tensor:
+        return self._bank.prefetched[self._h0:self._h0 + self.H]
+
+    @property
+    def token_slot(self) -> torch.Tensor:
+        return self._bank.token_slot[self._h0:self._h0 + self.H]
+
+    @property
+    def clock(self) -> int:
+        return self._bank.clock
+
+    @clock.setter
+    def clock(self, value: int) -> None:
+        self._bank.clock = value
+
+    def ensure_tokens(self, n: int) -> None:
+        """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
+        self._bank.ensure_tokens(n)
 
     def resident(self) -> int:
         return int((self.slot_token >= 0).sum())
@@ -137,7 +231,7 @@ class HotBufferState:
         new_tok = sel[mh, mk]
         # misses go to non-hit slots, so installing them and restamping the hits commute
         self._install(mh, victims, new_tok, self.clock + mk, prefetched=False)
-        self.prefetched &= ~hit_slot
+        self.prefetched.logical_and_(~hit_slot)
         self.slot_stamp.copy_(torch.where(hit_slot, hit_stamp[:, :S], self.slot_stamp))
         self.clock += 2 * K
         slot[mh, mk] = victims

@@ -31,14 +31,29 @@ class Selection:
     loaded: torch.Tensor
 
 
-def select(scores: torch.Tensor | None, n_tokens: int, first: int, window: int, top_k: int,
+def select(scores: torch.Tensor | None, n_tokens: int, first: int | torch.Tensor, window: int, top_k: int,
            block_size: int, anchors: torch.Tensor, holes: torch.Tensor | None,
-           prefetch_blocks: int = 0, num_heads: int | None = None) -> Selection:
+           prefetch_blocks: int = 0, num_heads: int | None = None,
+           first_range: tuple[int, int] | None = None) -> Selection:
     """Select tokens for each KV head.
 
     scores: (Hkv, NB) fp32 block upper bounds (NB = ceil(n_tokens / block_size)), or None when
     everything visible fits. anchors: (Hkv, A) positions, -1 padded. holes: (NB,) bool or None.
+
+    A batch of sequences of one length is one call with their heads stacked (Hkv = B x heads):
+    ``first`` is then a (Hkv,) tensor of each head's sequence's first position and
+    ``first_range`` its (min, max) on the host; every head must have more than ``top_k`` visible
+    tokens and its window after ``first`` (the caller checks), and ``holes`` must be None.
     """
+    if isinstance(first, torch.Tensor):
+        if first_range is None or holes is not None or scores is None:
+            raise ValueError("bug: a per-head first needs first_range, scores and no holes")
+        f_lo, f_hi = first_range
+        if n_tokens - f_hi <= top_k or n_tokens - window < f_hi:
+            raise ValueError("bug: batched select needs every head's context longer than top_k "
+                             "and its window after its first token")
+        return _select_ranked(scores, n_tokens, first[:, None], f_lo, n_tokens - window, top_k, block_size,
+                              anchors, None, prefetch_blocks, anchors.shape[0])
     device = anchors.device
     H = anchors.shape[0] if num_heads is None else num_heads
     bs = block_size
@@ -57,7 +72,16 @@ def select(scores: torch.Tensor | None, n_tokens: int, first: int, window: int, 
         counts = torch.bincount(pos // bs, minlength=nb) * H
         e = torch.empty(H, 0, dtype=torch.int64, device=device)
         return Selection(tokens, e, counts, torch.tensor(pos.numel() * H))
-    w0 = max(first, n_tokens - window)
+    return _select_ranked(scores, n_tokens, first, first, max(first, n_tokens - window), top_k, bs, anchors,
+                          holes, prefetch_blocks, H)
+
+
+def _select_ranked(scores: torch.Tensor, n_tokens: int, first, first_lo: int, w0: int, top_k: int, bs: int,
+                   anchors: torch.Tensor, holes: torch.Tensor | None, prefetch_blocks: int, H: int) -> Selection:
+    """Window, anchors and ranked blocks. first: an int or (H, 1) per head; first_lo <= every
+    first (host); w0: the window start (host, the same for every head)."""
+    device = anchors.device
+    nb = -(-n_tokens // bs)
     win = torch.arange(w0, n_tokens, device=device)[None].expand(H, -1)
     anc = torch.where((anchors >= first) & (anchors < w0), anchors, -1)
     if holes is not None:
@@ -68,12 +92,14 @@ def select(scores: torch.Tensor | None, n_tokens: int, first: int, window: int, 
     cand_blk = (blk * bs < w0) & ((blk + 1) * bs > first)
     if holes is not None:
         cand_blk &= ~holes
-    s = torch.where(cand_blk[None], scores.float(), float("-inf"))
-    if holes is None:  # candidate blocks counted on the host: no device sync
-        n_cand = max(0, min(nb, -(-w0 // bs)) - first // bs)
+    s = torch.where(cand_blk if cand_blk.dim() == 2 else cand_blk[None], scores.float(), float("-inf"))
+    if holes is None:  # candidate blocks counted on the host (at most): no device sync
+        n_cand = max(0, min(nb, -(-w0 // bs)) - first_lo // bs)
     else:
         n_cand = int(cand_blk.sum())
-    take = min(n_cand, -(-(int(budget.max()) + anc.shape[1]) // bs) + 2 + prefetch_blocks)
+    # enough ranked blocks for the largest budget (top_k - window bounds it on the host: no sync),
+    # anchors that may overlap them, a partial first block and the prefetch
+    take = min(n_cand, -(-(top_k - win.shape[1] + anc.shape[1]) // bs) + 2 + prefetch_blocks)
     top = s.topk(take, dim=1).indices                                         # (H, take) ranked
     pos = (top[:, :, None] * bs + torch.arange(bs, device=device)).reshape(H, -1)  # rank order
     ok = (pos >= first) & (pos < w0) & torch.isfinite(s.gather(1, top)).repeat_interleave(bs, 1)

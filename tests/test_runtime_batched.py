@@ -1,0 +1,152 @@
+"""The batched decode path (one set of kernels for a batch of sequences) against the reference
+path (one sequence at a time): same selections, outputs, hot-buffer counts and anchors.
+
+Both engines get the same random K/V/Q; the only difference is ``batch_decode``. The contexts
+are longer than top_k so selection, lookup, prefetch and swap-in all run; a recalibration in the
+middle fits the probes so that decode tokens are scored as anchors too.
+"""
+
+import pytest
+import torch
+
+from hi_sparse.config import HiSparseConfig
+from hi_sparse.engine import HiSparseEngine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+L, HQ, HKV, D = 2, 4, 2, 16
+
+
+def _engines(bits, group, device="cpu", dtype=torch.float32, **kw):
+    cfg = dict(max_seq_len=1024, cache_block_size=8, window_size=8, global_tokens=4, top_k=24,
+               device_buffer_tokens=40, host_kv_bits=bits, bound_group=group, audit_every=5,
+               telemetry=False, prefetch_blocks=1, recalibrate_every=10 ** 6, recalibrate_topk=8)
+    cfg.update(kw)
+    return [HiSparseEngine(HiSparseConfig(batch_decode=b, **cfg), L, HQ, HKV, D, device=device, dtype=dtype)
+            for b in (True, False)]
+
+
+def _run(eng, ids, K, V, Q, lo, hi):
+    outs = []
+    eng.begin_step()
+    for layer in range(L):
+        eng.append(layer, ids, K[layer, :, :, lo:hi], V[layer, :, :, lo:hi])
+        outs.append(eng.attend(layer, ids, Q[layer, :, :, lo:hi]))
+    eng.end_step()
+    return outs
+
+
+@pytest.mark.parametrize("bits,group", [(None, 1), (None, 2), (4, 2), ("budget", 1)],
+                         ids=["bf-one-level", "bf-two-level", "int4-two-level", "budget"])
+def test_batched_decode_equals_one_by_one(bits, group):
+    _compare(bits, group, "cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group,meta", [(None, 2, "cpu"), (4, 2, "device"), ("budget", 1, "cpu")])
+def test_batched_decode_equals_one_by_one_on_cuda(bits, group, meta):
+    """On CUDA the batch backs new tokens up into the pinned pool from the GPU (no host sync)."""
+    _compare(bits, group, "cuda", torch.bfloat16, 2e-2, metadata_device=meta)
+
+
+def _compare(bits, group, device, dtype, tol, **kw):
+    torch.manual_seed(7)
+    B, P, steps = 3, 400 if group > 1 else 150, 20   # two-level pays from 4 x n_super x group blocks
+    N = P + steps
+    pads = [0, 5, 11]
+    K, V, Q = (torch.randn(L, B, h, N, D).to(device, dtype) for h in (HKV, HKV, HQ))
+    batched, each = _engines(bits, group, device, dtype, **kw)
+    ids = [e.add_sequences(B, pad_lengths=pads) for e in (batched, each)]
+    for e, i in zip((batched, each), ids):
+        _run(e, i, K, V, Q, 0, P)
+    for t in range(P, N):
+        if t == P + 8:
+            for e in (batched, each):
+                e.request_recalibration()
+        outs = [_run(e, i, K, V, Q, t, t + 1) for e, i in zip((batched, each), ids)]
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+        for layer in range(L):
+            for sa, sb in zip(*ids):
+                # a batch pads to its widest row: the same tokens in the same order
+                x, y = batched.selection(layer, sa), each.selection(layer, sb)
+                assert x.shape[1] >= y.shape[1] and (x[:, y.shape[1]:] == -1).all()
+                assert torch.equal(x[:, :y.shape[1]], y)
+                assert torch.equal(batched.seqs[sa].anchors[layer], each.seqs[sb].anchors[layer])
+    sa_, sb_ = batched.stats, each.stats
+    for f in ("hot_buffer_lookups", "hot_buffer_hits", "prefetch_issued", "swap_in_bytes", "tokens_decode",
+              "anchor_lookups", "anchor_hits"):
+        assert getattr(sa_, f) == getattr(sb_, f), f
+    # quantized pools: one by one rewrites a sequence's whole float tail block each token, the
+    # batch writes only the new token's rows
+    assert sa_.backup_bytes == sb_.backup_bytes if bits is None else sa_.backup_bytes < sb_.backup_bytes
+    assert batched.batched_decodes == steps * L and each.batched_decodes == 0
+    assert sa_.hot_buffer_lookups > sa_.hot_buffer_hits > 0          # misses were swapped in
+    assert batched.stats.anchors > 0                                 # the fitted probe pinned anchors
+    if group > 1:
+        assert batched.two_level_scores > 0
+
+
+def test_mixed_lengths_and_rows_fall_back_to_one_by_one():
+    """Sequences of different lengths (or short contexts) still decode, through the reference path."""
+    torch.manual_seed(3)
+    batched, each = _engines(None, 1)
+    K, V, Q = torch.randn(L, 2, HKV, 200, D), torch.randn(L, 2, HKV, 200, D), torch.randn(L, 2, HQ, 200, D)
+    for e in (batched, each):
+        a = e.add_sequences(1)
+        b = e.add_sequences(1)
+        _run(e, a, K[:, :1], V[:, :1], Q[:, :1], 0, 120)
+        _run(e, b, K[:, 1:], V[:, 1:], Q[:, 1:], 0, 90)
+    ids = [list(e.seqs) for e in (batched, each)]
+    for t in range(5):
+        kk = torch.stack([K[:, 0, :, 120 + t], K[:, 1, :, 90 + t]], 1)[:, :, :, None]
+        vv = torch.stack([V[:, 0, :, 120 + t], V[:, 1, :, 90 + t]], 1)[:, :, :, None]
+        qq = torch.stack([Q[:, 0, :, 120 + t], Q[:, 1, :, 90 + t]], 1)[:, :, :, None]
+        outs = [_run(e, i, kk, vv, qq, 0, 1) for e, i in zip((batched, each), ids)]
+        for x, y in zip(*outs):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert batched.batched_decodes == 0
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf", "int4"])
+def test_forked_sequences_continue_like_independent_copies(bits):
+    """fork_sequences: a prefilled sequence and two forks decode exactly like three sequences
+    that were each prefilled with the same tokens; each fork holds its own host blocks."""
+    torch.manual_seed(11)
+    P, steps = 150, 12
+    K, V, Q = (torch.randn(L, 1, h, P + steps, D) for h in (HKV, HKV, HQ))
+    forked, copies = _engines(bits, 1)
+    src = forked.add_sequences(1)
+    _run(forked, src, K, V, Q, 0, P)
+    forked.request_recalibration()       # fitted probes and anchors are part of what is copied
+    _run(forked, src, K, V, Q, P, P + 1)
+    blocks_one = forked.pool.num_active
+    ids_f = src + forked.fork_sequences(src[0], 2)
+    assert forked.pool.num_active == 3 * blocks_one
+    ids_c = copies.add_sequences(3)
+    rep = lambda x: x.expand(-1, 3, -1, -1, -1)                   # noqa: E731
+    _run(copies, ids_c, rep(K), rep(V), rep(Q), 0, P)
+    copies.request_recalibration()
+    _run(copies, ids_c, rep(K), rep(V), rep(Q), P, P + 1)
+    before = forked.stats.hot_buffer_hits, copies.stats.hot_buffer_hits
+    g = torch.Generator().manual_seed(5)   # the rows now diverge: different tokens per row
+    for t in range(steps - 1):
+        k, v, q = (torch.randn(L, 3, h, 1, D, generator=g) for h in (HKV, HKV, HQ))
+        a = _run(forked, ids_f, k, v, q, 0, 1)
+        b = _run(copies, ids_c, k, v, q, 0, 1)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert forked.stats.hot_buffer_hits - before[0] == copies.stats.hot_buffer_hits - before[1] > 0
+    assert forked.batched_decodes > 0
+
+
+def test_fork_errors_name_the_fix():
+    eng = _engines(None, 1)[0]
+    sid = eng.add_sequences(1)[0]
+    with pytest.raises(ValueError, match="copies must be >= 1"):
+        eng.fork_sequences(sid, 0)
+    with pytest.raises(ValueError, match="unknown sequence id 99"):
+        eng.fork_sequences(99, 1)
+    eng.append(0, [sid], torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D))
+    with pytest.raises(ValueError, match="fork between forward passes"):
+        eng.fork_sequences(sid, 1)
