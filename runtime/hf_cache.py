@@ -51,6 +51,20 @@ class SequenceSet:
         # generate() (the usual case) gives its blocks back as soon as it is collected.
         self._finalizer = weakref.finalize(self, _free, self.binding, list(self.seq_ids))
 
+    def repeat_interleave(self, repeats: int) -> None:
+        """Each row followed by ``repeats - 1`` forks of it (transformers' batch_repeat_interleave)."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        engine = self.binding.engine
+        ids, pads = [], []
+        for sid, pad in zip(self.seq_ids, self.pad_lengths):
+            ids += [sid] + (engine.fork_sequences(sid, repeats - 1) if repeats > 1 else [])
+            pads += [pad] * repeats
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self.seq_ids, self.pad_lengths = ids, pads
+        self._finalizer = weakref.finalize(self, _free, self.binding, list(ids))
+
     def free(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
@@ -117,8 +131,8 @@ class HiSparseLayer(CacheLayerMixin):
         self.length = 0
         self.is_initialized = False
 
-    # The engine keeps no dense copy it could reorder, crop or fork: say so instead of
-    # silently attending over the wrong tokens.
+    # The engine keeps no dense copy it could reorder or crop: say so instead of silently
+    # attending over the wrong tokens. Repeating rows forks the engine's sequences.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedModelError(
             "beam search is not supported with the HiSparse KV cache: use greedy or sampling "
@@ -130,9 +144,9 @@ class HiSparseLayer(CacheLayerMixin):
             "generate without an assistant model")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise UnsupportedModelError(
-            "expanding a filled HiSparse KV cache over the batch is not supported: repeat the "
-            "inputs before the first forward instead")
+        # the layers share one SequenceSet: the engine forks whole sequences (every layer) once
+        if self.sequences.bound and self.layer_idx == 0:
+            self.sequences.repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise UnsupportedModelError(

@@ -288,3 +288,31 @@ def test_cuda_generate_matches_and_small_budget_runs(dtype):
     assert 0 < mem[("device", "data")] <= 2 * 2 * 2 * 96 * 16 * 2 * elem
     st = engine.stats
     assert st.hot_buffer_lookups > 0 and st.swap_in_bytes > 0 and sum(st.quant_blocks.values()) > 0
+
+
+def test_batch_repeat_interleave_forks_the_engine_sequences():
+    """cache.batch_repeat_interleave (n samples of one prompt after prefill) forks the engine's
+    sequences: every repeated row decodes like the same prompt in a model of its own."""
+    ref, model = make_pair("llama")
+    for m in (ref, model):
+        hs.enable_hisparse_kv_cache(m, max_seq_len=256, block_size=8, window_size=8, global_tokens=2,
+                                    top_k=24, telemetry=False)
+    ids, mask = prompt(1, 60)
+    with torch.no_grad():
+        one = ref(input_ids=ids, attention_mask=mask, use_cache=True)
+        many = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        many.past_key_values.batch_repeat_interleave(3)
+        tok = one.logits[:, -1:].argmax(-1)
+        c1, c3 = one.past_key_values, many.past_key_values
+        m1, m3 = mask, mask.repeat(3, 1)
+        for _ in range(6):
+            m1 = torch.cat([m1, torch.ones_like(m1[:, :1])], 1)
+            m3 = torch.cat([m3, torch.ones_like(m3[:, :1])], 1)
+            o1 = ref(input_ids=tok, attention_mask=m1, past_key_values=c1, use_cache=True)
+            o3 = model(input_ids=tok.repeat(3, 1), attention_mask=m3, past_key_values=c3, use_cache=True)
+            for r in range(3):
+                torch.testing.assert_close(o3.logits[r], o1.logits[0], atol=1e-4, rtol=1e-4)
+            tok = o1.logits[:, -1:].argmax(-1)
+    engine = binding_of(model).engine
+    assert len(engine.seqs) == 3 and engine.batched_decodes > 0
+    assert engine.pool.num_active == 3 * binding_of(ref).engine.pool.num_active
