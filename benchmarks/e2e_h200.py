@@ -65,8 +65,11 @@ def prefill(model, ids: torch.Tensor, cache, chunk: int):
     return out, cache
 
 
-def decode(model, cache, first: torch.Tensor, steps: int, device: str) -> tuple[list[float], torch.Tensor]:
-    """Greedy decode ``steps`` tokens; returns per-step seconds and the logits of each step."""
+def decode(model, cache, first: torch.Tensor, steps: int, device: str,
+           repeat_token: bool = False) -> tuple[list[float], torch.Tensor]:
+    """Greedy decode ``steps`` tokens; returns per-step seconds and the logits of each step.
+    repeat_token: feed ``first`` at every step instead (a run of one token: consecutive queries
+    differ by position only, the high-locality workload)."""
     times, logits = [], []
     tok = first
     for _ in range(steps):
@@ -77,7 +80,7 @@ def decode(model, cache, first: torch.Tensor, steps: int, device: str) -> tuple[
         times.append(time.perf_counter() - t0)
         cache = out.past_key_values
         logits.append(out.logits[:, -1].float())
-        tok = out.logits[:, -1:].argmax(-1)
+        tok = first if repeat_token else out.logits[:, -1:].argmax(-1)
     return times, torch.stack(logits, 1)
 
 
@@ -150,6 +153,12 @@ def main() -> int:
                     help="at the first context also run HiSparse with telemetry on and easymats attached at 10 Hz")
     ap.add_argument("--batch", type=int, default=0, help="aggregate decode of this many sequences (0 = skip)")
     ap.add_argument("--batch-context", type=int, default=32768)
+    ap.add_argument("--hisparse-batch", default="",
+                    help="comma list of sequence counts: prefill one --batch-context sequence with host_kv_bits=4 "
+                         "(a host pool sized for them), fork it (cache.batch_repeat_interleave) and time "
+                         "aggregate decode of all, greedy and on a repeated token")
+    ap.add_argument("--dense-batch", type=int, default=0,
+                    help="with --hisparse-batch: dense at this many --batch-context sequences (cache replicated)")
     ap.add_argument("--dense-max-context", type=int, default=0,
                     help="dense decode at the largest batch of this context that fits (cache replicated)")
     ap.add_argument("--check-tol", type=float, default=None,
@@ -226,16 +235,19 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
 
-    def measure(label: str, bits, ids: torch.Tensor, repeat: int = 1) -> dict:
+    def measure(label: str, bits, ids: torch.Tensor, repeat: int = 1, repeat_token: bool = False,
+                pool_blocks: int | None = None) -> dict:
         """Prefill ids (B, T) and time decode steps; dense, or HiSparse with host_kv_bits=bits.
-        repeat > 1 (dense only): prefill one row, then decode `repeat` copies of its cache."""
+        repeat > 1: prefill one row, then decode `repeat` copies of its cache (dense: replicated
+        tensors; HiSparse: forked engine sequences, each with its own host blocks)."""
         B, ctx = ids.shape[0] * repeat, ids.shape[1]
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        row = {"context": ctx, "batch": B, "variant": label}
+        row = {"context": ctx, "batch": B, "variant": label,
+               "decode_input": "repeated token" if repeat_token else "greedy"}
         try:
             with torch.no_grad():
                 if label == "dense":
@@ -245,7 +257,7 @@ def main() -> int:
                     hs.enable_hisparse_kv_cache(model, max_seq_len=ctx + 4 * args.decode_steps,
                                                 block_size=args.block_size, window_size=args.window,
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
-                                                audit_every=0, name="e2e")
+                                                audit_every=0, name="e2e", host_pool_blocks=pool_blocks)
                     cache = None
                 t0 = time.perf_counter()
                 out, cache = prefill(model, ids, cache, max(1, args.chunk // ids.shape[0]))
@@ -255,17 +267,21 @@ def main() -> int:
                 cache = out.past_key_values
                 del out
                 if repeat > 1:
+                    t0 = time.perf_counter()
                     cache.batch_repeat_interleave(repeat)
                     first = first.repeat_interleave(repeat, 0)
+                    sync(device)
+                    row["repeat_s"] = time.perf_counter() - t0
                 agent = start_agent(row, args.json) if label.endswith("+easymats") else None
                 try:
-                    times, _ = decode(model, cache, first, args.decode_steps, device)
+                    times, _ = decode(model, cache, first, args.decode_steps, device, repeat_token)
                 finally:
                     stop_agent(agent, row)
                 steady = times[2:] or times
                 row["decode_step_ms_median"] = 1e3 * median(steady)
                 row["decode_step_ms_all"] = [round(1e3 * t, 2) for t in times]
                 row["decode_tokens_per_s"] = B / median(steady)
+                row["decode_tokens_per_s_mean"] = B * len(steady) / sum(steady)
                 if device == "cuda":
                     row["device_peak_bytes_over_weights"] = torch.cuda.max_memory_allocated() - base
                 if label == "dense":
@@ -282,6 +298,7 @@ def main() -> int:
                     hits = getattr(st, "hot_buffer_hits", 0) or 0
                     row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
                     row["two_level_scores"] = getattr(b.engine, "two_level_scores", None)
+                    row["batched_decodes"] = getattr(b.engine, "batched_decodes", None)
                 del cache
         except torch.cuda.OutOfMemoryError as exc:
             row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
@@ -312,6 +329,16 @@ def main() -> int:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         for label in ("dense", "hisparse"):
             measure(label, None, ids.repeat(args.batch, 1))
+    for n in [int(x) for x in args.hisparse_batch.split(",") if x]:
+        ctx = args.batch_context
+        ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
+        blocks = n * -(-(ctx + 4 * args.decode_steps) // args.block_size)   # every sequence's own blocks
+        for repeat_token in (False, True):
+            measure("hisparse-int4", 4, ids, repeat=n, repeat_token=repeat_token, pool_blocks=blocks)
+    if args.dense_batch:
+        ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
+        for repeat_token in (False, True):
+            measure("dense", None, ids, repeat=args.dense_batch, repeat_token=repeat_token)
     if args.dense_max_context and device == "cuda":
         ctx = args.dense_max_context
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
@@ -350,12 +377,14 @@ def main() -> int:
               f"{c['1TiB_host']} / {c['2TiB_host']} |")
     batched = [r for r in results["runs"] if "error" not in r and r["batch"] > 1]
     if batched:
-        print("\n| context | variant | sequences | decode step ms | aggregate tok/s | hot-buffer hit rate |")
-        print("|---|---|---|---|---|---|")
+        print("\n| context | variant | sequences | decode input | decode step ms | aggregate tok/s (median step; mean) "
+              "| hot-buffer hit rate |")
+        print("|---|---|---|---|---|---|---|")
         for r in batched:
             hit = r.get("hot_buffer_hit_rate")
-            print(f"| {r['context']} | {r['variant']} | {r['batch']} | {r['decode_step_ms_median']:.1f} | "
-                  f"{r['decode_tokens_per_s']:.1f} | {'-' if hit is None else f'{hit:.2f}'} |")
+            print(f"| {r['context']} | {r['variant']} | {r['batch']} | {r['decode_input']} | "
+                  f"{r['decode_step_ms_median']:.1f} | {r['decode_tokens_per_s']:.1f}; "
+                  f"{r['decode_tokens_per_s_mean']:.1f} | {'-' if hit is None else f'{hit:.2f}'} |")
     on = [r for r in single if r["variant"] == "hisparse+easymats"]
     off = [r for r in single if r["variant"] == "hisparse" and on and r["context"] == on[0]["context"]]
     if on and off:

@@ -20,11 +20,19 @@ def _run(tmp_path, *args):
 
 def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
     p, res = _run(tmp_path, "--contexts", "256", "--decode-steps", "3", "--variants", "dense,hisparse-int4",
-                  "--telemetry-check", "--batch", "2", "--batch-context", "128")
+                  "--telemetry-check", "--batch", "2", "--batch-context", "128", "--hisparse-batch", "3",
+                  "--dense-batch", "3")
     assert p.returncode == 0, p.stderr[-2000:]
     assert res["check"]["rel_max_err"] <= res["check"]["tolerance"]
-    rows = {(r["variant"], r["batch"]): r for r in res["runs"]}
+    rows = {(r["variant"], r["batch"], r["decode_input"]): r for r in res["runs"]}
+    forked = [rows.pop(("hisparse-int4", 3, i)) for i in ("greedy", "repeated token")]
+    dense = [rows.pop(("dense", 3, i)) for i in ("greedy", "repeated token")]
+    rows = {(v, b): r for (v, b, _), r in rows.items()}
     assert set(rows) == {("dense", 1), ("hisparse-int4", 1), ("hisparse+easymats", 1), ("dense", 2), ("hisparse", 2)}
+    for r in forked:       # one prefill forked into 3 sequences, each holding its own host blocks
+        assert "error" not in r and r["batched_decodes"] > 0 and r["decode_tokens_per_s"] > 0
+        assert r["host_kv_bytes"] > 0 and r["repeat_s"] > 0
+    assert all("error" not in r and r["decode_tokens_per_s"] > 0 for r in dense)
     for r in rows.values():
         assert "error" not in r and r["decode_tokens_per_s"] > 0
     hs = rows[("hisparse-int4", 1)]
