@@ -173,7 +173,7 @@ def main() -> int:
 
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
     if args.tiny:
         contexts = [min(c, 512) for c in contexts]
         args.top_k, args.window, args.block_size, args.chunk = 64, 16, 16, 128
@@ -235,19 +235,22 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
 
-    def measure(label: str, bits, ids: torch.Tensor, repeat: int = 1, repeat_token: bool = False,
+    def measure(label: str, bits, ids: torch.Tensor, repeat: int = 1, inputs: tuple[bool, ...] = (False,),
                 pool_blocks: int | None = None) -> dict:
         """Prefill ids (B, T) and time decode steps; dense, or HiSparse with host_kv_bits=bits.
         repeat > 1: prefill one row, then decode `repeat` copies of its cache (dense: replicated
-        tensors; HiSparse: forked engine sequences, each with its own host blocks)."""
+        tensors; HiSparse: forked engine sequences, each with its own host blocks). inputs: one
+        timed decode per entry on the same cache, greedy (False) or a repeated token (True); one
+        row each. Returns the last row."""
         B, ctx = ids.shape[0] * repeat, ids.shape[1]
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        row = {"context": ctx, "batch": B, "variant": label,
-               "decode_input": "repeated token" if repeat_token else "greedy"}
+        row = {"context": ctx, "batch": B, "variant": label}
+        first_row = row
+        results["runs"].append(row)   # filled in below; saved even if the run dies part way
         try:
             with torch.no_grad():
                 if label == "dense":
@@ -272,43 +275,53 @@ def main() -> int:
                     first = first.repeat_interleave(repeat, 0)
                     sync(device)
                     row["repeat_s"] = time.perf_counter() - t0
-                agent = start_agent(row, args.json) if label.endswith("+easymats") else None
-                try:
-                    times, _ = decode(model, cache, first, args.decode_steps, device, repeat_token)
-                finally:
-                    stop_agent(agent, row)
-                steady = times[2:] or times
-                row["decode_step_ms_median"] = 1e3 * median(steady)
-                row["decode_step_ms_all"] = [round(1e3 * t, 2) for t in times]
-                row["decode_tokens_per_s"] = B / median(steady)
-                row["decode_tokens_per_s_mean"] = B * len(steady) / sum(steady)
-                if device == "cuda":
-                    row["device_peak_bytes_over_weights"] = torch.cuda.max_memory_allocated() - base
-                if label == "dense":
-                    row["device_kv_bytes"] = kv_bytes_per_token * (ctx + args.decode_steps)
-                    row["host_kv_bytes"] = 0
-                else:
-                    b = hs.integration.binding_of(model)
-                    mem = b.engine.memory_bytes()
-                    row["device_kv_bytes"] = (mem[("device", "data")] + mem[("device", "metadata")]) // B
-                    row["host_kv_bytes"] = (mem[("host", "data")] + mem[("host", "metadata")]) // B
-                    row["memory_by_tier_all_sequences"] = {f"{t}/{k}": v for (t, k), v in mem.items()}
-                    st = b.engine.stats
-                    lookups = getattr(st, "hot_buffer_lookups", 0) or 0
-                    hits = getattr(st, "hot_buffer_hits", 0) or 0
-                    row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
-                    row["two_level_scores"] = getattr(b.engine, "two_level_scores", None)
-                    row["batched_decodes"] = getattr(b.engine, "batched_decodes", None)
+                shared = dict(row)
+                for k, repeat_token in enumerate(inputs):
+                    row = first_row if k == 0 else dict(shared)
+                    row["decode_input"] = "repeated token" if repeat_token else "greedy"
+                    eng = None if label == "dense" else hs.integration.binding_of(model).engine
+                    before = (0, 0)
+                    if eng is not None:
+                        st = eng.stats
+                        before = (st.hot_buffer_lookups, st.hot_buffer_hits)
+                    agent = start_agent(row, args.json) if label.endswith("+easymats") else None
+                    try:
+                        times, _ = decode(model, cache, first, args.decode_steps, device, repeat_token)
+                    finally:
+                        stop_agent(agent, row)
+                    steady = times[2:] or times
+                    row["decode_step_ms_median"] = 1e3 * median(steady)
+                    row["decode_step_ms_all"] = [round(1e3 * t, 2) for t in times]
+                    row["decode_tokens_per_s"] = B / median(steady)
+                    row["decode_tokens_per_s_mean"] = B * len(steady) / sum(steady)
+                    if device == "cuda":
+                        row["device_peak_bytes_over_weights"] = torch.cuda.max_memory_allocated() - base
+                    if eng is None:
+                        row["device_kv_bytes"] = kv_bytes_per_token * (ctx + args.decode_steps)
+                        row["host_kv_bytes"] = 0
+                    else:
+                        mem = eng.memory_bytes()
+                        row["device_kv_bytes"] = (mem[("device", "data")] + mem[("device", "metadata")]) // B
+                        row["host_kv_bytes"] = (mem[("host", "data")] + mem[("host", "metadata")]) // B
+                        row["memory_by_tier_all_sequences"] = {f"{t}/{k}": v for (t, k), v in mem.items()}
+                        st = eng.stats
+                        lookups, hits = st.hot_buffer_lookups - before[0], st.hot_buffer_hits - before[1]
+                        row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
+                        row["two_level_scores"] = eng.two_level_scores
+                        row["batched_decodes"] = eng.batched_decodes
+                    if row is not first_row:
+                        results["runs"].append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "decode_step_ms_all"}), flush=True)
+                    save()
                 del cache
         except torch.cuda.OutOfMemoryError as exc:
             row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
+            print(json.dumps(row), flush=True)
         finally:
             try:
                 hs.disable_hisparse_kv_cache(model)
             except ValueError:
                 pass
-        results["runs"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "decode_step_ms_all"}), flush=True)
         save()
         return row
 
@@ -333,12 +346,10 @@ def main() -> int:
         ctx = args.batch_context
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
         blocks = n * -(-(ctx + 4 * args.decode_steps) // args.block_size)   # every sequence's own blocks
-        for repeat_token in (False, True):
-            measure("hisparse-int4", 4, ids, repeat=n, repeat_token=repeat_token, pool_blocks=blocks)
+        measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks)
     if args.dense_batch:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
-        for repeat_token in (False, True):
-            measure("dense", None, ids, repeat=args.dense_batch, repeat_token=repeat_token)
+        measure("dense", None, ids, repeat=args.dense_batch, inputs=(False, True))
     if args.dense_max_context and device == "cuda":
         ctx = args.dense_max_context
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
