@@ -194,8 +194,7 @@ CASES: dict[str, Callable[[], None]] = {
     # the streaming grid (method "stream", auto's choice for blocks of one register tile): 11 blocks
     # over min(11, 2 per SM x 4 interpreter SMs) = 8 programs, so three programs take two blocks and
     # the last one's clamped extra read is exercised; D=96 / D=24 cover masked quads and byte stores
-    **{f"quantize-{b}bit-d64-t16-stream": (lambda b=b: _quantize(b, 64, 16, 11, method="stream"))
-       for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d64-t16-stream": (lambda b=b: _quantize(b, 64, 16, 11, method="stream")) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit-d96-t5-stream": (lambda b=b: _quantize(b, 96, 5, 3, method="stream")) for b in (5, 6)},
     "quantize-6bit-d24-stream": lambda: _quantize(6, 24, 9, 3, method="stream"),
     "quantize-constant-block": _constant_block,
