@@ -1,4 +1,4 @@
-"""Triton block quantize (streaming or per-block register tile read once, or partial min/max then pack) and row dequantize.
+"""Triton block quantize (fused single-read kernel, or partial min/max then pack) and row dequantize.
 
 The dequantize kernel serves both `dequantize_blocks` (rows in order) and the fused
 `swap_in_dequant` (rows gathered through index tensors, source possibly pinned host memory).
