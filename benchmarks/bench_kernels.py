@@ -248,34 +248,23 @@ def bench_quant(hbm: float) -> None:
 
 
 def sweep_quant(hbm: float) -> None:
-    """Quantizer variants, bf16, 4/5/6/8 bits, both benchmark shapes: the streaming register-tile
-    kernel (warps, programs per SM), the one-program-per-block register tile, the split two-kernel
-    path, and the choice `auto` made before the streaming kernel (fused at 4 bits, else split).
+    """Quantizer variants, bf16, 4/5/6/8 bits, both benchmark shapes: the fused register-tile kernel
+    (warps, register cap) against the split two-kernel path.
 
     The first variant of each shape is the default path of quantize(); `diff` is the fraction of
     packed bytes that differ from the split path's (ties may round either way: tiny but not 0).
     """
     from hi_sparse.kernels import _quant_triton as Q
-    previous_auto = ("previous auto (fused 4b, else split)", lambda bits: {"method": "fused" if bits == 4 else "split"})
     variants = {
-        (16384, 64, 128): [
-            ("default (auto)", {}),
-            previous_auto,
-            ("stream w16 x2/SM", {"method": "stream", "stream_warps": 16, "stream_per_sm": 2}),
-            ("stream w16 x1/SM", {"method": "stream", "stream_warps": 16, "stream_per_sm": 1}),
-            ("stream w8 x2/SM", {"method": "stream", "stream_warps": 8, "stream_per_sm": 2}),
-            ("stream w8 x4/SM", {"method": "stream", "stream_warps": 8, "stream_per_sm": 4}),
-            ("fused register w4", {"method": "fused", "fused_warps": 4}),
-            ("fused register w8", {"method": "fused", "fused_warps": 8}),
-            ("split", {"method": "split"}),
-        ],
         (2048, 512, 128): [
             ("default (auto)", {}),
-            previous_auto,
-            ("split pack 4096 values w4", {"method": "split", "pack_values": 4096, "pack_warps": 4}),
-            ("split pack 8192 values w8", {"method": "split", "pack_values": 8192, "pack_warps": 8}),
-            # spills on sm_90 (128 registers a thread at 16 warps: ~60 local loads/stores a thread)
             ("register cap 65536 warps16", {"method": "fused", "reg_cap": 65536, "fused_warps": 16}),
+        ],
+        (16384, 64, 128): [
+            ("default (auto)", {}),
+            ("fused register", {"method": "fused"}),
+            ("split", {"method": "split"}),
+            ("register warps8", {"method": "fused", "fused_warps": 8}),
         ],
     }
     rows = []
@@ -286,9 +275,8 @@ def sweep_quant(hbm: float) -> None:
             ref_packed, ref_scale, ref_zero = Q.quantize(x, bits, method="split")
             moved = x.numel() * 2 + ref_packed.numel()
             print(f"    quantize sweep {shape[0]} x {shape[1]} x {shape[2]} bf16, {bits}b "
-                  f"(floor {moved / hbm / 1e6:.4f} ms at the HBM copy rate of this run, {hbm:.0f} GB/s)", flush=True)
+                  f"(floor {moved / hbm / 1e6:.4f} ms at the HBM copy rate)", flush=True)
             for name, kw in configs:
-                kw = kw(bits) if callable(kw) else kw
                 try:
                     packed, scale, zero = Q.quantize(x, bits, **kw)
                     diff = float((packed != ref_packed).float().mean())
@@ -296,13 +284,13 @@ def sweep_quant(hbm: float) -> None:
                     del packed, scale, zero
                     ms = bench(lambda: Q.quantize(x, bits, **kw), warmup=10, rep=40)
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported
-                    print(f"      {name:38s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"      {name:32s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     rows.append({"shape": list(shape), "bits": bits, "variant": name, "kw": kw, "error": str(e)[:300]})
                     continue
                 gbps = moved / ms / 1e6
                 rows.append({"shape": list(shape), "bits": bits, "variant": name, "kw": kw, "ms": ms, "GBps": gbps,
                              "pct_hbm": 100 * gbps / hbm, "diff_vs_split": diff, "scale_zero_match": same_params})
-                print(f"      {name:38s} {ms:7.4f} ms {gbps:7.1f} GB/s {100 * gbps / hbm:5.1f}% HBM  "
+                print(f"      {name:32s} {ms:7.4f} ms {gbps:7.1f} GB/s {100 * gbps / hbm:5.1f}% HBM  "
                       f"diff {diff:.1e}{'' if same_params else '  SCALE/ZERO DIFFER'}", flush=True)
         del x
         torch.cuda.empty_cache()

@@ -162,43 +162,32 @@ def _poison_bytes(nbytes: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("T,tuning", [
-    (64, {}),                                        # default: streaming register tile (T=64), split (T=512)
-    (64, {"method": "stream", "stream_warps": 8}),   # streaming grid, 8 warps (two tiles: 32 values a thread)
+    (64, {}),                                        # default: fused register tile at 4 bits, split otherwise
     (64, {"method": "fused"}),                       # fused, 8192 values: the whole block one register tile
     (512, {"method": "fused", "reg_cap": 65536, "fused_warps": 16}),   # a 512-row block as one register tile
     (64, {"method": "split"}),                       # partial min/max kernel, then the pack kernel
     (512, {"method": "split"}),
-], ids=["default-t64", "stream-w8-t64", "fused-register-t64", "fused-register-t512",
+], ids=["default-t64", "fused-register-t64", "fused-register-t512",
         "split-t64", "split-t512"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
-    "auto", is the streaming kernel at T=64 and split at T=512)."""
+    "auto", is fused at T=64 and split at T=512)."""
     _check_quantize(bits, T, 128, tuning)
-
-
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
-@pytest.mark.parametrize("per_sm", [1, 2])
-def test_quantize_stream_programs_take_many_blocks(bits, per_sm):
-    """More blocks than the streaming grid's programs (2 per SM by default): each program quantizes
-    several blocks, prefetching the next, and the last ones read a clamped block past the end."""
-    from hi_sparse.kernels._launch import sm_count
-    n = 3 * per_sm * sm_count(torch.device("cuda")) + 5
-    _check_quantize(bits, 64, 128, {"method": "stream", "stream_per_sm": per_sm}, n=n)
 
 
 @pytest.mark.parametrize("bits", [5, 6, 8])
 @pytest.mark.parametrize("D", [40, 48, 96])
-@pytest.mark.parametrize("T,tuning", [(64, {"method": "fused"}), (50, {"method": "fused"}), (64, {"method": "split"}),
-                                      (50, {"method": "stream"})],
-                         ids=["fused-register", "fused-register-ragged", "split", "stream-ragged"])
+@pytest.mark.parametrize("T,tuning", [(64, {"method": "fused"}), (50, {"method": "fused"}), (64, {"method": "split"})],
+                         ids=["fused-register", "fused-register-ragged", "split"])
 def test_quantize_word_and_byte_stores(bits, D, T, tuning):
     """Whole-word stores where rows hold whole word groups (6 bits: D=48, 96; 5 bits: D=96, the last of
     4 padded quads masked off; 8 bits: every D) and the byte stores otherwise (D=40; 5 bits D=48)."""
     _check_quantize(bits, T, D, tuning)
 
 
-def _check_quantize(bits: int, T: int, D: int, tuning: dict, n: int = 37) -> None:
+def _check_quantize(bits: int, T: int, D: int, tuning: dict) -> None:
     from hi_sparse.kernels import _quant_triton as Q
+    n = 37
     x = (torch.randn(n, T, D, device="cuda") * torch.linspace(0.5, 20.0, n, device="cuda")[:, None, None])
     x = x.to(torch.bfloat16)
     x[-1] = 1.25                                     # a constant block: scale 0, every code 0
