@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import next_pow2, sm_count
+from ._launch import next_pow2
 
 
 @triton.jit
@@ -249,17 +249,6 @@ def _block_params(p_scale, p_zero, i_n, lo, hi, BITS: tl.constexpr, write):
 
 
 @triton.jit
-def _quantize_tile(b_x, m, i_n, p_packed, p_scale, p_zero, o_t, T, D, P,
-                   BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, WORDS: tl.constexpr):
-    """Quantize block i_n held as b_x (BLOCK_T, BLOCK_G, 8) fp32, valid where m (BLOCK_T, BLOCK_G)."""
-    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
-    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
-    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
-    _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
-                  BLOCK_T, BLOCK_G, WORDS)
-
-
-@triton.jit
 def _quantize_fused_kernel(
     p_x, p_packed, p_scale, p_zero, T, D, P,
     BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, WORDS: tl.constexpr,
@@ -273,40 +262,11 @@ def _quantize_fused_kernel(
     m = (o_t < T)[:, None] & (o_g < D // 8)[None, :]
     o_v = o_g[None, :, None] * 8 + o_i[None, None, :]      # value index in a row: 8 consecutive per group
     b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0).to(tl.float32)
-    _quantize_tile(b_x, m, i_n, p_packed, p_scale, p_zero, o_t, T, D, P, BITS, BLOCK_T, BLOCK_G, WORDS)
-
-
-@triton.jit
-def _quantize_stream_kernel(
-    p_x, p_packed, p_scale, p_zero, N, T, D, P,
-    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, WORDS: tl.constexpr,
-):
-    """D % 8 == 0, BLOCK_T >= T, a fixed grid of G programs: program i quantizes blocks i, i + G, ...
-
-    Each block is one register tile as in _quantize_fused_kernel, but the next block's tile is
-    loaded (into a second set of registers) before this one is reduced and packed: its HBM reads
-    are in flight during the packing. (The one-block-per-program kernel has no load in flight
-    while a program reduces and packs, so the bytes in flight per SM depend on how many programs
-    happen to be loading; offline sm_90 compiles show it does not spill and loads 16 bytes per
-    instruction at every bit width, so that latency exposure is the suspect.)
-    """
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    o_t = tl.arange(0, BLOCK_T)
-    o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, 8)
-    m = (o_t < T)[:, None] & (o_g < D // 8)[None, :]
-    o_x = o_t[:, None, None] * D + (o_g[None, :, None] * 8 + o_i[None, None, :])    # int32 within a block
-    b_next = tl.load(p_x + pid.to(tl.int64) * T * D + o_x, mask=m[:, :, None], other=0.0)    # grid <= N
-    for i in tl.range(pid, N, n_prog, num_stages=1):
-        b_x = b_next.to(tl.float32)
-        # the next block's tile is requested before this one is packed (its registers are only read
-        # in the next iteration); past the last block the last one is read again (clamped, not
-        # masked: a mask on the block index cost registers, 78 against 64 on sm_90)
-        i_next = tl.minimum(i + n_prog, N - 1)
-        b_next = tl.load(p_x + tl.cast(i_next, tl.int64) * T * D + o_x, mask=m[:, :, None], other=0.0)
-        _quantize_tile(b_x, m, tl.cast(i, tl.int64), p_packed, p_scale, p_zero, o_t, T, D, P, BITS, BLOCK_T,
-                       BLOCK_G, WORDS)
+    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
+    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
+    _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
+                  BLOCK_T, BLOCK_G, WORDS)
 
 
 @triton.jit
@@ -349,22 +309,18 @@ def _word_stores(d: int, bits: int) -> bool:
 
 def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 2048,
-             pack_warps: int = 4, stream_warps: int = 16,
-             stream_per_sm: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             pack_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
-    D % 8 == 0 runs method "stream" (a fixed grid of stream_per_sm programs per SM, each
-    quantizing every G-th block as one register tile of at most reg_cap padded values while the
-    next block's tile loads), "fused" (one program per block, same register tile, nothing loading
-    while it packs), "split" (partial min/max kernel, then a pack kernel: the input is read twice)
-    or "auto" (stream where the block fits reg_cap, else split; the choice before 2026-11-30's
-    offline analysis was fused at 4 bits, else split). Other D run the general kernel. The
-    keywords after method are benchmark tuning (0 = default).
+    D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
+    most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
+    read twice) or "auto" (the one measured faster for the block: fused at 4 bits, else split).
+    Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
     A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
     copy rate against split's 41-46 % (docs/BENCHMARKS.md) and was removed.
     """
-    if method not in ("auto", "stream", "fused", "split"):
-        raise ValueError(f"method={method!r} unknown; use 'auto', 'stream', 'fused' or 'split'")
+    if method not in ("auto", "fused", "split"):
+        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused' or 'split'")
     n, t, d = x.shape
     x = x.contiguous()
     p = (d * bits + 7) // 8
@@ -375,23 +331,14 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
     BLOCK_T, BLOCK_G = next_pow2(t), next_pow2(d // 8)
     fits = BLOCK_T * BLOCK_G * 8 <= reg_cap
     if method == "auto":
-        # offline sm_90 compiles (Triton 3.6 and 3.9): the one-program-per-block register tile
-        # does not spill and compiles alike at 4/5/6/8 bits, so its 5/6/8-bit shortfall on the
-        # H200 is put down to exposed load latency, which the streaming grid hides (not yet
-        # measured on the GPU: benchmarks/bench_kernels.py --only quant --sweep compares them)
-        method = "stream" if fits else "split"
-    if d % 8 == 0 and method in ("stream", "fused") and not fits:
-        raise ValueError(f"method={method!r} holds a block as one register tile of at most reg_cap={reg_cap} "
-                         f"values; a {t} x {d} block needs {BLOCK_T * BLOCK_G * 8}: raise reg_cap or use "
-                         "method='auto'")
-    if d % 8 == 0 and method == "stream":
-        # 16 warps: 16 values per thread at 64 x 128, two tiles live (64 registers on sm_90), so
-        # two programs fill an SM's 64 warps
-        grid = max(1, min(n, stream_per_sm * sm_count(x.device)))
-        _quantize_stream_kernel[(grid,)](x, packed, scale, zero, n, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
-                                         BLOCK_G=BLOCK_G, WORDS=words, num_warps=stream_warps)
-        return packed, scale, zero
+        # H200 (2026-11-30): a 4-bit block that fits one register tile is read once (61-63 % of the
+        # HBM copy rate); 5/6/8-bit register tiles measured 29-35 %, below split (41-46 %)
+        method = "fused" if bits == 4 and fits else "split"
     if d % 8 == 0 and method == "fused":
+        if not fits:
+            raise ValueError(f"method='fused' holds a block as one register tile of at most reg_cap={reg_cap} "
+                             f"values; a {t} x {d} block needs {BLOCK_T * BLOCK_G * 8}: raise reg_cap or use "
+                             "method='auto'")
         warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 > 8192 else 4)   # 8192 values: 4 warps best
         _quantize_fused_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
                                      BLOCK_G=BLOCK_G, WORDS=words, num_warps=warps)

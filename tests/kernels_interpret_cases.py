@@ -106,14 +106,14 @@ def _constant_block() -> None:
     _need(torch.equal(K.dequantize_blocks(packed, scale, zero, 6, 64), x), "constant block must round-trip exactly")
 
 
-def _fused_too_big(method: str) -> None:
+def _fused_too_big() -> None:
     from hi_sparse.kernels import _quant_triton
     try:
-        _quant_triton.quantize(torch.randn(1, 64, 128), 4, method=method, reg_cap=4096)
+        _quant_triton.quantize(torch.randn(1, 64, 128), 4, method="fused", reg_cap=4096)
     except ValueError as exc:
         _need("raise reg_cap or use method='auto'" in str(exc), f"unclear message: {exc}")
     else:
-        _need(False, f"a block over reg_cap must be refused by method={method!r}")
+        _need(False, "a block over reg_cap must be refused by method='fused'")
 
 
 def _dequantize(bits: int, d: int = 60) -> None:
@@ -191,14 +191,8 @@ CASES: dict[str, Callable[[], None]] = {
     # 12 groups padded to 16 (the last quad / pair masked off); D=40 (5 groups) stores bytes
     **{f"quantize-{b}bit-d96-t5": (lambda b=b: _quantize(b, 96, 5, method="fused")) for b in (5, 6)},
     **{f"quantize-{b}bit-d40-split": (lambda b=b: _quantize(b, 40, 7, method="split")) for b in (5, 6)},
-    # the streaming grid (method "stream", auto's choice for blocks of one register tile): 11 blocks
-    # over min(11, 2 per SM x 4 interpreter SMs) = 8 programs, so three programs take two blocks and
-    # the last one's clamped extra read is exercised; D=96 / D=24 cover masked quads and byte stores
-    **{f"quantize-{b}bit-d64-t16-stream": (lambda b=b: _quantize(b, 64, 16, 11, method="stream")) for b in (4, 5, 6, 8)},
-    **{f"quantize-{b}bit-d96-t5-stream": (lambda b=b: _quantize(b, 96, 5, 3, method="stream")) for b in (5, 6)},
-    "quantize-6bit-d24-stream": lambda: _quantize(6, 24, 9, 3, method="stream"),
     "quantize-constant-block": _constant_block,
-    **{f"quantize-{m}-too-big": (lambda m=m: _fused_too_big(m)) for m in ("fused", "stream")},
+    "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit-d64": (lambda b=b: _dequantize(b, 64)) for b in (4, 5, 6, 8)},
     **{f"dequantize-{b}bit-d7": (lambda b=b: _dequantize(b, 7)) for b in (4, 5, 6, 8)},
