@@ -51,8 +51,8 @@ class ImportanceProbe(nn.Module):
 
     def fit(self, keys: torch.Tensor, targets: torch.Tensor, steps: int = 100, lr: float = 0.05) -> float:
         """Distil: keys (N, D), soft targets (N,) in [0, 1]. Returns the final loss."""
-        x = keys.float()
-        y = targets.float().clamp(0, 1)
+        x = keys.float().to(self.fc1.weight.device)   # the probe lives on its layer's device
+        y = targets.float().to(x.device).clamp(0, 1)
         # positives are rare: weight them so they are not drowned by the negatives
         pos = (y > 0.5).float()
         w = 1.0 + pos * max(1.0, float((1 - pos).sum() / pos.sum().clamp_min(1)))
