@@ -166,6 +166,8 @@ def main() -> int:
     ap.add_argument("--split-gpus", type=int, default=1,
                     help="split the model's layers over this many GPUs (hi_sparse.split_layers); HiSparse then "
                          "keeps each layer's hot buffer on its layer's GPU")
+    ap.add_argument("--profile", action="store_true",
+                    help="after a --hisparse-batch run, profile 2 more decode steps (torch.profiler table)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -311,6 +313,13 @@ def main() -> int:
                         row["batched_decodes"] = eng.batched_decodes
                     if row is not first_row:
                         results["runs"].append(row)
+                    if args.profile and eng is not None and k == len(inputs) - 1 and repeat > 1:
+                        from torch.profiler import ProfilerActivity, profile
+                        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                            decode(model, cache, first, 2, device, repeat_token)
+                        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+                        row["profile_top_cpu"] = table
+                        print(table, flush=True)
                     print(json.dumps({k: v for k, v in row.items() if k != "decode_step_ms_all"}), flush=True)
                     save()
                 del cache

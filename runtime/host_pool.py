@@ -31,6 +31,25 @@ class QuantEvents:
     errors: list[float] = field(default_factory=list)
 
 
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock ``t`` in place for the GPU (cudaHostRegister), unregistered when it is freed.
+
+    torch's pinned allocator rounds every allocation up to a power of two, so a 1.5 GiB layer of
+    the pool would lock 2 GiB (a 96 GiB pool ~128 GiB, more than the lent host has); registering
+    the exact pages keeps what is locked equal to what is reported.
+    """
+    import weakref
+
+    cudart = torch.cuda.cudart()
+    ptr, size = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"could not page-lock {size / 2**30:.1f} GiB of host memory for the KV pool "
+                           f"(cudaHostRegister error {int(err)}): lower host_pool_blocks or host_kv_bits, "
+                           "or raise the locked-memory limit (ulimit -l)")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)   # the pool holds the base tensor until it grows
+
+
 class HostPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, pin: bool, host_kv_bits=None, error_budget: float = 0.02) -> None:
@@ -49,7 +68,10 @@ class HostPool:
 
     # -- storage -------------------------------------------------------------------------------
     def _empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, pin_memory=self.pin)
+        t = torch.zeros(shape, dtype=dtype)
+        if self.pin and t.numel():
+            _pin(t)
+        return t
 
     def _alloc(self, blocks: int, tails: int) -> None:
         rows, units, trows = blocks * self.H * self.bs, blocks * self.H, tails * self.H * self.bs
