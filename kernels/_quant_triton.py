@@ -64,9 +64,11 @@ def _quantize_kernel(
 @triton.jit
 def _rows_and_block_params(p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block,
                            GATHER: tl.constexpr):
-    """Source and destination rows (int64) of rows ``o_m``, and their blocks' scale and zero point."""
+    """Source and destination rows (int64) of rows ``o_m``, their blocks' scale and zero point, and
+    the row mask (a gathered source row of -1 is skipped)."""
     if GATHER:
         o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
+        m_m = m_m & (o_src >= 0)
         o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
     else:
         o_src = o_m.to(tl.int64)
@@ -74,7 +76,7 @@ def _rows_and_block_params(p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, ro
     o_blk = o_src // rows_per_block
     b_scale = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
     b_zero = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
-    return o_src, o_dst, b_scale, b_zero
+    return o_src, o_dst, b_scale, b_zero, m_m
 
 
 @triton.jit
@@ -87,7 +89,7 @@ def _dequant_rows_kernel(
     i_d = tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    o_src, o_dst, b_scale, b_zero = _rows_and_block_params(
+    o_src, o_dst, b_scale, b_zero, m_m = _rows_and_block_params(
         p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block, GATHER)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
@@ -281,7 +283,7 @@ def _dequant_grouped_kernel(
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    o_src, o_dst, b_scale, b_zero = _rows_and_block_params(
+    o_src, o_dst, b_scale, b_zero, m_m = _rows_and_block_params(
         p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block, GATHER)
     o_g = tl.arange(0, BLOCK_G)
     o_i = tl.arange(0, 8)

@@ -24,6 +24,7 @@ def _gather_rows_kernel(
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
     o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
+    m_m = m_m & (o_src >= 0)            # -1: no row (fixed-width lists of a graph-captured step)
     o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
     p_s = p_src + o_src[:, None] * stride_src
     p_d = p_dst + o_dst[:, None] * stride_dst

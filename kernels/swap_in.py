@@ -1,7 +1,8 @@
 """Swap-in: copy host-pool rows into hot-buffer slots, optionally dequantizing on the way.
 
 On CUDA the source is pinned host memory read by the kernel over UVA (no cudaMemcpy per row).
-swap_in:          src (R, W), dst (S, W), src_rows / dst_rows (M,): dst[dst_rows[i]] = src[src_rows[i]].
+swap_in:          src (R, W), dst (S, W), src_rows / dst_rows (M,): dst[dst_rows[i]] = src[src_rows[i]]
+                  (a source row of -1 copies nothing: fixed-width lists of a graph-captured step).
 swap_in_dequant:  packed (R, P) uint8 rows of `bits`-bit codes (one row = one token's D values,
                   P = ceil(D * bits / 8)), scale / zero (R // rows_per_block,) fp32;
                   dst (S, D) float: dst[dst_rows[i]] = code * scale[blk] + zero[blk],
@@ -31,7 +32,16 @@ def _device_path(src: torch.Tensor, dst: torch.Tensor, *index: torch.Tensor) -> 
     return use_triton(src, dst, *index)
 
 
+def _present(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs whose source row is not -1 (fixed-width row lists pad with -1)."""
+    keep = src_rows >= 0
+    if bool(keep.all()):
+        return src_rows, dst_rows
+    return src_rows[keep], dst_rows[keep.to(dst_rows.device)]
+
+
 def reference_swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    src_rows, dst_rows = _present(src_rows, dst_rows)
     rows = src.index_select(0, src_rows.to(src.device).long())
     dst.index_copy_(0, dst_rows.to(dst.device).long(), rows.to(dst.device, dst.dtype))
 
@@ -40,6 +50,7 @@ def reference_swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: t
                               rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor,
                               dst_rows: torch.Tensor) -> None:
     d = dst.shape[1]
+    src_rows, dst_rows = _present(src_rows, dst_rows)
     idx = src_rows.to(packed.device).long()
     codes = unpack_codes(packed.index_select(0, idx), bits, d).float()        # (M, D)
     blk = idx // rows_per_block

@@ -60,6 +60,26 @@ def _swap(W: int, dtype: torch.dtype) -> None:
           "rows outside dst_rows were written")
 
 
+def _swap_skip(bits: int | None) -> None:
+    """A source row of -1 copies nothing (fixed-width row lists of a graph-captured decode step)."""
+    d, t = 16, 8
+    dst = torch.full((6, d), float("nan"))
+    src_rows, dst_rows = torch.tensor([3, -1, 9, -1]), torch.tensor([0, 1, 2, 3])
+    if bits is None:
+        src = torch.randn(12, d)
+        K.swap_in(src, src_rows, dst, dst_rows)
+        ref = src[[3, 9]]
+    else:
+        packed, scale, zero = K.reference_quantize_blocks(torch.randn(2, t, d), bits)
+        flat = packed.reshape(2 * t, -1)
+        K.swap_in_dequant(flat, scale, zero, bits, t, src_rows, dst, dst_rows)
+        ref = torch.full((6, d), float("nan"))
+        K.reference_swap_in_dequant(flat, scale, zero, bits, t, src_rows, ref, dst_rows)
+        ref = ref[[0, 2]]
+    _need(torch.allclose(dst[[0, 2]], ref, rtol=1e-6, atol=1e-6), "present rows differ")
+    _need(bool(dst[[1, 3, 4, 5]].isnan().all()), "a -1 source row wrote its destination")
+
+
 def _swap_dequant(bits: int, d: int = 60) -> None:
     n, t = 3, 8
     x = torch.randn(n, t, d)
@@ -176,6 +196,8 @@ CASES: dict[str, Callable[[], None]] = {
     "attention-fp16-d64-single": lambda: _attention(2, 8, 4, 40, 64, 40, torch.float16, 5e-3),
     "swap_in-fp32-w60": lambda: _swap(60, torch.float32),
     "swap_in-uint8-w7": lambda: _swap(7, torch.uint8),
+    "swap_in-skips-minus-one": lambda: _swap_skip(None),
+    "swap_in_dequant-skips-minus-one": lambda: _swap_skip(4),
     **{f"swap_in_dequant-{b}bit": (lambda b=b: _swap_dequant(b)) for b in (4, 5, 6, 8)},
     **{f"swap_in_dequant-{b}bit-d64": (lambda b=b: _swap_dequant(b, 64)) for b in (4, 5, 6, 8)},
     **{f"quantize-{b}bit": (lambda b=b: _quantize(b)) for b in (4, 5, 6, 8)},
