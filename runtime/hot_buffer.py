@@ -188,7 +188,8 @@ class HotBufferState:
             self.prefetched[heads, slots] = True
         self.slot_stamp[heads, slots] = stamps
 
-    def insert(self, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
+    def insert(self, positions: torch.Tensor, end: int | None = None,
+               clock: torch.Tensor | None = None) -> torch.Tensor:
         """Make new tokens ``positions`` (T,) resident as MRU in every head (the last S if T > S).
 
         end: max(positions) + 1 when the caller knows it on the host (saves a device sync).
@@ -200,7 +201,8 @@ class HotBufferState:
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         h = self._heads[:, None].expand(-1, T)
         tok = positions[None].expand(self.H, -1)
-        stamps = (self.clock + torch.arange(T, device=self.device))[None].expand(self.H, -1)
+        base = self.clock if clock is None else clock     # a device clock: graph-capturable
+        stamps = (base + torch.arange(T, device=self.device))[None].expand(self.H, -1)
         self._install(h.reshape(-1), victims.reshape(-1), tok.reshape(-1), stamps.reshape(-1),
                       prefetched=False)
         self.clock += T
@@ -236,6 +238,70 @@ class HotBufferState:
         self.clock += 2 * K
         slot[mh, mk] = victims
         return Lookup(slot, mh, new_tok, victims, valid.sum(), hit.sum(), prefetch_used)
+
+    # -- fixed-width forms: no host sync, shapes known on the host (a CUDA graph can hold them) ----
+    def _install_masked(self, mask: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
+                        stamps: torch.Tensor, prefetched: bool) -> None:
+        """Where ``mask`` (H, M): evict what ``slots`` held and map ``tokens`` into them with
+        ``stamps``. Per-slot updates go through a spill column S; token -> slot updates add deltas
+        (entries outside the mask add 0, so their indices may be anything)."""
+        H, S = self.H, self.S
+        at = torch.where(mask, slots, S)
+        replaced = torch.zeros(H, S + 1, dtype=torch.bool, device=self.device).scatter_(1, at, True)[:, :S]
+        new_tok = torch.full((H, S + 1), -1, dtype=torch.int64, device=self.device).scatter_(1, at, tokens)[:, :S]
+        new_stamp = torch.zeros(H, S + 1, dtype=torch.int64, device=self.device).scatter_(1, at, stamps)[:, :S]
+        ts = self.token_slot
+        old = self.slot_token
+        old_at = old.clamp(min=0)
+        ts.scatter_add_(1, old_at, torch.where(replaced & (old >= 0), -1 - ts.gather(1, old_at), 0))
+        tok_at = torch.where(mask, tokens, 0)
+        ts.scatter_add_(1, tok_at, torch.where(mask, slots - ts.gather(1, tok_at), 0))
+        self.slot_token.copy_(torch.where(replaced, new_tok, old))
+        self.slot_stamp.copy_(torch.where(replaced, new_stamp, self.slot_stamp))
+        if prefetched:
+            self.prefetched.logical_or_(replaced)
+        else:
+            self.prefetched.logical_and_(~replaced)
+
+    def lookup_fixed(self, sel: torch.Tensor, clock: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`lookup` without host syncs: misses stay in place as masks over sel (H, K).
+
+        clock: this lookup's first stamp (0-dim device tensor, equal to ``self.clock``; the host
+        clock advances by the same 2K). Returns (slots (H, K), miss (H, K) bool, lookups, hits,
+        prefetch_used): a miss's token is sel and its new slot is slots.
+        """
+        H, S = self.H, self.S
+        K = sel.shape[1]
+        valid = sel >= 0
+        slot = torch.where(valid, self.token_slot.gather(1, sel.clamp(min=0)), -1)
+        hit = slot >= 0
+        miss = valid & ~hit
+        hit_at = torch.where(hit, slot, S)
+        ar = torch.arange(K, device=self.device).expand(H, -1)
+        hit_slot = torch.zeros(H, S + 1, dtype=torch.bool, device=self.device).scatter_(1, hit_at, True)[:, :S]
+        hit_stamp = torch.zeros(H, S + 1, dtype=torch.int64, device=self.device).scatter_(1, hit_at, clock + K + ar)
+        prefetch_used = (self.prefetched & hit_slot).sum()
+        rank = miss.long().cumsum(1) - 1
+        order = self._lru(torch.where(hit_slot, _NEVER, self.slot_stamp), K)       # LRU first
+        victims = order.gather(1, rank.clamp(min=0))
+        self._install_masked(miss, sel, victims, clock + ar, prefetched=False)
+        self.prefetched.logical_and_(~hit_slot)
+        self.slot_stamp.copy_(torch.where(hit_slot, hit_stamp[:, :S], self.slot_stamp))
+        self.clock += 2 * K
+        return torch.where(miss, victims, slot), miss, valid.sum(), hit.sum(), prefetch_used
+
+    def prefetch_fixed(self, tokens: torch.Tensor, limit: torch.Tensor,
+                       clock: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`prefetch` without host syncs: returns (loaded (H, P) bool, slots (H, P))."""
+        P = tokens.shape[1]
+        cand = (tokens >= 0) & (self.token_slot.gather(1, tokens.clamp(min=0)) < 0)
+        rank = cand.long().cumsum(1) - 1
+        cand &= rank < limit[:, None]
+        victims = self._lru(self.slot_stamp, P).gather(1, rank.clamp(min=0))
+        self._install_masked(cand, tokens, victims, clock + torch.arange(P, device=self.device).expand(self.H, -1),
+                             prefetched=True)
+        self.clock += P
+        return cand, victims
 
     def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load tokens (Hkv, P), -1 padded, ahead of need: at most ``limit`` (Hkv,) per head.

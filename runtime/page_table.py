@@ -54,7 +54,8 @@ class PageTable:
         p = self.seqs[seq_id]
         p.blocks.extend(blocks)
         p.num_tokens += new_tokens
-        p.version += 1
+        if blocks:               # the version names the block list (cached block tables)
+            p.version += 1
 
     def block_ids(self, seq_id: int) -> list[int]:
         """Physical block id per logical block (-1 for a hole)."""

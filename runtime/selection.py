@@ -80,26 +80,50 @@ def _select_ranked(scores: torch.Tensor, n_tokens: int, first, first_lo: int, w0
                    anchors: torch.Tensor, holes: torch.Tensor | None, prefetch_blocks: int, H: int) -> Selection:
     """Window, anchors and ranked blocks. first: an int or (H, 1) per head; first_lo <= every
     first (host); w0: the window start (host, the same for every head)."""
-    device = anchors.device
     nb = -(-n_tokens // bs)
-    win = torch.arange(w0, n_tokens, device=device)[None].expand(H, -1)
+    if holes is None:  # candidate blocks counted on the host (at most): no device sync
+        n_cand = max(0, min(nb, -(-w0 // bs)) - first_lo // bs)
+    else:
+        blk = torch.arange(nb, device=anchors.device)
+        n_cand = int(((blk * bs < w0) & ((blk + 1) * bs > first) & ~holes).sum())
+    return _rank(scores, n_tokens, first, w0, n_tokens - w0, top_k, bs, anchors, holes, prefetch_blocks, H,
+                 nb, n_cand, fixed=False)
+
+
+def select_fixed(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int, top_k: int,
+                 block_size: int, anchors: torch.Tensor, prefetch_blocks: int, n_cand: int) -> Selection:
+    """:func:`select` of a batch without host syncs and at fixed widths (a CUDA graph can hold it).
+
+    scores (H, NB) over heads of sequences that all hold ``n_tokens`` (0-dim device tensor) tokens,
+    more than ``top_k`` visible, with the window after ``first`` (H, 1); n_cand: an upper bound
+    on the candidate blocks before the window (host). Tokens are (H, window + A + top_k - window),
+    prefetch (H, prefetch_blocks * block_size), -1 padded: the same tokens as select in the same
+    order, with wider padding.
+    """
+    H, nb = scores.shape
+    return _rank(scores, n_tokens, first, n_tokens - window, window, top_k, block_size, anchors, None,
+                 prefetch_blocks, H, nb, n_cand, fixed=True)
+
+
+def _rank(scores, n_tokens, first, w0, window: int, top_k: int, bs: int, anchors: torch.Tensor, holes,
+          prefetch_blocks: int, H: int, nb: int, n_cand: int, fixed: bool) -> Selection:
+    """The ranked selection; n_tokens and w0 are ints or 0-dim device tensors, first an int or
+    (H, 1); window = n_tokens - w0 (host); fixed: output widths from the budget, not the data."""
+    device = anchors.device
+    win = (w0 + torch.arange(window, device=device))[None].expand(H, -1)
     anc = torch.where((anchors >= first) & (anchors < w0), anchors, -1)
     if holes is not None:
         anc = torch.where(holes[anc.clamp(min=0) // bs], -1, anc)
-    budget = top_k - win.shape[1] - (anc >= 0).sum(1)                        # (H,)
+    budget = top_k - window - (anc >= 0).sum(1)                              # (H,)
     # blocks that hold candidates: before the window, not holes
     blk = torch.arange(nb, device=device)
     cand_blk = (blk * bs < w0) & ((blk + 1) * bs > first)
     if holes is not None:
         cand_blk &= ~holes
     s = torch.where(cand_blk if cand_blk.dim() == 2 else cand_blk[None], scores.float(), float("-inf"))
-    if holes is None:  # candidate blocks counted on the host (at most): no device sync
-        n_cand = max(0, min(nb, -(-w0 // bs)) - first_lo // bs)
-    else:
-        n_cand = int(cand_blk.sum())
     # enough ranked blocks for the largest budget (top_k - window bounds it on the host: no sync),
     # anchors that may overlap them, a partial first block and the prefetch
-    take = min(n_cand, -(-(top_k - win.shape[1] + anc.shape[1]) // bs) + 2 + prefetch_blocks)
+    take = min(n_cand, -(-(top_k - window + anc.shape[1]) // bs) + 2 + prefetch_blocks)
     top = s.topk(take, dim=1).indices                                         # (H, take) ranked
     pos = (top[:, :, None] * bs + torch.arange(bs, device=device)).reshape(H, -1)  # rank order
     ok = (pos >= first) & (pos < w0) & torch.isfinite(s.gather(1, top)).repeat_interleave(bs, 1)
@@ -113,12 +137,15 @@ def _select_ranked(scores: torch.Tensor, n_tokens: int, first, first_lo: int, w0
     rank = ok.long().cumsum(1)                                                # 1-based among ok
     # kept: the first budget ok positions; prefetch: the next prefetch_blocks blocks' worth. Both
     # are runs of consecutive ranks, so each packs by a scatter to rank - offset (no sort); the
-    # widths of both come back in one host read
+    # widths of both come back in one host read (fixed: their upper bounds, no read)
     lim = budget + prefetch_blocks * bs
-    total = rank[:, -1] if rank.shape[1] else torch.zeros(H, dtype=torch.int64, device=device)
-    n_keep = torch.minimum(total, budget).clamp(min=0)
-    n_pf = (torch.minimum(total, lim) - n_keep).clamp(min=0)
-    w_keep, w_pf = torch.stack([n_keep.max(), n_pf.max()]).tolist() if H else (0, 0)
+    if fixed:
+        w_keep, w_pf = top_k - window, prefetch_blocks * bs
+    else:
+        total = rank[:, -1] if rank.shape[1] else torch.zeros(H, dtype=torch.int64, device=device)
+        n_keep = torch.minimum(total, budget).clamp(min=0)
+        n_pf = (torch.minimum(total, lim) - n_keep).clamp(min=0)
+        w_keep, w_pf = torch.stack([n_keep.max(), n_pf.max()]).tolist() if H else (0, 0)
     chosen = _scatter_pack(pos, ok & (rank <= budget[:, None]), rank - 1, w_keep)
     tokens = torch.cat([win, anc, chosen], 1)
     pf = ok & (rank > budget[:, None]) & (rank <= lim[:, None])

@@ -118,3 +118,36 @@ def test_newest_token_resident_and_invalidate():
     hb.invalidate(6, 9)
     assert not any(t in (6, 7, 8) for t in hb.slot_token.flatten().tolist())
     assert (hb.token_slot[:, 6:9] == -1).all()
+
+
+def test_fixed_width_lookup_and_prefetch_equal_the_compact_ones():
+    """lookup_fixed / prefetch_fixed (no host syncs: what a CUDA graph can hold) leave the same
+    state and give the same slots as lookup / prefetch, over a random run of selections."""
+    import torch
+
+    from hi_sparse.hot_buffer import HotBufferState
+
+    g = torch.Generator().manual_seed(3)
+    H, S, n = 3, 24, 200
+    a, b = HotBufferState(H, S, token_capacity=n), HotBufferState(H, S, token_capacity=n)
+    for step in range(40):
+        pos = torch.tensor([100 + step])
+        a.insert(pos, end=n)
+        b.insert(pos, end=n, clock=torch.tensor(b.clock))
+        K = 12
+        sel = torch.stack([torch.randperm(100 + step, generator=g)[:K] for _ in range(H)])
+        sel[:, -3:] = -1 if step % 2 else sel[:, -3:]
+        la = a.lookup(sel)
+        slots, miss, lookups, hits, used = b.lookup_fixed(sel, torch.tensor(b.clock))
+        assert torch.equal(la.slots, slots) and int(la.hits) == int(hits) and int(la.lookups) == int(lookups)
+        assert int(la.prefetch_used) == int(used) and int(miss.sum()) == la.miss_token.numel()
+        assert torch.equal(torch.sort(sel[miss]).values, torch.sort(la.miss_token).values)
+        pf = torch.stack([torch.randperm(100 + step, generator=g)[:5] for _ in range(H)])
+        limit = torch.tensor([5, 2, 0])
+        ph, pt, ps = a.prefetch(pf, limit)
+        loaded, pslots = b.prefetch_fixed(pf, limit, torch.tensor(b.clock))
+        assert torch.equal(torch.sort(pf[loaded]).values, torch.sort(pt).values)
+        assert torch.equal(torch.sort(pslots[loaded]).values, torch.sort(ps).values)
+        for name in ("slot_token", "slot_stamp", "prefetched", "token_slot"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+        assert a.clock == b.clock
