@@ -166,6 +166,8 @@ def main() -> int:
     ap.add_argument("--split-gpus", type=int, default=1,
                     help="split the model's layers over this many GPUs (hi_sparse.split_layers); HiSparse then "
                          "keeps each layer's hot buffer on its layer's GPU")
+    ap.add_argument("--graphs", action="store_true",
+                    help="HiSparse with decode_graphs=True (each layer's batched decode step replayed from a CUDA graph)")
     ap.add_argument("--profile", action="store_true",
                     help="after a --hisparse-batch run, profile 2 more decode steps (torch.profiler table)")
     ap.add_argument("--json", default=None)
@@ -262,7 +264,8 @@ def main() -> int:
                     hs.enable_hisparse_kv_cache(model, max_seq_len=ctx + 4 * args.decode_steps,
                                                 block_size=args.block_size, window_size=args.window,
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
-                                                audit_every=0, name="e2e", host_pool_blocks=pool_blocks)
+                                                audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
+                                                decode_graphs=args.graphs and device == "cuda")
                     cache = None
                 t0 = time.perf_counter()
                 out, cache = prefill(model, ids, cache, max(1, args.chunk // ids.shape[0]))

@@ -33,6 +33,7 @@ from hi_sparse.kernels import (block_bounds, block_scores, sparse_decode_attenti
 
 from . import __version__
 from .audit import audit_hits
+from .batch_step import BatchStep
 from .block_pool import BlockPool
 from .config import HiSparseConfig
 from .host_pool import HostPool
@@ -187,6 +188,7 @@ class HiSparseEngine:
         # each layer's probe lives on its layer's device (decode scores new keys where they are)
         self.probes = [ImportanceProbe(head_dim, seed=cfg.seed + i).to(ld[i]) for i in range(num_layers)]
         self._batch_cache: dict = {}    # per batch of sequences: block tables, tails, firsts
+        self._steps: dict = {}          # per batch of sequences: its sync-free step (batch_step.py)
         self.seqs: dict[int, _Seq] = {}
         self._removed: dict[int, tuple[float, _Seq, SequencePages]] = {}
         self._next_id = 0
@@ -534,7 +536,9 @@ class HiSparseEngine:
         if T == 1:
             seqs = [self._seq(sid) for sid in seq_ids]
             if self._batchable(layer, seqs):
-                self._append_batch(layer, seqs, k.to(dev, self.dtype), v.to(dev, self.dtype))
+                k, v = k.to(dev, self.dtype), v.to(dev, self.dtype)
+                if not self._append_static(layer, seqs, k, v):
+                    self._append_batch(layer, seqs, k, v)
                 return
         for b, sid in enumerate(seq_ids):
             s = self._seq(sid)
@@ -611,6 +615,80 @@ class HiSparseEngine:
         self._batch_cache[key] = (versions, meta)
         return meta
 
+    def _static_ok(self) -> bool:
+        """The sync-free batch step needs every host unit at one known width (or none)."""
+        return not self.host.quantized or self.host.fixed_bits is not None
+
+    def _step_of(self, seqs: list[_Seq], dev: torch.device) -> BatchStep:
+        key = (dev, tuple(s.seq_id for s in seqs))
+        st = self._steps.get(key)
+        if st is None or st.r0 != seqs[0].row:
+            if len(self._steps) > 8:
+                self._steps.clear()
+            st = self._steps[key] = BatchStep(self, seqs, dev)
+        st.refresh_tables(seqs)
+        return st
+
+    def _extend_pages(self, seqs: list[_Seq], n: int) -> None:
+        for s in seqs:
+            have = self.pages.num_tokens(s.seq_id)
+            if n > have:
+                need = self.pages.blocks_needed(s.seq_id, n - have)
+                self.pages.extend(s.seq_id, n - have, self._allocate(s, need) if need else [])
+                self._grow_seq_meta(s, -(-n // self.bs))
+
+    def _append_static(self, layer: int, seqs: list[_Seq], k: torch.Tensor, v: torch.Tensor) -> bool:
+        """The batch's token through the sync-free body (batch_step.py); False when this step
+        needs the eager batch path (a quantized pool's block fills: it is quantized)."""
+        cfg, bs, dev = self.cfg, self.bs, self.layer_devices[layer]
+        B, p0 = len(seqs), seqs[0].n[layer]
+        n = p0 + 1
+        if not self._static_ok() or (self.host.quantized and n % bs == 0):
+            return False
+        if n > cfg.max_seq_len:
+            raise ValueError(f"sequence {seqs[0].seq_id} would hold {n} tokens, more than max_seq_len="
+                             f"{cfg.max_seq_len}; raise max_seq_len")
+        self._extend_pages(seqs, n)
+        self._grow_bounds(layer, -(-n // bs))
+        hot = self.hot_banks[layer]
+        hot.ensure_tokens(n)
+        st = self._step_of(seqs, dev)
+        c0 = hot.clock
+        st.run(layer, "append", st.key(layer), p0, c0, st.append_body, k, v)
+        hot.clock = c0 + 1
+        if dev.type == "cuda" and self.host.pin:
+            self.host._device_wrote = True
+        store = self.host.layers[layer]
+        self._stats.backup_bytes += 2 * k.numel() * store["k_tail" if self.host.quantized else "k"].element_size()
+        for b, s in enumerate(seqs):
+            s.n[layer] = n
+            self._last_kv[layer][s.seq_id] = (k[b], v[b])
+        if layer == 0:
+            self._stats.tokens_decode += B
+            self.recal.on_tokens(B)
+        return True
+
+    def _attend_static(self, layer: int, seqs: list[_Seq], q: torch.Tensor) -> torch.Tensor:
+        """The batch's sparse decode attention through the sync-free body (batch_step.py)."""
+        cfg, bs, H = self.cfg, self.bs, self.Hkv
+        n = seqs[0].n[layer]
+        nb = -(-n // bs)
+        limit = -(-(n - cfg.window_size) // bs)
+        st = self._step_of(seqs, self.layer_devices[layer])
+        n_cand = max(0, min(nb, limit) - st.first_lo // bs)
+        hot = self.hot_banks[layer]
+        c0 = hot.clock
+        out, tokens = st.run(layer, "attend", st.key(layer, nb, limit, n_cand), n, c0, st.attend_body, q, nb,
+                             limit, n_cand)
+        hot.clock = c0 + 2 * tokens.shape[1] + cfg.prefetch_blocks * bs
+        if two_level_pays(nb, cfg.bound_group, self.n_super):
+            self.two_level_scores += len(seqs)
+        R = cfg.recalibrate_queries
+        for b, s in enumerate(seqs):
+            s.last_selection[layer] = tokens[b * H:(b + 1) * H]
+            s.q_count[layer] = min(R, s.q_count[layer] + 1)
+        return out
+
     def _append_batch(self, layer: int, seqs: list[_Seq], k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token for each of B sequences of one length in consecutive rows, k, v
         (B, Hkv, 1, D) on the layer's device: backed up, bounded, made hot, scored as an
@@ -621,12 +699,7 @@ class HiSparseEngine:
         if n > cfg.max_seq_len:
             raise ValueError(f"sequence {seqs[0].seq_id} would hold {n} tokens, more than max_seq_len="
                              f"{cfg.max_seq_len}; raise max_seq_len")
-        for s in seqs:
-            have = self.pages.num_tokens(s.seq_id)
-            if n > have:
-                need = self.pages.blocks_needed(s.seq_id, n - have)
-                self.pages.extend(s.seq_id, n - have, self._allocate(s, need) if need else [])
-                self._grow_seq_meta(s, -(-n // bs))
+        self._extend_pages(seqs, n)
         kf, vf = k[:, :, 0], v[:, :, 0]                                        # (B, H, D)
         heads = self._head_base[layer][:, 0] // self.S                         # (H,) 0..H-1
         if not self.host.quantized or n % bs:
@@ -835,7 +908,7 @@ class HiSparseEngine:
         """q (B, Hq, D) -> (B, Hq, D) over each sequence's selected hot-buffer slots."""
         seqs = [self.seqs[sid] for sid in seq_ids]
         if self._batchable(layer, seqs, attend=True):
-            out = self._attend_batch(layer, seqs, q)
+            out = self._attend_static(layer, seqs, q) if self._static_ok() else self._attend_batch(layer, seqs, q)
             self.batched_decodes += 1
         else:
             out = self._attend_each(layer, seq_ids, q)

@@ -218,6 +218,14 @@ class HostPool:
             return
         self._host_visible()
         H, bs = self.H, self.bs
+        if src == list(range(src[0], src[0] + len(src))) and dst == list(range(dst[0], dst[0] + len(dst))):
+            # consecutive blocks (a fresh or sized pool): one slice copy per tensor
+            for store in self.layers:
+                for name, t in store.items():
+                    if not name.endswith("_tail"):
+                        per = H if name.endswith(("scale", "zero", "bits")) else H * bs
+                        t[dst[0] * per:(dst[0] + len(dst)) * per].copy_(t[src[0] * per:(src[0] + len(src)) * per])
+            return
         s, d = torch.tensor(src), torch.tensor(dst)
         units_s = (s[:, None] * H + torch.arange(H)).reshape(-1)
         units_d = (d[:, None] * H + torch.arange(H)).reshape(-1)

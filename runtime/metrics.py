@@ -17,7 +17,7 @@ import torch
 from easymats import catalogue, telemetry
 
 DEVICE_COUNTERS = ("hot_buffer_lookups", "hot_buffer_hits", "prefetch_used", "kv_tokens_used",
-                   "kv_tokens_loaded")
+                   "kv_tokens_loaded", "prefetch_issued", "swap_in_bytes")
 
 
 def _hist(name: str) -> telemetry.Histogram:
@@ -69,8 +69,8 @@ class DeviceCounters:
         self.acc = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=device)
 
     def add(self, *values: torch.Tensor) -> None:
-        """values in DEVICE_COUNTERS order (0-dim tensors or ints)."""
-        self.acc += torch.stack([torch.as_tensor(v, device=self.acc.device).reshape(()) for v in values])
+        """values in DEVICE_COUNTERS order (0-dim tensors or ints; the first len(values) counters)."""
+        self.acc[:len(values)] += torch.stack([torch.as_tensor(v, device=self.acc.device).reshape(()) for v in values])
 
     def flush_into(self, stats: RuntimeStats) -> None:
         vals = self.acc.tolist()

@@ -49,6 +49,14 @@ def test_batched_decode_equals_one_by_one_on_cuda(bits, group, meta):
     _compare(bits, group, "cuda", torch.bfloat16, 2e-2, metadata_device=meta)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [None, 4])
+def test_batched_decode_through_cuda_graphs_equals_one_by_one(bits):
+    """decode_graphs=True: each layer's batch step is captured once per shape key and replayed."""
+    batched = _compare(bits, 2, "cuda", torch.bfloat16, 2e-2, decode_graphs=True)
+    assert any(st.graphs for st in batched._steps.values())
+
+
 def _compare(bits, group, device, dtype, tol, **kw):
     torch.manual_seed(7)
     B, P, steps = 3, 400 if group > 1 else 150, 20   # two-level pays from 4 x n_super x group blocks
@@ -85,6 +93,7 @@ def _compare(bits, group, device, dtype, tol, **kw):
     assert batched.stats.anchors > 0                                 # the fitted probe pinned anchors
     if group > 1:
         assert batched.two_level_scores > 0
+    return batched
 
 
 def test_mixed_lengths_and_rows_fall_back_to_one_by_one():
