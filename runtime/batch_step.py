@@ -41,6 +41,7 @@ class BatchStep:
         self.n = torch.zeros(eng.L, 2, dtype=torch.int64, device=device)      # per layer: n, clock
         self.graphs: dict[tuple[int, str], tuple[tuple, object, object]] = {}
         self.inputs: dict[tuple[int, str], list] = {}
+        self.outputs: dict[tuple[int, str], tuple] = {}
         self.warm: set = set()
         self.pool = None
 
@@ -75,18 +76,27 @@ class BatchStep:
         have = self.graphs.get(slot)
         if have is not None and have[0] == key:
             have[1].replay()
-            return have[2]
+            return self.outputs.get(slot)
         if (slot, key) not in self.warm:         # first sight: eager (compiles, cuBLAS workspaces)
             self.warm.add((slot, key))
-            return body(layer, *args)
+            out = body(layer, *args)
+            if out is not None:                  # its outputs' shapes size the graph's output buffers
+                self.outputs[slot] = tuple(torch.empty_like(o) for o in out)
+            return out
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        # The graphs share one memory pool, which is safe for what lives only during a replay;
+        # outputs outlive it (the caller reads them after later layers' replays), so the graph
+        # copies them into buffers allocated outside the pool.
         with torch.cuda.graph(graph, pool=self.pool):
             out = body(layer, *args)
-        self.graphs[slot] = (key, graph, out)
+            if out is not None:
+                for o, b in zip(out, self.outputs[slot]):
+                    b.copy_(o)
+        self.graphs[slot] = (key, graph)
         graph.replay()                            # capture records, it does not run
-        return out
+        return self.outputs.get(slot)
 
     def key(self, layer: int, *shape) -> tuple:
         """What a captured body depends on beyond its device scalars: host-side shapes and the

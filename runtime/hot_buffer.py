@@ -176,7 +176,8 @@ class HotBufferState:
         at = old.clamp(min=0)
         delta = torch.where(gone, -1 - self.token_slot[heads, at], 0)
         self.token_slot.index_put_((heads, at), delta, accumulate=True)
-        self.prefetched[heads, slots] = False
+        # a device scalar, not a Python bool: no host copy (a CUDA graph can hold it)
+        self.prefetched.index_put_((heads, slots), torch.zeros((), dtype=torch.bool, device=self.device))
 
     def _install(self, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
                  stamps: torch.Tensor, prefetched: bool) -> None:
@@ -185,7 +186,7 @@ class HotBufferState:
         self.slot_token[heads, slots] = tokens
         self.token_slot[heads, tokens] = slots
         if prefetched:
-            self.prefetched[heads, slots] = True
+            self.prefetched.index_put_((heads, slots), torch.ones((), dtype=torch.bool, device=self.device))
         self.slot_stamp[heads, slots] = stamps
 
     def insert(self, positions: torch.Tensor, end: int | None = None,
