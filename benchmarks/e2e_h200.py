@@ -166,8 +166,8 @@ def main() -> int:
     ap.add_argument("--split-gpus", type=int, default=1,
                     help="split the model's layers over this many GPUs (hi_sparse.split_layers); HiSparse then "
                          "keeps each layer's hot buffer on its layer's GPU")
-    ap.add_argument("--graphs", action="store_true",
-                    help="HiSparse with decode_graphs=True (each layer's batched decode step replayed from a CUDA graph)")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
                     help="after a --hisparse-batch run, profile 2 more decode steps (torch.profiler table)")
     ap.add_argument("--json", default=None)
@@ -265,7 +265,7 @@ def main() -> int:
                                                 block_size=args.block_size, window_size=args.window,
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
-                                                decode_graphs=args.graphs and device == "cuda")
+                                                decode_graphs=not args.no_graphs)
                     cache = None
                 t0 = time.perf_counter()
                 out, cache = prefill(model, ids, cache, max(1, args.chunk // ids.shape[0]))

@@ -13,6 +13,8 @@ counters that live on the host) stays outside the bodies and runs every step.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hi_sparse.kernels import block_scores, sparse_decode_attention, two_level_candidates, two_level_pays
@@ -42,6 +44,7 @@ class BatchStep:
         self.graphs: dict[tuple[int, str], tuple[tuple, object, object]] = {}
         self.inputs: dict[tuple[int, str], list] = {}
         self.outputs: dict[tuple[int, str], tuple] = {}
+        self.no_graphs = False
         self.warm: set = set()
         self.pool = None
 
@@ -63,7 +66,7 @@ class BatchStep:
         Tensor arguments are copied into buffers the graph reads. Returns the body's output."""
         self.n[layer, 0].fill_(n)
         self.n[layer, 1].fill_(clock)
-        if not (self.eng.cfg.decode_graphs and self.dev.type == "cuda"):
+        if not (self.eng.cfg.decode_graphs and self.dev.type == "cuda") or self.no_graphs:
             return body(layer, *args)
         slot = (layer, kind)
         bufs = self.inputs.get(slot)
@@ -89,11 +92,18 @@ class BatchStep:
         # The graphs share one memory pool, which is safe for what lives only during a replay;
         # outputs outlive it (the caller reads them after later layers' replays), so the graph
         # copies them into buffers allocated outside the pool.
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = body(layer, *args)
-            if out is not None:
-                for o, b in zip(out, self.outputs[slot]):
-                    b.copy_(o)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = body(layer, *args)
+                if out is not None:
+                    for o, b in zip(out, self.outputs[slot]):
+                        b.copy_(o)
+        except RuntimeError as exc:   # decode on without graphs rather than stop serving
+            warnings.warn(f"HiSparse: CUDA graph capture of the batched decode step failed ({exc}); this batch "
+                          "decodes without graphs (set decode_graphs=False to silence this)", RuntimeWarning,
+                          stacklevel=2)
+            self.no_graphs = True
+            return body(layer, *args)
         self.graphs[slot] = (key, graph)
         graph.replay()                            # capture records, it does not run
         return self.outputs.get(slot)

@@ -43,8 +43,8 @@ class HiSparseConfig:
                                          # (1 = always score every block)
     batch_decode: bool = True            # decode sequences of one length in consecutive rows as one
                                          # batch (False: one by one, the reference path)
-    decode_graphs: bool = False          # CUDA: replay each layer's batched decode step from a
-                                         # captured CUDA graph (host-side launch cost once)
+    decode_graphs: bool = True           # CUDA: replay each layer's batched decode step from a
+                                         # captured CUDA graph (False: launch its kernels each step)
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand

@@ -349,6 +349,10 @@ class HiSparseEngine:
             self._removed[sid] = (now, s, pages)
             for layer in range(self.L):
                 self._last_kv[layer].pop(sid, None)
+        gone = set(seq_ids)    # batch state (graphs, buffers) of batches that held these sequences
+        for cache in (self._steps, self._batch_cache):
+            for key in [k for k in cache if gone & set(k[1])]:
+                del cache[key]
         self._expire_removed(now)
         self._publish()
 
