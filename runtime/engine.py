@@ -134,6 +134,14 @@ def _layer_devices(layer_devices: Sequence[torch.device | str] | None, num_layer
     return devices
 
 
+def _device_sum(counts: list[torch.Tensor]) -> int:
+    """Sum of 0-dim counts that may live on several devices: one host read per device."""
+    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    for c in counts:
+        by_dev.setdefault(c.device, []).append(c)
+    return sum(int(torch.stack(cs).sum()) for cs in by_dev.values())
+
+
 class HiSparseEngine:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -345,6 +353,7 @@ class HiSparseEngine:
             pages = self.pages.remove(sid)
             self._free_rows.append(s.row)
             s.saved = [b.save(s.row) for b in self.banks]  # the row goes back; metadata is kept
+            self._reset_row(s.row)
             s.hot = []  # device slots go back with the row; a resumed sequence starts cold
             self._removed[sid] = (now, s, pages)
             for layer in range(self.L):
@@ -1107,7 +1116,9 @@ class HiSparseEngine:
             counters.flush_into(st)
         st.sequences = len(self.seqs)
         st.context_tokens = sum(max(s.n) for s in self.seqs.values())
-        st.anchors = sum(int((a >= 0).sum()) for s in self.seqs.values() for a in s.anchors)
+        # one reduction per layer bank and one read-back per device, not one per sequence and layer
+        # (freed rows are reset, so whole banks count only live sequences)
+        st.anchors = _device_sum([(b.t["anchors"] >= 0).sum() for b in self.banks])
         ctx = max((max(s.n) for s in self.seqs.values()), default=0)
         st.anchor_threshold = probe_threshold(ctx, self.cfg.threshold_base, self.cfg.threshold_min,
                                               self.cfg.threshold_max)
@@ -1118,7 +1129,7 @@ class HiSparseEngine:
         st.blocks_limit = self.cfg.host_pool_blocks or 0
         st.block_allocations, st.block_recycles = self.pool.allocations, self.pool.recycles
         st.block_reclaims = self.pool.reclaims
-        st.hot_buffer_resident = sum(hb.resident() for s in self.seqs.values() for hb in s.hot)
+        st.hot_buffer_resident = _device_sum([(hb.slot_token >= 0).sum() for hb in self.hot_banks])
         st.hot_buffer_capacity = len(self.seqs) * self.L * self.Hkv * self.S
         st.memory = self.memory_bytes()
 

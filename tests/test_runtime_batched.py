@@ -149,6 +149,11 @@ def test_forked_sequences_continue_like_independent_copies(bits):
     assert forked.batched_decodes > 0 and forked._steps
     forked.free_sequences(ids_f[1:])          # the batch's step state (graphs, buffers) goes with them
     assert forked._steps and not any(set(k[1]) & set(ids_f[1:]) for k in forked._steps)
+    # whole-bank gauges count the live sequence only (freed rows are reset)
+    left = forked.seqs[ids_f[0]]
+    st = forked.stats
+    assert st.hot_buffer_resident == sum(hb.resident() for hb in left.hot) > 0
+    assert st.anchors == sum(int((a >= 0).sum()) for a in left.anchors) > 0
 
 
 def test_fork_errors_name_the_fix():
