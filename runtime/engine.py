@@ -211,6 +211,7 @@ class HiSparseEngine:
         self.decode_steps = 0
         self.audits: list[tuple[int, int, int, int, int]] = []  # (step, layer, head, lookups, hits)
         self._step_t0: float | None = None
+        self._gauges_at = float("-inf")
         self._step_decoded = False
         self._audit_at: tuple[int, int] | None = None
         self._last_kv: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_layers)]
@@ -1110,7 +1111,9 @@ class HiSparseEngine:
         self._refresh_stats()
         return self._stats
 
-    def _refresh_stats(self) -> None:
+    def _refresh_stats(self, gauges: bool = True) -> None:
+        """Counters always; with ``gauges`` also the device-side gauges (anchors, hot-buffer
+        residency: a reduction per layer), which publishing refreshes at most every 50 ms."""
         st = self._stats
         for counters in self._counters.values():  # one read-back per device, summed into st
             counters.flush_into(st)
@@ -1118,7 +1121,10 @@ class HiSparseEngine:
         st.context_tokens = sum(max(s.n) for s in self.seqs.values())
         # one reduction per layer bank and one read-back per device, not one per sequence and layer
         # (freed rows are reset, so whole banks count only live sequences)
-        st.anchors = _device_sum([(b.t["anchors"] >= 0).sum() for b in self.banks])
+        if gauges:
+            st.anchors = _device_sum([(b.t["anchors"] >= 0).sum() for b in self.banks])
+            st.hot_buffer_resident = _device_sum([(hb.slot_token >= 0).sum() for hb in self.hot_banks])
+            self._gauges_at = time.monotonic()
         ctx = max((max(s.n) for s in self.seqs.values()), default=0)
         st.anchor_threshold = probe_threshold(ctx, self.cfg.threshold_base, self.cfg.threshold_min,
                                               self.cfg.threshold_max)
@@ -1129,7 +1135,6 @@ class HiSparseEngine:
         st.blocks_limit = self.cfg.host_pool_blocks or 0
         st.block_allocations, st.block_recycles = self.pool.allocations, self.pool.recycles
         st.block_reclaims = self.pool.reclaims
-        st.hot_buffer_resident = _device_sum([(hb.slot_token >= 0).sum() for hb in self.hot_banks])
         st.hot_buffer_capacity = len(self.seqs) * self.L * self.Hkv * self.S
         st.memory = self.memory_bytes()
 
@@ -1152,7 +1157,7 @@ class HiSparseEngine:
 
     def _publish(self, force: bool = False) -> None:
         if self.publisher.due(force):
-            self._refresh_stats()
+            self._refresh_stats(gauges=force or time.monotonic() - self._gauges_at >= 0.05)
             self.publisher.publish(self._stats)
 
     def selection(self, layer: int, seq_id: int) -> torch.Tensor | None:
