@@ -157,6 +157,9 @@ def main() -> int:
                     help="comma list of sequence counts: prefill one --batch-context sequence with host_kv_bits=4 "
                          "(a host pool sized for them), fork it (cache.batch_repeat_interleave) and time "
                          "aggregate decode of all, greedy and on a repeated token")
+    ap.add_argument("--batch-telemetry", action="store_true",
+                    help="with --hisparse-batch: also the same batch with telemetry on and easymats attached at 10 Hz "
+                         "(greedy), for the on-vs-off decode step")
     ap.add_argument("--dense-batch", type=int, default=0,
                     help="with --hisparse-batch: dense at this many --batch-context sequences (cache replicated)")
     ap.add_argument("--dense-max-context", type=int, default=0,
@@ -358,7 +361,17 @@ def main() -> int:
         ctx = args.batch_context
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
         blocks = n * -(-(ctx + 4 * args.decode_steps) // args.block_size)   # every sequence's own blocks
-        measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks)
+        off = measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks)
+        if args.batch_telemetry:
+            on = measure("hisparse-int4+easymats", 4, ids, repeat=n, pool_blocks=blocks)
+            greedy_off = [r for r in results["runs"] if r["variant"] == "hisparse-int4" and r["batch"] == n
+                          and r.get("decode_input") == "greedy" and "error" not in r]
+            if greedy_off and "error" not in on and "error" not in off:
+                pct = 100 * (on["decode_step_ms_median"] / greedy_off[-1]["decode_step_ms_median"] - 1)
+                results.setdefault("batch_telemetry_overhead_pct", {})[n] = pct
+                print(f"telemetry on + easymats at 10 Hz vs off, {n} x {ctx}: decode step "
+                      f"{on['decode_step_ms_median']:.2f} vs {greedy_off[-1]['decode_step_ms_median']:.2f} ms "
+                      f"({pct:+.2f} %); agent {on.get('agent')}", flush=True)
     if args.dense_batch:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         measure("dense", None, ids, repeat=args.dense_batch, inputs=(False, True))

@@ -21,11 +21,14 @@ def _run(tmp_path, *args):
 def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
     p, res = _run(tmp_path, "--contexts", "256", "--decode-steps", "3", "--variants", "dense,hisparse-int4",
                   "--telemetry-check", "--batch", "2", "--batch-context", "128", "--hisparse-batch", "3",
-                  "--dense-batch", "3")
+                  "--dense-batch", "3", "--batch-telemetry")
     assert p.returncode == 0, p.stderr[-2000:]
     assert res["check"]["rel_max_err"] <= res["check"]["tolerance"]
     rows = {(r["variant"], r["batch"], r["decode_input"]): r for r in res["runs"]}
     forked = [rows.pop(("hisparse-int4", 3, i)) for i in ("greedy", "repeated token")]
+    on = rows.pop(("hisparse-int4+easymats", 3, "greedy"))       # the batch with telemetry and the agent
+    assert "error" not in on and on["agent"]["alive_at_end"] and on["agent"]["log_lines"] >= 3, on.get("agent")
+    assert 3 in res["batch_telemetry_overhead_pct"] or "3" in res["batch_telemetry_overhead_pct"]
     dense = [rows.pop(("dense", 3, i)) for i in ("greedy", "repeated token")]
     rows = {(v, b): r for (v, b, _), r in rows.items()}
     assert set(rows) == {("dense", 1), ("hisparse-int4", 1), ("hisparse+easymats", 1), ("dense", 2), ("hisparse", 2)}
