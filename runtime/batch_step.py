@@ -41,11 +41,11 @@ class BatchStep:
         self.flat_heads = torch.arange(self.r0 * H, (self.r0 + self.B) * H, device=device)
         self.bh = torch.arange(self.B * H, device=device)[:, None]            # (B*H, 1) batch head
         self.n = torch.zeros(eng.L, 2, dtype=torch.int64, device=device)      # per layer: n, clock
-        self.graphs: dict[tuple[int, str], tuple[tuple, object, object]] = {}
+        self.graphs: dict[tuple[int, str], tuple[tuple, torch.cuda.CUDAGraph]] = {}   # slot -> (key, graph)
         self.inputs: dict[tuple[int, str], list] = {}
         self.outputs: dict[tuple[int, str], tuple] = {}
         self.no_graphs = False
-        self.warm: set = set()
+        self.warm: dict[tuple[int, str], tuple] = {}    # slot -> the key last run eagerly
         self.pool = None
 
     def refresh_tables(self, seqs: list) -> None:
@@ -80,8 +80,8 @@ class BatchStep:
         if have is not None and have[0] == key:
             have[1].replay()
             return self.outputs.get(slot)
-        if (slot, key) not in self.warm:         # first sight: eager (compiles, cuBLAS workspaces)
-            self.warm.add((slot, key))
+        if self.warm.get(slot) != key:           # first sight: eager (compiles, cuBLAS workspaces)
+            self.warm[slot] = key
             out = body(layer, *args)
             if out is not None:                  # its outputs' shapes size the graph's output buffers
                 self.outputs[slot] = tuple(torch.empty_like(o) for o in out)
