@@ -82,33 +82,13 @@ class _Seq:
     # per layer, views of this sequence's row in the layer's RowBank: key bounds per block
     # (Hkv, NB, D), per super-block (Hkv, NS, D), anchors (Hkv, A) and their probabilities,
     # recent queries (R, Hq, D)
-    @property
-    def kmin(self) -> RowView:
-        return RowView(self.banks, "kmin", self)
-
-    @property
-    def kmax(self) -> RowView:
-        return RowView(self.banks, "kmax", self)
-
-    @property
-    def smin(self) -> RowView:
-        return RowView(self.banks, "smin", self)
-
-    @property
-    def smax(self) -> RowView:
-        return RowView(self.banks, "smax", self)
-
-    @property
-    def anchors(self) -> RowView:
-        return RowView(self.banks, "anchors", self)
-
-    @property
-    def anchor_p(self) -> RowView:
-        return RowView(self.banks, "anchor_p", self)
-
-    @property
-    def queries(self) -> RowView:
-        return RowView(self.banks, "queries", self)
+    kmin = property(lambda self: RowView(self.banks, "kmin", self))
+    kmax = property(lambda self: RowView(self.banks, "kmax", self))
+    smin = property(lambda self: RowView(self.banks, "smin", self))
+    smax = property(lambda self: RowView(self.banks, "smax", self))
+    anchors = property(lambda self: RowView(self.banks, "anchors", self))
+    anchor_p = property(lambda self: RowView(self.banks, "anchor_p", self))
+    queries = property(lambda self: RowView(self.banks, "queries", self))
 
 
 def _normalize(device: torch.device | str) -> torch.device:

@@ -126,21 +126,10 @@ class HotBufferState:
         self.ensure_tokens(token_capacity)
 
     # the bank's rows of these heads (views: in-place updates land in the bank)
-    @property
-    def slot_token(self) -> torch.Tensor:
-        return self._bank.slot_token[self._h0:self._h0 + self.H]
-
-    @property
-    def slot_stamp(self) -> torch.Tensor:
-        return self._bank.slot_stamp[self._h0:self._h0 + self.H]
-
-    @property
-    def prefetched(self) -> torch.Tensor:
-        return self._bank.prefetched[self._h0:self._h0 + self.H]
-
-    @property
-    def token_slot(self) -> torch.Tensor:
-        return self._bank.token_slot[self._h0:self._h0 + self.H]
+    slot_token = property(lambda self: self._bank.slot_token[self._h0:self._h0 + self.H])
+    slot_stamp = property(lambda self: self._bank.slot_stamp[self._h0:self._h0 + self.H])
+    prefetched = property(lambda self: self._bank.prefetched[self._h0:self._h0 + self.H])
+    token_slot = property(lambda self: self._bank.token_slot[self._h0:self._h0 + self.H])
 
     @property
     def clock(self) -> int:
