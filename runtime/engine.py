@@ -179,7 +179,6 @@ class HiSparseEngine:
         self._free_tails: list[int] = []
         # each layer's probe lives on its layer's device (decode scores new keys where they are)
         self.probes = [ImportanceProbe(head_dim, seed=cfg.seed + i).to(ld[i]) for i in range(num_layers)]
-        self._batch_cache: dict = {}    # per batch of sequences: block tables, tails, firsts
         self._steps: dict = {}          # per batch of sequences: its sync-free step (batch_step.py)
         self.seqs: dict[int, _Seq] = {}
         self._removed: dict[int, tuple[float, _Seq, SequencePages]] = {}
@@ -344,9 +343,8 @@ class HiSparseEngine:
             for layer in range(self.L):
                 self._last_kv[layer].pop(sid, None)
         gone = set(seq_ids)    # batch state (graphs, buffers) of batches that held these sequences
-        for cache in (self._steps, self._batch_cache):
-            for key in [k for k in cache if gone & set(k[1])]:
-                del cache[key]
+        for key in [k for k in self._steps if gone & set(k[1])]:
+            del self._steps[key]
         self._expire_removed(now)
         self._publish()
 
@@ -595,24 +593,6 @@ class HiSparseEngine:
                 return False
         return True
 
-    def _batch_meta(self, seqs: list[_Seq], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block tables (B, NB), tail slots (B,), first positions (B,)) on ``device``, rebuilt
-        only when a sequence's page table changed (once per block_size tokens)."""
-        key = (device, tuple(s.seq_id for s in seqs))
-        versions = tuple(self.pages.seqs[s.seq_id].version for s in seqs)
-        hit = self._batch_cache.get(key)
-        if hit is not None and hit[0] == versions:
-            return hit[1]
-        ids = [self.pages.block_ids(s.seq_id) for s in seqs]
-        w = max(len(x) for x in ids)
-        meta = (torch.tensor([x + [-1] * (w - len(x)) for x in ids], dtype=torch.int64).to(device),
-                torch.tensor([s.tail for s in seqs], dtype=torch.int64).to(device),
-                torch.tensor([s.first for s in seqs], dtype=torch.int64).to(device))
-        if len(self._batch_cache) > 16:
-            self._batch_cache.clear()
-        self._batch_cache[key] = (versions, meta)
-        return meta
-
     def _static_ok(self) -> bool:
         """The sync-free batch step needs every host unit at one known width (or none)."""
         return not self.host.quantized or self.host.fixed_bits is not None
@@ -701,8 +681,8 @@ class HiSparseEngine:
         kf, vf = k[:, :, 0], v[:, :, 0]                                        # (B, H, D)
         heads = self._head_base[layer][:, 0] // self.S                         # (H,) 0..H-1
         if not self.host.quantized or n % bs:
-            tables, tails, _ = self._batch_meta(seqs, dev)
-            where = tails if self.host.quantized else tables[:, p0 // bs]      # tail slot or block
+            st = self._step_of(seqs, dev)
+            where = st.tails if self.host.quantized else st.tables[:, p0 // bs]   # tail slot or block
             rows = ((where[:, None] * H + heads) * bs + p0 % bs).reshape(-1)
             self._stats.backup_bytes += self.host.backup_rows(layer, rows, kf.reshape(-1, D), vf.reshape(-1, D),
                                                               tail=self.host.quantized)
@@ -761,9 +741,10 @@ class HiSparseEngine:
             scores = full.scatter_(2, blocks + 1, sc)[..., 1:]
         else:
             scores = block_scores(qh, kmin, kmax)
-        tables, tails, firsts = self._batch_meta(seqs, dev)
+        st = self._step_of(seqs, dev)
+        tables, tails = st.tables, st.tails
         first = [s.first for s in seqs]
-        sel = select(scores.reshape(B * H, nb), n, firsts.repeat_interleave(H), cfg.window_size, cfg.top_k, bs,
+        sel = select(scores.reshape(B * H, nb), n, st.first[:, 0], cfg.window_size, cfg.top_k, bs,
                      bank.t["anchors"][r].reshape(B * H, -1), None, cfg.prefetch_blocks,
                      first_range=(min(first), max(first)))
         for b, s in enumerate(seqs):
