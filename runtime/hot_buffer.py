@@ -122,7 +122,6 @@ class HotBufferState:
             head0 = 0
         self._bank, self._h0 = bank, head0
         self.H, self.S, self.device = num_heads, num_slots, bank.device
-        self._heads = torch.arange(num_heads, device=self.device)
         self.ensure_tokens(token_capacity)
 
     # the bank's rows of these heads (views: in-place updates land in the bank)
@@ -156,28 +155,6 @@ class HotBufferState:
         k = max(0, min(k, stamp.shape[1]))
         return stamp.topk(k, dim=1, largest=False, sorted=True).indices
 
-    def _evict(self, heads: torch.Tensor, slots: torch.Tensor) -> None:
-        old = self.slot_token[heads, slots]
-        gone = old >= 0
-        # token_slot[h, old] = -1 where gone, without a boolean-mask index (a device sync): add
-        # -1 - current there and 0 at the clamped index of empty slots (a token sits in one slot
-        # per head, so the real targets are distinct and accumulation makes the dummies no-ops)
-        at = old.clamp(min=0)
-        delta = torch.where(gone, -1 - self.token_slot[heads, at], 0)
-        self.token_slot.index_put_((heads, at), delta, accumulate=True)
-        # a device scalar, not a Python bool: no host copy (a CUDA graph can hold it)
-        self.prefetched.index_put_((heads, slots), torch.zeros((), dtype=torch.bool, device=self.device))
-
-    def _install(self, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
-                 stamps: torch.Tensor, prefetched: bool) -> None:
-        """Evict what ``slots`` held and map ``tokens`` into them with LRU ``stamps``; all (M,)."""
-        self._evict(heads, slots)
-        self.slot_token[heads, slots] = tokens
-        self.token_slot[heads, tokens] = slots
-        if prefetched:
-            self.prefetched.index_put_((heads, slots), torch.ones((), dtype=torch.bool, device=self.device))
-        self.slot_stamp[heads, slots] = stamps
-
     def insert(self, positions: torch.Tensor, end: int | None = None,
                clock: torch.Tensor | None = None) -> torch.Tensor:
         """Make new tokens ``positions`` (T,) resident as MRU in every head (the last S if T > S).
@@ -189,47 +166,22 @@ class HotBufferState:
         T = positions.numel()
         self.ensure_tokens(int(positions.max()) + 1 if end is None else end)
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
-        h = self._heads[:, None].expand(-1, T)
         tok = positions[None].expand(self.H, -1)
         base = self.clock if clock is None else clock     # a device clock: graph-capturable
         stamps = (base + torch.arange(T, device=self.device))[None].expand(self.H, -1)
-        self._install(h.reshape(-1), victims.reshape(-1), tok.reshape(-1), stamps.reshape(-1),
-                      prefetched=False)
+        self._install_masked(torch.ones_like(victims, dtype=torch.bool), tok, victims, stamps, prefetched=False)
         self.clock += T
         return victims
 
     def lookup(self, sel: torch.Tensor) -> Lookup:
-        """Hit detection and miss assignment for selected tokens sel (Hkv, K), -1 padded, unique per row."""
-        H, S = self.H, self.S
-        K = sel.shape[1]
-        valid = sel >= 0
-        slot = torch.where(valid, self.token_slot.gather(1, sel.clamp(min=0)), -1)
-        hit = slot >= 0
-        miss = valid & ~hit
-        # per-slot view of the hits, built by scatters through a spill column S (non-hits land
-        # there and are cut off): no nonzero() and no advanced indexing over the ~K hits
-        hit_at = torch.where(hit, slot, S)                                    # (H, K)
-        hit_slot = torch.zeros(H, S + 1, dtype=torch.bool, device=self.device)
-        hit_slot.scatter_(1, hit_at, True)
-        hit_slot = hit_slot[:, :S]                                            # (H, S)
-        hit_stamp = torch.zeros(H, S + 1, dtype=torch.int64, device=self.device)
-        hit_stamp.scatter_(1, hit_at, self.clock + K + torch.arange(K, device=self.device).expand(H, -1))
-        prefetch_used = (self.prefetched & hit_slot).sum()
-        stamp = torch.where(hit_slot, _NEVER, self.slot_stamp)                # hits are not evictable
-        rank = miss.long().cumsum(1) - 1
-        order = self._lru(stamp, int(rank[:, -1].max()) + 1 if K else 0)  # LRU first (unique stamps)
+        """Hit detection and miss assignment for selected tokens sel (Hkv, K), -1 padded, unique
+        per row: :meth:`lookup_fixed` with the misses listed (one device sync)."""
+        slot, miss, lookups, hits, prefetch_used = self.lookup_fixed(sel, self.clock)
         mh, mk = miss.nonzero(as_tuple=True)
-        victims = order[mh, rank[mh, mk]]
-        new_tok = sel[mh, mk]
-        # misses go to non-hit slots, so installing them and restamping the hits commute
-        self._install(mh, victims, new_tok, self.clock + mk, prefetched=False)
-        self.prefetched.logical_and_(~hit_slot)
-        self.slot_stamp.copy_(torch.where(hit_slot, hit_stamp[:, :S], self.slot_stamp))
-        self.clock += 2 * K
-        slot[mh, mk] = victims
-        return Lookup(slot, mh, new_tok, victims, valid.sum(), hit.sum(), prefetch_used)
+        return Lookup(slot, mh, sel[mh, mk], slot[mh, mk], lookups, hits, prefetch_used)
 
-    # -- fixed-width forms: no host sync, shapes known on the host (a CUDA graph can hold them) ----
+    # -- fixed-width forms: no host sync, shapes known on the host (a CUDA graph can hold them);
+    # lookup and prefetch above list their results from these
     def _install_masked(self, mask: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
                         stamps: torch.Tensor, prefetched: bool) -> None:
         """Where ``mask`` (H, M): evict what ``slots`` held and map ``tokens`` into them with
@@ -256,8 +208,8 @@ class HotBufferState:
     def lookup_fixed(self, sel: torch.Tensor, clock: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """:meth:`lookup` without host syncs: misses stay in place as masks over sel (H, K).
 
-        clock: this lookup's first stamp (0-dim device tensor, equal to ``self.clock``; the host
-        clock advances by the same 2K). Returns (slots (H, K), miss (H, K) bool, lookups, hits,
+        clock: this lookup's first stamp (``self.clock``, or the same value as a 0-dim device
+        tensor; the host clock advances by 2K). Returns (slots (H, K), miss (H, K) bool, lookups, hits,
         prefetch_used): a miss's token is sel and its new slot is slots.
         """
         H, S = self.H, self.S
@@ -297,24 +249,15 @@ class HotBufferState:
         """Load tokens (Hkv, P), -1 padded, ahead of need: at most ``limit`` (Hkv,) per head.
 
         Already resident tokens are skipped. Loaded slots become MRU with the prefetch flag.
-        Returns (head, token, slot), each (M,), of the slots the caller must fill.
+        Returns (head, token, slot), each (M,), of the slots the caller must fill:
+        :meth:`prefetch_fixed` with the loads listed (one device sync).
         """
         if tokens.numel() == 0:
             e = torch.empty(0, dtype=torch.int64, device=self.device)
             return e, e, e
-        cand = tokens >= 0
-        cand &= self.token_slot.gather(1, tokens.clamp(min=0)) < 0
-        rank = cand.long().cumsum(1) - 1
-        cand &= rank < limit[:, None]
-        ph, pk = cand.nonzero(as_tuple=True)
-        # P (host-known) bounds the loads per head; stamps are unique per head, so the first
-        # rank entries are the same as with the exact count and no device sync is needed
-        order = self._lru(self.slot_stamp, tokens.shape[1])
-        victims = order[ph, rank[ph, pk]]
-        tok = tokens[ph, pk]
-        self._install(ph, victims, tok, self.clock + pk, prefetched=True)
-        self.clock += tokens.shape[1]
-        return ph, tok, victims
+        loaded, slots = self.prefetch_fixed(tokens, limit, self.clock)
+        ph, pk = loaded.nonzero(as_tuple=True)
+        return ph, tokens[ph, pk], slots[ph, pk]
 
     def invalidate(self, start: int, end: int) -> None:
         """Forget tokens in [start, end) (their host block was overwritten by streaming mode)."""
