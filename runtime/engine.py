@@ -533,8 +533,7 @@ class HiSparseEngine:
             seqs = [self._seq(sid) for sid in seq_ids]
             if self._batchable(layer, seqs):
                 k, v = k.to(dev, self.dtype), v.to(dev, self.dtype)
-                if not self._append_static(layer, seqs, k, v):
-                    self._append_batch(layer, seqs, k, v)
+                self._append_batch(layer, seqs, k, v)
                 return
         for b, sid in enumerate(seq_ids):
             s = self._seq(sid)
@@ -594,7 +593,8 @@ class HiSparseEngine:
         return True
 
     def _static_ok(self) -> bool:
-        """The sync-free batch step needs every host unit at one known width (or none)."""
+        """The sync-free attend needs every host unit at one known width (or none): its swap-in
+        does not read the units' bits back."""
         return not self.host.quantized or self.host.fixed_bits is not None
 
     def _step_of(self, seqs: list[_Seq], dev: torch.device) -> BatchStep:
@@ -615,18 +615,23 @@ class HiSparseEngine:
                 self.pages.extend(s.seq_id, n - have, self._allocate(s, need) if need else [])
                 self._grow_seq_meta(s, -(-n // self.bs))
 
-    def _append_static(self, layer: int, seqs: list[_Seq], k: torch.Tensor, v: torch.Tensor) -> bool:
-        """The batch's token through the sync-free body (batch_step.py); False when this step
-        needs the eager batch path (a quantized pool's block fills: it is quantized)."""
+    def _append_batch(self, layer: int, seqs: list[_Seq], k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token for each of B sequences of one length in consecutive rows, k, v
+        (B, Hkv, 1, D) on the layer's device, through the sync-free body (batch_step.py): backed
+        up, bounded, made hot, scored as an anchor. When the token fills a quantized pool's block,
+        the block is first quantized per sequence (host syncs, once per block_size steps); the
+        body then also writes the token to the float tail, which nothing reads again."""
         cfg, bs, dev = self.cfg, self.bs, self.layer_devices[layer]
         B, p0 = len(seqs), seqs[0].n[layer]
         n = p0 + 1
-        if not self._static_ok() or (self.host.quantized and n % bs == 0):
-            return False
         if n > cfg.max_seq_len:
             raise ValueError(f"sequence {seqs[0].seq_id} would hold {n} tokens, more than max_seq_len="
                              f"{cfg.max_seq_len}; raise max_seq_len")
         self._extend_pages(seqs, n)
+        fills = self.host.quantized and n % bs == 0
+        if fills:
+            for b, s in enumerate(seqs):
+                self._count_write(*self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0, k[b], v[b]))
         self._grow_bounds(layer, -(-n // bs))
         hot = self.hot_banks[layer]
         hot.ensure_tokens(n)
@@ -636,15 +641,15 @@ class HiSparseEngine:
         hot.clock = c0 + 1
         if dev.type == "cuda" and self.host.pin:
             self.host._device_wrote = True
-        store = self.host.layers[layer]
-        self._stats.backup_bytes += 2 * k.numel() * store["k_tail" if self.host.quantized else "k"].element_size()
+        if not fills:
+            store = self.host.layers[layer]
+            self._stats.backup_bytes += 2 * k.numel() * store["k_tail" if self.host.quantized else "k"].element_size()
         for b, s in enumerate(seqs):
             s.n[layer] = n
             self._last_kv[layer][s.seq_id] = (k[b], v[b])
         if layer == 0:
             self._stats.tokens_decode += B
             self.recal.on_tokens(B)
-        return True
 
     def _attend_static(self, layer: int, seqs: list[_Seq], q: torch.Tensor) -> torch.Tensor:
         """The batch's sparse decode attention through the sync-free body (batch_step.py)."""
@@ -666,62 +671,6 @@ class HiSparseEngine:
             s.last_selection[layer] = tokens[b * H:(b + 1) * H]
             s.q_count[layer] = min(R, s.q_count[layer] + 1)
         return out
-
-    def _append_batch(self, layer: int, seqs: list[_Seq], k: torch.Tensor, v: torch.Tensor) -> None:
-        """One new token for each of B sequences of one length in consecutive rows, k, v
-        (B, Hkv, 1, D) on the layer's device: backed up, bounded, made hot, scored as an
-        anchor, with one set of kernels for the batch (no host sync but every block_size steps)."""
-        cfg, bs, H, D, dev = self.cfg, self.bs, self.Hkv, self.D, self.layer_devices[layer]
-        B, r0, p0 = len(seqs), seqs[0].row, seqs[0].n[layer]
-        n = p0 + 1
-        if n > cfg.max_seq_len:
-            raise ValueError(f"sequence {seqs[0].seq_id} would hold {n} tokens, more than max_seq_len="
-                             f"{cfg.max_seq_len}; raise max_seq_len")
-        self._extend_pages(seqs, n)
-        kf, vf = k[:, :, 0], v[:, :, 0]                                        # (B, H, D)
-        heads = self._head_base[layer][:, 0] // self.S                         # (H,) 0..H-1
-        if not self.host.quantized or n % bs:
-            st = self._step_of(seqs, dev)
-            where = st.tails if self.host.quantized else st.tables[:, p0 // bs]   # tail slot or block
-            rows = ((where[:, None] * H + heads) * bs + p0 % bs).reshape(-1)
-            self._stats.backup_bytes += self.host.backup_rows(layer, rows, kf.reshape(-1, D), vf.reshape(-1, D),
-                                                              tail=self.host.quantized)
-        else:  # the token fills its block: quantize it (once per block_size steps)
-            for b, s in enumerate(seqs):
-                self._count_write(*self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0,
-                                                   k[b], v[b]))
-        # key bounds of the token's block and super-block (a fold with one more key)
-        self._grow_bounds(layer, -(-n // bs))
-        bank, r = self.banks[layer], slice(r0, r0 + B)
-        blk, sb = p0 // bs, p0 // bs // cfg.bound_group
-        for name, i, op in (("kmin", blk, torch.minimum), ("kmax", blk, torch.maximum),
-                            ("smin", sb, torch.minimum), ("smax", sb, torch.maximum)):
-            t = bank.t[name][r, :, i]                                          # (B, H, D) view
-            t.copy_(op(t, kf))
-        # hot: the token takes each head's LRU slot
-        hot = self.hot_banks[layer]
-        hot.ensure_tokens(n)
-        victims = hot.rows(r0, B).insert(torch.arange(p0, n, device=dev), end=n)   # (B*H, 1)
-        flat = torch.arange(r0 * H, (r0 + B) * H, device=dev) * self.S + victims[:, 0]
-        self.k_hot[layer].view(-1, D).index_copy_(0, flat, kf.reshape(-1, D))
-        self.v_hot[layer].view(-1, D).index_copy_(0, flat, vf.reshape(-1, D))
-        # anchors: the token replaces the weakest anchor when the probe scores it higher
-        A = cfg.global_tokens
-        if A and self.probes[layer].fitted:
-            thr = probe_threshold(n, cfg.threshold_base, cfg.threshold_min, cfg.threshold_max)
-            p = self.probes[layer].predict(kf)                                 # (B, H)
-            p = torch.where(p > thr, p, -1.0)[..., None]
-            ap, an = bank.t["anchor_p"][r], bank.t["anchors"][r]              # (B, H, A)
-            top_p, i = torch.cat([ap, p], 2).topk(A, dim=2)
-            pos = torch.cat([an, torch.full_like(an[..., :1], p0)], 2).gather(2, i)
-            an.copy_(torch.where(top_p >= 0, pos, -1))
-            ap.copy_(top_p)
-        for b, s in enumerate(seqs):
-            s.n[layer] = n
-            self._last_kv[layer][s.seq_id] = (k[b], v[b])
-        if layer == 0:
-            self._stats.tokens_decode += B
-            self.recal.on_tokens(B)
 
     def _attend_batch(self, layer: int, seqs: list[_Seq], q: torch.Tensor) -> torch.Tensor:
         """Sparse decode attention of B sequences of one length in consecutive rows, q (B, Hq, D):
