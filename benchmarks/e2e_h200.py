@@ -51,6 +51,52 @@ def build_model(tiny: bool, dtype: torch.dtype, device: str):
     return model
 
 
+def plant_heavy_hitters(model, strength: float = 16.0) -> int:
+    """Give the random model the attention structure of a trained one (issue 9's high-hit-rate workload).
+
+    Trained models attend to a few heavy-hitter tokens from every query, so the blocks a query-aware
+    top-k picks change little from one decode step to the next. Random weights have no such tokens
+    (hot-buffer hit rate 0.57-0.60 at 128K). This plants them: one token id (returned; put it in the
+    prompt) gets a salience feature in residual dimension 0, every token a constant in dimension 1;
+    no layer writes either dimension (those rows of o_proj and down_proj are zeroed), each layer's
+    input norm scales both to 1 (calibrated on a short prompt), and in every head the lowest-
+    frequency rotary pair (dims d/2-1, d-1, nearly position-independent: 0.3 rad over 128K at theta
+    5e5) carries strength * feature: q.k gains strength^2 for a salient key from every query, about
+    14 standard deviations of the random part at strength 16 with Llama's init. The rest of the
+    model stays random.
+    """
+    cfg = model.config
+    layers = model.model.layers
+    d, salient = cfg.head_dim, cfg.vocab_size - 1
+    emb = model.model.embed_tokens.weight
+    with torch.no_grad():
+        emb[:, 0] = 0.0
+        emb[salient, 0] = 1.0
+        emb[:, 1] = 1.0
+        for layer in layers:
+            layer.self_attn.o_proj.weight[:2] = 0.0
+            layer.mlp.down_proj.weight[:2] = 0.0
+        # calibrate: each layer's input RMS (dims 0 and 1 then stay exactly 1 and 0/1 in the residual)
+        rms = []
+        hooks = [layer.input_layernorm.register_forward_pre_hook(
+            lambda mod, args: rms.append(args[0].float().pow(2).mean(-1).sqrt().mean())) for layer in layers]
+        ids = torch.randint(0, cfg.vocab_size - 1, (1, 64), generator=torch.Generator().manual_seed(2))
+        model(input_ids=ids.to(emb.device))
+        for h in hooks:
+            h.remove()
+        for layer, r in zip(layers, rms):
+            w = layer.input_layernorm.weight
+            w[:2] = float(r)            # normalised dims 0 and 1 come out as ~1 (salient) and ~1
+            attn = layer.self_attn
+            for proj, n_heads, dim in ((attn.q_proj, cfg.num_attention_heads, 1),
+                                       (attn.k_proj, cfg.num_key_value_heads, 0)):
+                wt = proj.weight.view(n_heads, d, -1)
+                wt[:, d // 2 - 1] = 0.0
+                wt[:, d - 1] = 0.0
+                wt[:, d - 1, dim] = strength
+    return salient
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -173,6 +219,9 @@ def main() -> int:
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
                     help="after a --hisparse-batch run, profile 2 more decode steps (torch.profiler table)")
+    ap.add_argument("--planted", type=int, default=0,
+                    help="plant heavy hitters (plant_heavy_hitters) and put this many salient tokens, one per "
+                         "block, in each --hisparse-batch prompt: a workload with a high hot-buffer hit rate")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -357,9 +406,16 @@ def main() -> int:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         for label in ("dense", "hisparse"):
             measure(label, None, ids.repeat(args.batch, 1))
+    salient = plant_heavy_hitters(model) if args.planted else None
+    if salient is not None:
+        results["planted"] = {"salient_token": salient, "tokens_per_prompt": args.planted}
     for n in [int(x) for x in args.hisparse_batch.split(",") if x]:
         ctx = args.batch_context
-        ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
+        ids = torch.randint(0, cfg.vocab_size - 1, (1, ctx), generator=g).to(device)
+        if salient is not None:
+            # one salient token in each of `planted` blocks, spread over the prompt before its window
+            blocks = torch.randperm(max(1, (ctx - args.window) // args.block_size), generator=g)[:args.planted]
+            ids[0, blocks.to(device) * args.block_size + args.block_size // 2] = salient
         blocks = n * -(-(ctx + 4 * args.decode_steps) // args.block_size)   # every sequence's own blocks
         off = measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks)
         if args.batch_telemetry:

@@ -1,0 +1,141 @@
+"""Where the fused register-tile quantize loses time at 8 bits (issue 6): variants that differ in one
+stage each, timed against the HBM copy rate, for a profiler (ncu) and for differences in time.
+
+    python benchmarks/diag_quant.py                    # times every variant
+    ncu -k regex:diag_ --section SpeedOfLight ... python benchmarks/diag_quant.py --once
+
+Blocks of 64 x 128 bf16 (the runtime's host-pool unit), 16,384 of them (268 MB). Variants:
+  fused4 / fused8  the runtime's fused kernel (_quantize_fused_kernel) at 4 / 8 bits
+  bytes8           8-bit codes stored as they are (one uint8 per value, 8 contiguous per group)
+  word64_8         8 codes summed into one int64 word per group (the 4-bit path's shape at 8 bits)
+  join8            two int32 words per group (codes 0-3, 4-7) by masked in-thread sums, joined
+  nostore8         8-bit codes computed, one checksum per block stored: load + reduce + codes only
+  store4x2         the 4-bit words stored twice (to two buffers): output bytes doubled at 4 bits
+Every variant that writes a packed 8-bit layout is checked against fused8's bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from hi_sparse.kernels import _quant_triton as Q
+
+
+@triton.jit
+def _tile(p_x, i_n, T, D, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    o_t = tl.arange(0, BLOCK_T)
+    o_g = tl.arange(0, BLOCK_G)
+    o_i = tl.arange(0, 8)
+    m = (o_t < T)[:, None] & (o_g < D // 8)[None, :]
+    o_v = o_g[None, :, None] * 8 + o_i[None, None, :]
+    b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0).to(tl.float32)
+    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
+    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+    return b_x, lo, hi, o_t, o_g, o_i, m
+
+
+@triton.jit
+def diag_kernel(p_x, p_out, p_out2, p_scale, p_zero, T, D, P,
+                BITS: tl.constexpr, MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    i_n = tl.program_id(0).to(tl.int64)
+    b_x, lo, hi, o_t, o_g, o_i, m = _tile(p_x, i_n, T, D, BLOCK_T, BLOCK_G)
+    inv = Q._block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
+    b_c = Q._codes(b_x, lo, inv, BITS)
+    p_on = p_out + i_n * T * P
+    if MODE == 0:      # bytes8
+        p_o = p_on + o_t[:, None, None] * P + o_g[None, :, None] * 8 + o_i[None, None, :]
+        tl.store(p_o, b_c.to(tl.uint8), mask=m[:, :, None])
+    elif MODE == 1:    # word64_8
+        b_w = tl.sum(b_c.to(tl.int64) << (o_i * 8).to(tl.int64)[None, None, :], 2)
+        p_w = p_on.to(tl.pointer_type(tl.int64)) + o_t[:, None] * (P // 8) + o_g[None, :]
+        tl.store(p_w, b_w, mask=m)
+    elif MODE == 2:    # join8
+        sh = ((o_i % 4) * 8)[None, None, :]
+        w_lo = tl.sum(tl.where((o_i < 4)[None, None, :], b_c << sh, 0), 2)
+        w_hi = tl.sum(tl.where((o_i >= 4)[None, None, :], b_c << sh, 0), 2)
+        b_w = tl.join(w_lo, w_hi)                                               # (T, G, 2)
+        p_w = p_on.to(tl.pointer_type(tl.int32)) + o_t[:, None, None] * (P // 4) + \
+            o_g[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+        tl.store(p_w, b_w, mask=m[:, :, None])
+    elif MODE == 3:    # nostore8
+        tl.store(p_on.to(tl.pointer_type(tl.int32)), tl.sum(tl.sum(tl.sum(b_c, 2), 1), 0))
+    else:              # store4x2
+        b_w = tl.sum(b_c << (o_i * 4)[None, None, :], 2)
+        p_w = p_on.to(tl.pointer_type(tl.int32)) + o_t[:, None] * (P // 4) + o_g[None, :]
+        tl.store(p_w, b_w, mask=m)
+        p_w2 = (p_out2 + i_n * T * P).to(tl.pointer_type(tl.int32)) + o_t[:, None] * (P // 4) + o_g[None, :]
+        tl.store(p_w2, b_w, mask=m)
+
+
+MODES = {"bytes8": (0, 8), "word64_8": (1, 8), "join8": (2, 8), "nostore8": (3, 8), "store4x2": (4, 4)}
+
+
+def run(name: str, x: torch.Tensor, warps: int = 4):
+    n, t, d = x.shape
+    if name in ("fused4", "fused8"):
+        bits = int(name[-1])
+        return (lambda: Q.quantize(x, bits, method="fused", fused_warps=warps)), bits, 1
+    mode, bits = MODES[name]
+    p = d * bits // 8
+    out = torch.zeros(n, t, p, device=x.device, dtype=torch.uint8)
+    out2 = torch.zeros_like(out)
+    scale = torch.empty(n, device=x.device)
+    zero = torch.empty_like(scale)
+
+    def fn():
+        diag_kernel[(n,)](x, out, out2, scale, zero, t, d, p, BITS=bits, MODE=mode, BLOCK_T=t,
+                          BLOCK_G=d // 8, num_warps=warps)
+        return out, scale, zero
+    return fn, bits, 2 if name == "store4x2" else 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--once", action="store_true", help="launch each variant twice, no timing (for ncu)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    x = torch.randn(16384, 64, 128, device="cuda", dtype=torch.bfloat16)
+    names = ["fused4", "fused8", "bytes8", "word64_8", "join8", "nostore8", "store4x2"]
+    if args.once:
+        for name in names:
+            fn = run(name, x)[0]
+            fn()
+            fn()
+        torch.cuda.synchronize()
+        return
+    a = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    hbm = 4 * a.numel() / triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") / 1e6
+    del a, b
+    ref = Q.quantize(x, 8, method="fused")[0]
+    rows = []
+    print(f"HBM copy {hbm:.0f} GB/s; 16384 x 64 x 128 bf16", flush=True)
+    for name in names:
+        for warps in (4, 8):
+            fn, bits, outs = run(name, x, warps)
+            res = fn()
+            same = None
+            if bits == 8 and name != "nostore8":
+                same = bool(torch.equal(res[0], ref))
+            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+            written = 0 if name == "nostore8" else outs * x.numel() * bits // 8
+            moved = x.numel() * 2 + written
+            pct = 100 * moved / ms / 1e6 / hbm
+            rows.append({"variant": name, "warps": warps, "ms": ms, "bytes": moved, "pct_hbm": pct,
+                         "matches_fused8": same})
+            print(f"  {name:10s} warps {warps}: {ms:.4f} ms, {moved / ms / 1e6:7.1f} GB/s, {pct:5.1f} % "
+                  f"(bytes {moved / 1e6:.0f} MB){'' if same is None else f', bytes match fused8: {same}'}",
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hbm_GBps": hbm, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
