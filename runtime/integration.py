@@ -51,6 +51,7 @@ class Binding:
         self.previous_attn = previous_attn
         self.closed = False
         self.hooks: list[Any] = []
+        self.finalizer: weakref.finalize | None = None
         self._module_ids = frozenset(id(m) for m in modules)
 
     def owns(self, module: torch.nn.Module) -> bool:
@@ -247,8 +248,9 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     if base_model is not model:
         _BINDINGS[base_model] = binding
     # The engine (and its telemetry segment) lives as long as the model; finalize also runs at
-    # interpreter exit, which is what removes the segment on a clean exit.
-    weakref.finalize(model, binding.close)
+    # interpreter exit, which is what removes the segment on a clean exit. Disabling detaches it:
+    # the finalizer holds the binding, so the engine (host pool included) would outlive disable.
+    binding.finalizer = weakref.finalize(model, binding.close)
     return model
 
 
@@ -261,6 +263,9 @@ def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
     if binding.previous_attn and binding.previous_attn != hf_attention.ATTN_IMPLEMENTATION:
         model.set_attn_implementation(binding.previous_attn)
     binding.close()
+    if binding.finalizer is not None:
+        binding.finalizer.detach()
+        binding.finalizer = None
     for key in [k for k, v in _BINDINGS.items() if v is binding]:
         del _BINDINGS[key]
     return model

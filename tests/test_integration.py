@@ -209,6 +209,27 @@ def test_segment_lives_with_the_model_in_process():
     assert not os.path.exists(path)
 
 
+def test_disable_frees_the_engine_and_its_host_pool():
+    """A disabled model keeps nothing of the engine alive (enable, disable, enable again must not
+    hold two host pools: at 24 x 128K one is 96 GiB of page-locked memory)."""
+    import weakref
+
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, name="freed", host_kv_bits=4, **FULL_BUDGET)
+    ids, mask = prompt(2, 20)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    engine = weakref.ref(binding_of(model).engine)
+    (path,) = segments_for_pid(os.getpid())
+    hs.disable_hisparse_kv_cache(model)
+    gc.collect()
+    assert engine() is None, [type(r).__name__ for r in gc.get_referrers(engine())]
+    assert not os.path.exists(path)
+    hs.enable_hisparse_kv_cache(model, name="again", **FULL_BUDGET)      # and the model works on
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
 def test_telemetry_off_publishes_nothing_and_default_name_is_the_family():
     _, quiet = make_pair("mistral")
     hs.enable_hisparse_kv_cache(quiet, telemetry=False, **FULL_BUDGET)
