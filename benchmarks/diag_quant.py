@@ -1,8 +1,9 @@
 """Where the fused register-tile quantize loses time at 8 bits (issue 6): variants that differ in one
 stage each, timed against the HBM copy rate, for a profiler (ncu) and for differences in time.
 
-    python benchmarks/diag_quant.py                    # times every variant
-    ncu -k regex:diag_ --section SpeedOfLight ... python benchmarks/diag_quant.py --once
+    python benchmarks/diag_quant.py --stages           # times every one-stage variant below
+    ncu -k regex:diag_ --section SpeedOfLight ... python benchmarks/diag_quant.py --stages --once
+    python benchmarks/diag_quant.py --words            # the words path's units and loads, every bit width
 
 Blocks of 64 x 128 bf16 (the runtime's host-pool unit), 16,384 of them (268 MB). Variants:
   fused4 / fused8  the runtime's fused kernel (_quantize_fused_kernel) at 4 / 8 bits
@@ -95,11 +96,74 @@ def run(name: str, x: torch.Tensor, warps: int = 4):
     return fn, bits, 2 if name == "store4x2" else 1
 
 
+def hbm_copy_rate() -> float:
+    a = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    return 4 * a.numel() / triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") / 1e6
+
+
+WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
+    4: [(8, 32), (16, 64)], 5: [(32, 32), (64, 64)], 6: [(16, 32), (32, 64)], 8: [(8, 64), (16, 64)],
+}
+
+
+def words_sweep(json_path: str | None) -> None:
+    """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
+    and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
+    against split's."""
+    hbm = hbm_copy_rate()
+    print(f"HBM copy {hbm:.0f} GB/s", flush=True)
+    rows = []
+    for shape in ((16384, 64, 128), (2048, 512, 128)):
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        for bits in (4, 5, 6, 8):
+            ref = Q.quantize(x, bits, method="split")[0]
+            moved = x.numel() * 2 + ref.numel()
+            variants = [("split", {"method": "split"})]
+            if shape[1] == 64:
+                variants.append(("fused", {"method": "fused"}))
+                for unit in WORDS_SWEEP[bits]:
+                    for load2d in (True, False):
+                        for warps in (4, 8):
+                            variants.append((f"words u{unit[0]}/{unit[1]} {'2d' if load2d else '3d'} w{warps}",
+                                             {"method": "words", "unit": unit, "load2d": load2d,
+                                              "fused_warps": warps}))
+            else:
+                for warps in (8, 16):
+                    variants.append((f"words u{WORDS_SWEEP[bits][0]} 2d w{warps} cap64K",
+                                     {"method": "words", "unit": WORDS_SWEEP[bits][0], "reg_cap": 65536,
+                                      "fused_warps": warps}))
+            for name, kw in variants:
+                try:
+                    same = bool(torch.equal(Q.quantize(x, bits, **kw)[0], ref))
+                    ms = triton.testing.do_bench(lambda: Q.quantize(x, bits, **kw), warmup=10, rep=40,
+                                                 return_mode="median")
+                except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported
+                    print(f"  {shape[1]}t {bits}b {name:28s} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                pct = 100 * moved / ms / 1e6 / hbm
+                rows.append({"shape": list(shape), "bits": bits, "variant": name, "ms": ms, "pct_hbm": pct,
+                             "bytes": moved, "matches_split": same})
+                print(f"  {shape[1]}t {bits}b {name:28s} {ms:.4f} ms {moved / ms / 1e6:7.1f} GB/s {pct:5.1f} %"
+                      f"{'' if same else '  BYTES DIFFER FROM SPLIT'}", flush=True)
+        del x
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"hbm_GBps": hbm, "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--once", action="store_true", help="launch each variant twice, no timing (for ncu)")
+    ap.add_argument("--stages", action="store_true", help="the one-stage variants (diag_kernel)")
+    ap.add_argument("--words", action="store_true", help="the words path sweep")
+    ap.add_argument("--once", action="store_true", help="with --stages: launch each variant twice, no timing (ncu)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.words:
+        words_sweep(args.json)
+    if not args.stages:
+        return
     x = torch.randn(16384, 64, 128, device="cuda", dtype=torch.bfloat16)
     names = ["fused4", "fused8", "bytes8", "word64_8", "join8", "nostore8", "store4x2"]
     if args.once:
@@ -109,10 +173,7 @@ def main() -> None:
             fn()
         torch.cuda.synchronize()
         return
-    a = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    hbm = 4 * a.numel() / triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") / 1e6
-    del a, b
+    hbm = hbm_copy_rate()
     ref = Q.quantize(x, 8, method="fused")[0]
     rows = []
     print(f"HBM copy {hbm:.0f} GB/s; 16384 x 64 x 128 bf16", flush=True)

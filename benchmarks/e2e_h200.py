@@ -204,8 +204,8 @@ def main() -> int:
                          "(a host pool sized for them), fork it (cache.batch_repeat_interleave) and time "
                          "aggregate decode of all, greedy and on a repeated token")
     ap.add_argument("--batch-telemetry", action="store_true",
-                    help="with --hisparse-batch: also the same batch with telemetry on and easymats attached at 10 Hz "
-                         "(greedy), for the on-vs-off decode step")
+                    help="with --hisparse-batch: then, on the same batch, greedy phases alternating telemetry off "
+                         "and on (publishing, easymats attached at 10 Hz), for the on-vs-off decode step")
     ap.add_argument("--dense-batch", type=int, default=0,
                     help="with --hisparse-batch: dense at this many --batch-context sequences (cache replicated)")
     ap.add_argument("--dense-max-context", type=int, default=0,
@@ -291,13 +291,17 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
 
+    ab_phases, ab_steps = 3, 12          # --batch-telemetry: off/on phase pairs, decode steps per phase
+
     def measure(label: str, bits, ids: torch.Tensor, repeat: int = 1, inputs: tuple[bool, ...] = (False,),
-                pool_blocks: int | None = None) -> dict:
+                pool_blocks: int | None = None, telemetry_ab: bool = False) -> dict:
         """Prefill ids (B, T) and time decode steps; dense, or HiSparse with host_kv_bits=bits.
         repeat > 1: prefill one row, then decode `repeat` copies of its cache (dense: replicated
         tensors; HiSparse: forked engine sequences, each with its own host blocks). inputs: one
         timed decode per entry on the same cache, greedy (False) or a repeated token (True); one
-        row each. Returns the last row."""
+        row each. telemetry_ab: then, on the same cache, greedy phases alternating telemetry off
+        (publisher paused, no agent) and on (publishing, easymats attached at 10 Hz); one more row.
+        Returns the last row."""
         B, ctx = ids.shape[0] * repeat, ids.shape[1]
         gc.collect()
         if device == "cuda":
@@ -312,13 +316,15 @@ def main() -> int:
                 if label == "dense":
                     cache = DynamicCache(config=cfg)
                 else:
-                    telemetry = label.endswith("+easymats")
-                    hs.enable_hisparse_kv_cache(model, max_seq_len=ctx + 4 * args.decode_steps,
+                    telemetry = label.endswith("+easymats") or telemetry_ab
+                    hs.enable_hisparse_kv_cache(model, max_seq_len=ctx + extra_tokens,
                                                 block_size=args.block_size, window_size=args.window,
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
                                                 decode_graphs=not args.no_graphs)
                     cache = None
+                    if telemetry_ab:
+                        hs.integration.binding_of(model).engine.publisher.paused = True
                 t0 = time.perf_counter()
                 out, cache = prefill(model, ids, cache, max(1, args.chunk // ids.shape[0]))
                 sync(device)
@@ -377,6 +383,9 @@ def main() -> int:
                         print(table, flush=True)
                     print(json.dumps({k: v for k, v in row.items() if k != "decode_step_ms_all"}), flush=True)
                     save()
+                if telemetry_ab:
+                    row = telemetry_phases(dict(shared, variant=label + "+easymats", decode_input="greedy A/B"),
+                                           cache, first, B)
                 del cache
         except torch.cuda.OutOfMemoryError as exc:
             row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
@@ -389,6 +398,37 @@ def main() -> int:
         save()
         return row
 
+    def telemetry_phases(row: dict, cache, first: torch.Tensor, B: int) -> dict:
+        """Alternate ab_phases pairs of off / on phases of ab_steps greedy steps on one engine: the
+        same sequences, context and hit rate on both sides, so the difference is telemetry's."""
+        pub = hs.integration.binding_of(model).engine.publisher
+        results["runs"].append(row)
+        times = {"off": [], "on": []}
+        tok = first
+        for phase in range(2 * ab_phases):
+            side = "on" if phase % 2 else "off"
+            agent = start_agent(row, args.json) if side == "on" else None
+            pub.paused = side == "off"
+            try:
+                t, logits = decode(model, cache, tok, ab_steps, device)
+            finally:
+                pub.paused = True
+                stop_agent(agent, row)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            times[side] += t[1:]              # the first step of a phase follows the agent's start
+        on, off = median(times["on"]), median(times["off"])
+        row.update(decode_step_ms_median=1e3 * on, decode_step_ms_off_median=1e3 * off,
+                   decode_step_ms_on=[round(1e3 * t, 2) for t in times["on"]],
+                   decode_step_ms_off=[round(1e3 * t, 2) for t in times["off"]],
+                   decode_tokens_per_s=B / on, decode_tokens_per_s_mean=B * len(times["on"]) / sum(times["on"]),
+                   telemetry_overhead_pct=100 * (on / off - 1), phases=2 * ab_phases, steps_per_phase=ab_steps)
+        results.setdefault("batch_telemetry_overhead_pct", {})[B] = row["telemetry_overhead_pct"]
+        print(f"telemetry on + easymats at 10 Hz vs off, {B} x {row['context']}, alternating phases on one engine: "
+              f"decode step {1e3 * on:.2f} vs {1e3 * off:.2f} ms ({row['telemetry_overhead_pct']:+.2f} %); "
+              f"agent {row.get('agent')}", flush=True)
+        save()
+        return row
+
     variants = [("dense", None), ("hisparse", None)] + ([] if args.skip_quant else [("hisparse-int8", 8),
                                                                                      ("hisparse-int4", 4)])
     if args.variants:
@@ -397,6 +437,7 @@ def main() -> int:
         if bad:
             raise SystemExit(f"unknown --variants {bad}; choose from {', '.join(known)}")
         variants = [(v, known[v]) for v in args.variants.split(",")]
+    extra_tokens = 4 * args.decode_steps + (2 * ab_phases * ab_steps if args.batch_telemetry else 0)
     for ci, ctx in enumerate(contexts):
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
         extra = [("hisparse+easymats", None)] if ci == 0 and args.telemetry_check else []
@@ -416,18 +457,9 @@ def main() -> int:
             # one salient token in each of `planted` blocks, spread over the prompt before its window
             blocks = torch.randperm(max(1, (ctx - args.window) // args.block_size), generator=g)[:args.planted]
             ids[0, blocks.to(device) * args.block_size + args.block_size // 2] = salient
-        blocks = n * -(-(ctx + 4 * args.decode_steps) // args.block_size)   # every sequence's own blocks
-        off = measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks)
-        if args.batch_telemetry:
-            on = measure("hisparse-int4+easymats", 4, ids, repeat=n, pool_blocks=blocks)
-            greedy_off = [r for r in results["runs"] if r["variant"] == "hisparse-int4" and r["batch"] == n
-                          and r.get("decode_input") == "greedy" and "error" not in r]
-            if greedy_off and "error" not in on and "error" not in off:
-                pct = 100 * (on["decode_step_ms_median"] / greedy_off[-1]["decode_step_ms_median"] - 1)
-                results.setdefault("batch_telemetry_overhead_pct", {})[n] = pct
-                print(f"telemetry on + easymats at 10 Hz vs off, {n} x {ctx}: decode step "
-                      f"{on['decode_step_ms_median']:.2f} vs {greedy_off[-1]['decode_step_ms_median']:.2f} ms "
-                      f"({pct:+.2f} %); agent {on.get('agent')}", flush=True)
+        blocks = n * -(-(ctx + extra_tokens) // args.block_size)   # every sequence's own blocks
+        measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks,
+                telemetry_ab=args.batch_telemetry)
     if args.dense_batch:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         measure("dense", None, ids, repeat=args.dense_batch, inputs=(False, True))

@@ -272,6 +272,57 @@ def _quantize_fused_kernel(
 
 
 @triton.jit
+def _quantize_words_kernel(
+    p_x, p_packed, p_scale, p_zero, T, D,
+    BITS: tl.constexpr, U: tl.constexpr, WORD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr,
+    LOAD2D: tl.constexpr,
+):
+    """One program per block (BLOCK_T >= T), read once into a (BLOCK_T, BLOCK_U, U) register tile:
+    each unit of U consecutive codes of a row is U * BITS / WORD whole words of WORD (32 or 64)
+    bits, built by in-thread shifts and sums and stored as whole words (D % U == 0).
+
+    LOAD2D: load a (BLOCK_T, BLOCK_U * U) tile (rows contiguous) and reshape it, else index the
+    three-dimensional tile directly.
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    o_t = tl.arange(0, BLOCK_T)
+    o_u = tl.arange(0, BLOCK_U)
+    o_i = tl.arange(0, U)
+    n_u = D // U
+    m = (o_t < T)[:, None] & (o_u < n_u)[None, :]
+    if LOAD2D:
+        o_d = tl.arange(0, BLOCK_U * U)
+        m2 = (o_t < T)[:, None] & (o_d < D)[None, :]
+        b_x = tl.reshape(tl.load(p_x + i_n * T * D + o_t[:, None] * D + o_d[None, :], mask=m2, other=0.0),
+                         [BLOCK_T, BLOCK_U, U]).to(tl.float32)
+    else:
+        o_v = o_u[None, :, None] * U + o_i[None, None, :]
+        b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + o_v, mask=m[:, :, None],
+                      other=0.0).to(tl.float32)
+    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
+    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
+    b_c = _codes(b_x, lo, inv, BITS)
+    if WORD == 64:
+        b_c = b_c.to(tl.int64)
+        p_w = p_packed.to(tl.pointer_type(tl.int64))
+    else:
+        p_w = p_packed.to(tl.pointer_type(tl.int32))
+    W: tl.constexpr = U * BITS // WORD
+    row_words = n_u * W
+    p_w = p_w + i_n * T * row_words + o_t[:, None] * row_words + o_u[None, :] * W
+    s = o_i * BITS                                    # each code's first bit in its unit
+    for j in tl.static_range(W):
+        rel = s - j * WORD                            # its first bit relative to word j's bit 0
+        left = (rel >= 0) & (rel < WORD)              # starts in word j (high bits past it wrap off)
+        right = (rel < 0) & (rel + BITS > 0)          # started in word j - 1, its top bits land here
+        shl = tl.where(left, rel, 0)[None, None, :].to(b_c.dtype)
+        shr = tl.where(right, -rel, 0)[None, None, :].to(b_c.dtype)
+        part = tl.where(left[None, None, :], b_c << shl, tl.where(right[None, None, :], b_c >> shr, 0))
+        tl.store(p_w + j, tl.sum(part, 2), mask=m)    # disjoint bits: the sum is an OR
+
+
+@triton.jit
 def _dequant_grouped_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
     BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -304,6 +355,10 @@ REG_CAP = 16384          # fused path: blocks of up to this many (padded) values
 _WORD_GROUPS = {4: 1, 5: 4, 6: 2, 8: 1}   # 8-code groups that make whole 32-bit words
 
 
+# words path: codes per unit and word bits, per bit width (a unit is whole words)
+WORD_UNITS = {4: (8, 32), 5: (32, 32), 6: (16, 32), 8: (8, 64)}
+
+
 def _word_stores(d: int, bits: int) -> bool:
     """Whether rows of d codes (d % 8 == 0) pack into whole 32-bit words (else 5/6 bits store bytes)."""
     return (d // 8) % _WORD_GROUPS[bits] == 0
@@ -311,7 +366,8 @@ def _word_stores(d: int, bits: int) -> bool:
 
 def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 2048,
-             pack_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             pack_warps: int = 4, unit: tuple[int, int] | None = None,
+             load2d: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
@@ -321,8 +377,8 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
     A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
     copy rate against split's 41-46 % (docs/BENCHMARKS.md) and was removed.
     """
-    if method not in ("auto", "fused", "split"):
-        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused' or 'split'")
+    if method not in ("auto", "fused", "split", "words"):
+        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused', 'split' or 'words'")
     n, t, d = x.shape
     x = x.contiguous()
     p = (d * bits + 7) // 8
@@ -336,6 +392,15 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         # H200 (2026-11-30): a 4-bit block that fits one register tile is read once (61-63 % of the
         # HBM copy rate); 5/6/8-bit register tiles measured 29-35 %, below split (41-46 %)
         method = "fused" if bits == 4 and fits else "split"
+    if method == "words":
+        u, word = unit or WORD_UNITS[bits]
+        if d % u or (u * bits) % word or next_pow2(t) * next_pow2(d // u) * u > reg_cap:
+            raise ValueError(f"method='words' needs D % {u} == 0 and a block of at most reg_cap={reg_cap} padded "
+                             f"values (got {t} x {d}); use method='auto'")
+        _quantize_words_kernel[(n,)](x, packed, scale, zero, t, d, BITS=bits, U=u, WORD=word,
+                                     BLOCK_T=next_pow2(t), BLOCK_U=next_pow2(d // u), LOAD2D=load2d,
+                                     num_warps=fused_warps or 4)
+        return packed, scale, zero
     if d % 8 == 0 and method == "fused":
         if not fits:
             raise ValueError(f"method='fused' holds a block as one register tile of at most reg_cap={reg_cap} "

@@ -118,6 +118,7 @@ class Publisher:
                  config_labels: dict[str, str]) -> None:
         self.seg = segment
         self.interval_s = interval_s
+        self.paused = False        # True: nothing is published until unpaused (the segment stays)
         self._next = 0.0
         self._bound: list = []
         if segment is None:
@@ -146,7 +147,7 @@ class Publisher:
         return self.seg is not None
 
     def due(self, force: bool = False) -> bool:
-        if self.seg is None:
+        if self.seg is None or (self.paused and not force):
             return False
         now = time.monotonic()
         if not force and now < self._next:

@@ -213,6 +213,12 @@ CASES: dict[str, Callable[[], None]] = {
     # 12 groups padded to 16 (the last quad / pair masked off); D=40 (5 groups) stores bytes
     **{f"quantize-{b}bit-d96-t5": (lambda b=b: _quantize(b, 96, 5, method="fused")) for b in (5, 6)},
     **{f"quantize-{b}bit-d40-split": (lambda b=b: _quantize(b, 40, 7, method="split")) for b in (5, 6)},
+    # the words path: units of whole 32/64-bit words per thread (D=64: 2 units of 32 at 5 bits),
+    # ragged T=63, the 2D load (default) and the 3D one, and the other unit of each width
+    **{f"quantize-{b}bit-d64-t63-words": (lambda b=b: _quantize(b, 64, 63, method="words")) for b in (4, 5, 6, 8)},
+    **{f"quantize-{b}bit-d64-words-3d-u{u}": (lambda b=b, u=u: _quantize(b, 64, 5, method="words", unit=u,
+                                                                          load2d=False))
+       for b, u in ((4, (16, 64)), (5, (64, 64)), (6, (32, 64)), (8, (16, 64)))},
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},

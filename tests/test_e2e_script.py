@@ -26,9 +26,11 @@ def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
     assert res["check"]["rel_max_err"] <= res["check"]["tolerance"]
     rows = {(r["variant"], r["batch"], r["decode_input"]): r for r in res["runs"]}
     forked = [rows.pop(("hisparse-int4", 3, i)) for i in ("greedy", "repeated token")]
-    on = rows.pop(("hisparse-int4+easymats", 3, "greedy"))       # the batch with telemetry and the agent
+    on = rows.pop(("hisparse-int4+easymats", 3, "greedy A/B"))   # the same batch, telemetry off / on phases
     assert "error" not in on and on["agent"]["alive_at_end"] and on["agent"]["log_lines"] >= 3, on.get("agent")
-    assert 3 in res["batch_telemetry_overhead_pct"] or "3" in res["batch_telemetry_overhead_pct"]
+    assert len(on["decode_step_ms_on"]) == len(on["decode_step_ms_off"]) == 3 * 11
+    assert on["decode_step_ms_median"] > 0 and on["decode_step_ms_off_median"] > 0
+    assert res["batch_telemetry_overhead_pct"]["3"] == on["telemetry_overhead_pct"]
     dense = [rows.pop(("dense", 3, i)) for i in ("greedy", "repeated token")]
     rows = {(v, b): r for (v, b, _), r in rows.items()}
     assert set(rows) == {("dense", 1), ("hisparse-int4", 1), ("hisparse+easymats", 1), ("dense", 2), ("hisparse", 2)}

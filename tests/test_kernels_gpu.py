@@ -167,8 +167,11 @@ def _poison_bytes(nbytes: int) -> None:
     (512, {"method": "fused", "reg_cap": 65536, "fused_warps": 16}),   # a 512-row block as one register tile
     (64, {"method": "split"}),                       # partial min/max kernel, then the pack kernel
     (512, {"method": "split"}),
+    (64, {"method": "words"}),                       # whole words per thread, 2D load
+    (50, {"method": "words"}),                       # ragged block
+    (64, {"method": "words", "load2d": False}),
 ], ids=["default-t64", "fused-register-t64", "fused-register-t512",
-        "split-t64", "split-t512"])
+        "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
     "auto", is fused at T=64 and split at T=512)."""

@@ -140,3 +140,30 @@ def test_pool_limit_is_zero_for_a_pool_that_grows_on_demand(segment_dir):
     assert len(sizes) >= 2, sizes                         # it did grow, and the limit stayed 0
     eng.close()
     seg.close()
+
+
+def test_a_paused_publisher_publishes_nothing_until_resumed(segment_dir):
+    """Publisher.paused (the e2e benchmark's telemetry-off phases): counters keep counting in the
+    engine, the segment keeps its last snapshot, and the first publish after resuming catches up."""
+    seg = telemetry.open_segment("pause-test", labels={"model": "planted"})
+    cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
+                         publish_interval_s=0.0)
+    eng = HiSparseEngine(cfg, 1, HQ, HKV, D, segment=seg, model_name="planted")
+    reader = SegmentReader(seg.path)
+    wl = PlantedWorkload(HKV, HQ, D, seed=4)
+    (a,) = eng.add_sequences(1)
+
+    def prefill_tokens():
+        return reader.read().get("hisparse_tokens_total", phase="prefill")
+
+    s = wl.segment(64)
+    run_prefill(eng, [a], s.k[None], s.v[None])
+    assert prefill_tokens() == 64
+    eng.publisher.paused = True
+    run_prefill(eng, [a], s.k[None], s.v[None])
+    assert prefill_tokens() == 64 and eng.stats.tokens_prefill == 128
+    eng.publisher.paused = False
+    run_prefill(eng, [a], s.k[None], s.v[None])
+    assert prefill_tokens() == 192
+    eng.close()
+    seg.close()
