@@ -107,7 +107,7 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 }
 
 
-def words_sweep(json_path: str | None) -> None:
+def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8)) -> None:
     """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
     and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
     against split's."""
@@ -116,10 +116,12 @@ def words_sweep(json_path: str | None) -> None:
     rows = []
     for shape in ((16384, 64, 128), (2048, 512, 128)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-        for bits in (4, 5, 6, 8):
+        for bits in bits_list:
             ref = Q.quantize(x, bits, method="split")[0]
             moved = x.numel() * 2 + ref.numel()
-            variants = [("split", {"method": "split"})]
+            variants = [("split", {"method": "split"}), ("split pack 2d", {"method": "split", "pack_load2d": True}),
+                        ("split pack 2d w8", {"method": "split", "pack_load2d": True, "pack_warps": 8}),
+                        ("split pack 2d 4096", {"method": "split", "pack_load2d": True, "pack_values": 4096})]
             if shape[1] == 64:
                 variants.append(("fused", {"method": "fused"}))
                 for unit in WORDS_SWEEP[bits]:
@@ -158,10 +160,11 @@ def main() -> None:
     ap.add_argument("--stages", action="store_true", help="the one-stage variants (diag_kernel)")
     ap.add_argument("--words", action="store_true", help="the words path sweep")
     ap.add_argument("--once", action="store_true", help="with --stages: launch each variant twice, no timing (ncu)")
+    ap.add_argument("--bits", default="4,5,6,8", help="with --words: bit widths")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.words:
-        words_sweep(args.json)
+        words_sweep(args.json, [int(b) for b in args.bits.split(",")])
     if not args.stages:
         return
     x = torch.randn(16384, 64, 128, device="cuda", dtype=torch.bfloat16)

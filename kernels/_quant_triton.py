@@ -125,8 +125,10 @@ def _minmax_kernel(p_x, p_part, numel, C, CHUNK: tl.constexpr):
 def _pack_grouped_kernel(
     p_x, p_part, p_packed, p_scale, p_zero, T, D, P, C,
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    LOAD2D: tl.constexpr = False,
 ):
     """D % 8 == 0: 8 codes make exactly BITS bytes, stored as in _store_groups (WORDS: see there).
+    LOAD2D: load a (BLOCK_T, BLOCK_G * 8) tile and reshape it (as _quantize_words_kernel).
 
     One program per (block, tile of BLOCK_T rows): small programs keep enough loads in flight;
     each first folds its block's C partial min/max (written by _minmax_kernel).
@@ -142,9 +144,15 @@ def _pack_grouped_kernel(
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_g = tl.arange(0, BLOCK_G)
     o_i = tl.arange(0, 8)
-    m = (o_t < T)[:, None, None] & (o_g < D // 8)[None, :, None]
-    b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + (o_g[None, :, None] * 8 + o_i[None, None, :]),
-                  mask=m, other=0.0).to(tl.float32)
+    if LOAD2D:
+        o_d = tl.arange(0, BLOCK_G * 8)
+        m2 = (o_t < T)[:, None] & (o_d < D)[None, :]
+        b_x = tl.reshape(tl.load(p_x + i_n * T * D + o_t[:, None] * D + o_d[None, :], mask=m2, other=0.0),
+                         [BLOCK_T, BLOCK_G, 8]).to(tl.float32)
+    else:
+        m = (o_t < T)[:, None, None] & (o_g < D // 8)[None, :, None]
+        b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + (o_g[None, :, None] * 8 + o_i[None, None, :]),
+                      mask=m, other=0.0).to(tl.float32)
     _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
                   BLOCK_T, BLOCK_G, WORDS)
 
@@ -367,7 +375,7 @@ def _word_stores(d: int, bits: int) -> bool:
 def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 2048,
              pack_warps: int = 4, unit: tuple[int, int] | None = None,
-             load2d: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             load2d: bool = True, pack_load2d: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
@@ -389,9 +397,15 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
     BLOCK_T, BLOCK_G = next_pow2(t), next_pow2(d // 8)
     fits = BLOCK_T * BLOCK_G * 8 <= reg_cap
     if method == "auto":
-        # H200 (2026-11-30): a 4-bit block that fits one register tile is read once (61-63 % of the
-        # HBM copy rate); 5/6/8-bit register tiles measured 29-35 %, below split (41-46 %)
-        method = "fused" if bits == 4 and fits else "split"
+        # H200 (2026-11-30, benchmarks/diag_quant.py --words): 64-token blocks that fit one register
+        # tile as whole words per thread: 4 bits 70 %, 8 bits 76 % of the HBM copy rate (the byte-
+        # or multi-word-per-thread stores of the fused kernel: 63 % / 32 %); 5/6 bits need several
+        # words per thread (32-38 %) and stay on split (44-46 %), as do 512-token blocks (spills)
+        u = WORD_UNITS[bits][0]
+        if bits in (4, 8) and d % u == 0 and next_pow2(t) * next_pow2(d // u) * u <= reg_cap:
+            method, fused_warps = "words", fused_warps or (4 if bits == 4 else 8)
+        else:
+            method = "split"
     if method == "words":
         u, word = unit or WORD_UNITS[bits]
         if d % u or (u * bits) % word or next_pow2(t) * next_pow2(d // u) * u > reg_cap:
@@ -419,7 +433,7 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         BLOCK_T = max(1, min(BLOCK_T, pack_values // (BLOCK_G * 8)))
         _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
             x, part, packed, scale, zero, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
-            BLOCK_C=max(2, next_pow2(c)), num_warps=pack_warps)
+            BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, num_warps=pack_warps)
         return packed, scale, zero
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
     BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
