@@ -107,7 +107,7 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 }
 
 
-def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8)) -> None:
+def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True) -> None:
     """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
     and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
     against split's."""
@@ -119,10 +119,10 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8)) -> None:
         for bits in bits_list:
             ref = Q.quantize(x, bits, method="split")[0]
             moved = x.numel() * 2 + ref.numel()
-            variants = [("split", {"method": "split"}), ("split pack 2d", {"method": "split", "pack_load2d": True}),
-                        ("split pack 2d w8", {"method": "split", "pack_load2d": True, "pack_warps": 8}),
-                        ("split pack 2d 4096", {"method": "split", "pack_load2d": True, "pack_values": 4096})]
-            if shape[1] == 64:
+            variants = [("split", {"method": "split"}), ("split pack 3d", {"method": "split", "pack_load2d": False})]
+            variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
+                         for v, w in ((1024, 2), (1024, 4), (2048, 2), (4096, 4), (4096, 8), (8192, 8))]
+            if shape[1] == 64 and words:
                 variants.append(("fused", {"method": "fused"}))
                 for unit in WORDS_SWEEP[bits]:
                     for load2d in (True, False):
@@ -130,7 +130,7 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8)) -> None:
                             variants.append((f"words u{unit[0]}/{unit[1]} {'2d' if load2d else '3d'} w{warps}",
                                              {"method": "words", "unit": unit, "load2d": load2d,
                                               "fused_warps": warps}))
-            else:
+            elif words:
                 for warps in (8, 16):
                     variants.append((f"words u{WORDS_SWEEP[bits][0]} 2d w{warps} cap64K",
                                      {"method": "words", "unit": WORDS_SWEEP[bits][0], "reg_cap": 65536,
@@ -161,10 +161,11 @@ def main() -> None:
     ap.add_argument("--words", action="store_true", help="the words path sweep")
     ap.add_argument("--once", action="store_true", help="with --stages: launch each variant twice, no timing (ncu)")
     ap.add_argument("--bits", default="4,5,6,8", help="with --words: bit widths")
+    ap.add_argument("--split-only", action="store_true", help="with --words: only the split path's variants")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.words:
-        words_sweep(args.json, [int(b) for b in args.bits.split(",")])
+        words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only)
     if not args.stages:
         return
     x = torch.randn(16384, 64, 128, device="cuda", dtype=torch.bfloat16)
