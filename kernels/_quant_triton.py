@@ -430,10 +430,11 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         c = triton.cdiv(t * d, chunk)
         part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
         _minmax_kernel[(n, c)](x, part, t * d, c, CHUNK=chunk, num_warps=minmax_warps)
-        # H200 sweep (2026-11-30): 2048 values per pack program; 2 warps at 5/6 bits (50-53 % of the
-        # HBM copy rate against 41-49 % with 4 or 8), 4 at 4/8 bits (measured only so)
-        pack_values = pack_values or 2048
-        pack_warps = pack_warps or (2 if bits in (5, 6) else 4)
+        # H200 sweep (2026-11-30, diag_quant.py --words --split-only): 2 warps per pack program of
+        # 2048 values (1024 at 8 bits): 5/6 bits 50-53 % of the HBM copy rate, 512-token blocks at
+        # 4 / 8 bits 49 / 53 % (4 or 8 warps: 41-49 %)
+        pack_values = pack_values or (1024 if bits == 8 else 2048)
+        pack_warps = pack_warps or 2
         BLOCK_T = max(1, min(BLOCK_T, pack_values // (BLOCK_G * 8)))
         _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
             x, part, packed, scale, zero, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
