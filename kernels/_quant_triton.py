@@ -380,7 +380,8 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
     most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
-    read twice) or "auto" (the one measured faster for the block: fused at 4 bits, else split).
+    read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel) or
+    "auto" (the one measured faster for the block: words at 4 and 8 bits where it fits, else split).
     Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
     A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
     copy rate against split's 41-46 % (docs/BENCHMARKS.md) and was removed.
