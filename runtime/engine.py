@@ -699,17 +699,11 @@ class HiSparseEngine:
                      first_range=(min(first), max(first)))
         for b, s in enumerate(seqs):
             s.last_selection[layer] = sel.tokens[b * H:(b + 1) * H]
-        state = self.hot_banks[layer].rows(r0, B)
-        look = state.lookup(sel.tokens)
-        used = (sel.tokens >= 0).sum(1)
-        pf_h, pf_t, pf_s = state.prefetch(sel.prefetch, self.S - used)
-        self._stats.prefetch_issued += int(pf_t.numel())
-        hh = torch.cat([look.miss_head, pf_h])
-        toks = torch.cat([look.miss_token, pf_t])
+        look, hh, toks, slots = self._lookup_and_prefetch(layer, self.hot_banks[layer].rows(r0, B), sel)
         if toks.numel():
             # rows of the batch's heads: head hh is KV head hh % H of sequence hh // H
             sb, h = hh // H, hh % H
-            dst = (r0 * H + hh) * self.S + torch.cat([look.miss_slot, pf_s])
+            dst = (r0 * H + hh) * self.S + slots
             dk, dv = self.k_hot[layer].view(-1, D), self.v_hot[layer].view(-1, D)
             if self.host.quantized:
                 full_blocks = self.pages.num_tokens(seqs[0].seq_id) // bs
@@ -723,7 +717,6 @@ class HiSparseEngine:
                 empty = toks[:0]
                 nbytes = self.host.load(layer, src, empty, dk, dv, dst, empty)
             self._stats.swap_in_bytes += nbytes
-        self._dev[layer].add(look.lookups, look.hits, look.prefetch_used, used.sum(), sel.loaded)
         # recent queries (recalibration re-scores anchors with them): shift this step's in
         qb = bank.t["queries"][r]
         qb.copy_(torch.cat([qb[:, 1:], q[:, None].float()], 1))
@@ -862,16 +855,8 @@ class HiSparseEngine:
             sel = select(scores, n, s.first, cfg.window_size, cfg.top_k, bs, s.anchors[layer], holes,
                          cfg.prefetch_blocks, num_heads=H)
             s.last_selection[layer] = sel.tokens
-            hb = s.hot[layer]
-            look = hb.lookup(sel.tokens)
-            used = (sel.tokens >= 0).sum(1)
-            pf_h, pf_t, pf_s = hb.prefetch(sel.prefetch, self.S - used)
-            self._stats.prefetch_issued += int(pf_t.numel())
-            heads = torch.cat([look.miss_head, pf_h])
-            toks = torch.cat([look.miss_token, pf_t])
-            slots = torch.cat([look.miss_slot, pf_s])
+            look, heads, toks, slots = self._lookup_and_prefetch(layer, s.hot[layer], sel)
             self._plan_copy(s, heads, toks, slots, src_rows, src_tail, dst_rows, dst_tail)
-            self._dev[layer].add(look.lookups, look.hits, look.prefetch_used, used.sum(), sel.loaded)
             if sel.block_hits.numel():
                 s.importance[: sel.block_hits.shape[0]] += sel.block_hits.to(s.importance.device)
             slot_lists.append(look.slots)
@@ -886,6 +871,17 @@ class HiSparseEngine:
             ridx = torch.tensor(rows, device=dev)
             kb, vb = self.k_hot[layer][ridx], self.v_hot[layer][ridx]
         return sparse_decode_attention(q.to(self.dtype), kb, vb, slots, self.scale).to(q.dtype)
+
+    def _lookup_and_prefetch(self, layer: int, state, sel):
+        """Hit lookup of a selection in a hot-buffer state and prefetch into the slots it leaves
+        free, counted: (lookup, heads, tokens, slots) of the rows to load (misses, then prefetch)."""
+        look = state.lookup(sel.tokens)
+        used = (sel.tokens >= 0).sum(1)
+        pf_h, pf_t, pf_s = state.prefetch(sel.prefetch, self.S - used)
+        self._stats.prefetch_issued += int(pf_t.numel())
+        self._dev[layer].add(look.lookups, look.hits, look.prefetch_used, used.sum(), sel.loaded)
+        return (look, torch.cat([look.miss_head, pf_h]), torch.cat([look.miss_token, pf_t]),
+                torch.cat([look.miss_slot, pf_s]))
 
     def _plan_copy(self, s: _Seq, heads, toks, slots, src_rows, src_tail, dst_rows, dst_tail) -> None:
         """Host rows of tokens to load and their flat hot-buffer rows (row, head, slot).
