@@ -121,15 +121,20 @@ def test_no_runtime_metric_stays_constant(segment_dir):
     seg.close()
 
 
-def test_pool_limit_is_zero_for_a_pool_that_grows_on_demand(segment_dir):
-    """Without host_pool_blocks the pool grows: its size is published, but no limit (0)."""
-    seg = telemetry.open_segment("limit-test", labels={"model": "planted"})
+def _one_sequence_engine(name: str, seed: int):
+    """A one-layer engine publishing at every call into its own segment, a reader of that segment,
+    a planted workload and one sequence: (segment, engine, reader, workload, sequence id)."""
+    seg = telemetry.open_segment(name, labels={"model": "planted"})
     cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
                          publish_interval_s=0.0)
     eng = HiSparseEngine(cfg, 1, HQ, HKV, D, segment=seg, model_name="planted")
-    reader = SegmentReader(seg.path)
-    wl = PlantedWorkload(HKV, HQ, D, seed=3)
     (a,) = eng.add_sequences(1)
+    return seg, eng, SegmentReader(seg.path), PlantedWorkload(HKV, HQ, D, seed=seed), a
+
+
+def test_pool_limit_is_zero_for_a_pool_that_grows_on_demand(segment_dir):
+    """Without host_pool_blocks the pool grows: its size is published, but no limit (0)."""
+    seg, eng, reader, wl, a = _one_sequence_engine("limit-test", seed=3)
     sizes = set()
     for _ in range(3):                                    # 3 x 400 tokens: the pool grows twice or more
         s = wl.segment(400)
@@ -145,13 +150,7 @@ def test_pool_limit_is_zero_for_a_pool_that_grows_on_demand(segment_dir):
 def test_a_paused_publisher_publishes_nothing_until_resumed(segment_dir):
     """Publisher.paused (the e2e benchmark's telemetry-off phases): counters keep counting in the
     engine, the segment keeps its last snapshot, and the first publish after resuming catches up."""
-    seg = telemetry.open_segment("pause-test", labels={"model": "planted"})
-    cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
-                         publish_interval_s=0.0)
-    eng = HiSparseEngine(cfg, 1, HQ, HKV, D, segment=seg, model_name="planted")
-    reader = SegmentReader(seg.path)
-    wl = PlantedWorkload(HKV, HQ, D, seed=4)
-    (a,) = eng.add_sequences(1)
+    seg, eng, reader, wl, a = _one_sequence_engine("pause-test", seed=4)
 
     def prefill_tokens():
         return reader.read().get("hisparse_tokens_total", phase="prefill")
