@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import triton
@@ -29,23 +28,12 @@ from hi_sparse.kernels import _quant_triton as Q
 
 
 @triton.jit
-def _tile(p_x, i_n, T, D, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
-    o_t = tl.arange(0, BLOCK_T)
-    o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, 8)
-    m = (o_t < T)[:, None] & (o_g < D // 8)[None, :]
-    o_v = o_g[None, :, None] * 8 + o_i[None, None, :]
-    b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0).to(tl.float32)
-    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
-    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
-    return b_x, lo, hi, o_t, o_g, o_i, m
-
-
-@triton.jit
 def diag_kernel(p_x, p_out, p_out2, p_scale, p_zero, T, D, P,
                 BITS: tl.constexpr, MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
     i_n = tl.program_id(0).to(tl.int64)
-    b_x, lo, hi, o_t, o_g, o_i, m = _tile(p_x, i_n, T, D, BLOCK_T, BLOCK_G)
+    o_t, o_g, o_i = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_G), tl.arange(0, 8)
+    b_x, m = Q._load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, False)   # as the fused kernel
+    lo, hi = Q._tile_min_max(b_x, m)
     inv = Q._block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
     b_c = Q._codes(b_x, lo, inv, BITS)
     p_on = p_out + i_n * T * P

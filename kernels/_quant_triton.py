@@ -122,13 +122,43 @@ def _minmax_kernel(p_x, p_part, numel, C, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _load_units(p_xn, o_t, T, D, U: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr,
+                LOAD2D: tl.constexpr):
+    """Rows o_t of the (T, D) block at p_xn (D % U == 0) as fp32 units of U consecutive values:
+    ((BLOCK_T, BLOCK_U, U) values, 0 where masked; (BLOCK_T, BLOCK_U) mask of valid units).
+
+    LOAD2D: load a (BLOCK_T, BLOCK_U * U) tile of whole rows and reshape it (coalesced; on the H200
+    the directly indexed three-dimensional tile, LOAD2D False, read every sector twice).
+    """
+    o_u = tl.arange(0, BLOCK_U)
+    m = (o_t < T)[:, None] & (o_u < D // U)[None, :]
+    if LOAD2D:
+        o_d = tl.arange(0, BLOCK_U * U)
+        m2 = (o_t < T)[:, None] & (o_d < D)[None, :]
+        b_x = tl.reshape(tl.load(p_xn + o_t[:, None] * D + o_d[None, :], mask=m2, other=0.0),
+                         [BLOCK_T, BLOCK_U, U])
+    else:
+        o_v = o_u[None, :, None] * U + tl.arange(0, U)[None, None, :]
+        b_x = tl.load(p_xn + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0)
+    return b_x.to(tl.float32), m
+
+
+@triton.jit
+def _tile_min_max(b_x, m):
+    """Min and max of a (T, U-units, U) tile over its valid units (mask m: (T, U-units))."""
+    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
+    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+    return lo, hi
+
+
+@triton.jit
 def _pack_grouped_kernel(
     p_x, p_part, p_packed, p_scale, p_zero, T, D, P, C,
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD2D: tl.constexpr = False,
 ):
     """D % 8 == 0: 8 codes make exactly BITS bytes, stored as in _store_groups (WORDS: see there).
-    LOAD2D: load a (BLOCK_T, BLOCK_G * 8) tile and reshape it (as _quantize_words_kernel).
+    LOAD2D: see _load_units.
 
     One program per (block, tile of BLOCK_T rows): small programs keep enough loads in flight;
     each first folds its block's C partial min/max (written by _minmax_kernel).
@@ -142,17 +172,7 @@ def _pack_grouped_kernel(
     hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf")), 0)
     inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, i_t == 0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, 8)
-    if LOAD2D:
-        o_d = tl.arange(0, BLOCK_G * 8)
-        m2 = (o_t < T)[:, None] & (o_d < D)[None, :]
-        b_x = tl.reshape(tl.load(p_x + i_n * T * D + o_t[:, None] * D + o_d[None, :], mask=m2, other=0.0),
-                         [BLOCK_T, BLOCK_G, 8]).to(tl.float32)
-    else:
-        m = (o_t < T)[:, None, None] & (o_g < D // 8)[None, :, None]
-        b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + (o_g[None, :, None] * 8 + o_i[None, None, :]),
-                      mask=m, other=0.0).to(tl.float32)
+    b_x, _ = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
     _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
                   BLOCK_T, BLOCK_G, WORDS)
 
@@ -267,13 +287,8 @@ def _quantize_fused_kernel(
     (BLOCK_T, BLOCK_G, 8) register tile, read from memory once."""
     i_n = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, BLOCK_T)
-    o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, 8)
-    m = (o_t < T)[:, None] & (o_g < D // 8)[None, :]
-    o_v = o_g[None, :, None] * 8 + o_i[None, None, :]      # value index in a row: 8 consecutive per group
-    b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + o_v, mask=m[:, :, None], other=0.0).to(tl.float32)
-    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
-    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+    b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, False)
+    lo, hi = _tile_min_max(b_x, m)
     inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
     _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
                   BLOCK_T, BLOCK_G, WORDS)
@@ -289,26 +304,15 @@ def _quantize_words_kernel(
     each unit of U consecutive codes of a row is U * BITS / WORD whole words of WORD (32 or 64)
     bits, built by in-thread shifts and sums and stored as whole words (D % U == 0).
 
-    LOAD2D: load a (BLOCK_T, BLOCK_U * U) tile (rows contiguous) and reshape it, else index the
-    three-dimensional tile directly.
+    LOAD2D: see _load_units.
     """
     i_n = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, BLOCK_T)
     o_u = tl.arange(0, BLOCK_U)
     o_i = tl.arange(0, U)
     n_u = D // U
-    m = (o_t < T)[:, None] & (o_u < n_u)[None, :]
-    if LOAD2D:
-        o_d = tl.arange(0, BLOCK_U * U)
-        m2 = (o_t < T)[:, None] & (o_d < D)[None, :]
-        b_x = tl.reshape(tl.load(p_x + i_n * T * D + o_t[:, None] * D + o_d[None, :], mask=m2, other=0.0),
-                         [BLOCK_T, BLOCK_U, U]).to(tl.float32)
-    else:
-        o_v = o_u[None, :, None] * U + o_i[None, None, :]
-        b_x = tl.load(p_x + i_n * T * D + o_t[:, None, None] * D + o_v, mask=m[:, :, None],
-                      other=0.0).to(tl.float32)
-    lo = tl.min(tl.min(tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2), 1), 0)
-    hi = tl.max(tl.max(tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2), 1), 0)
+    b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, U, BLOCK_T, BLOCK_U, LOAD2D)
+    lo, hi = _tile_min_max(b_x, m)
     inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
     b_c = _codes(b_x, lo, inv, BITS)
     if WORD == 64:
