@@ -376,6 +376,13 @@ def _word_stores(d: int, bits: int) -> bool:
     return (d // 8) % _WORD_GROUPS[bits] == 0
 
 
+def _words_fit(t: int, d: int, bits: int, unit: tuple[int, int], reg_cap: int) -> bool:
+    """Whether method "words" with unit (codes, word bits) takes a t x d block: rows of whole units,
+    units of whole words, the block one register tile of at most reg_cap padded values."""
+    u, word = unit
+    return d % u == 0 and (u * bits) % word == 0 and next_pow2(t) * next_pow2(d // u) * u <= reg_cap
+
+
 def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 0,
              pack_warps: int = 0, unit: tuple[int, int] | None = None,
@@ -406,14 +413,13 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         # tile as whole words per thread: 4 bits 70 %, 8 bits 76 % of the HBM copy rate (the byte-
         # or multi-word-per-thread stores of the fused kernel: 63 % / 32 %); 5/6 bits need several
         # words per thread (32-38 %) and stay on split (44-46 %), as do 512-token blocks (spills)
-        u = WORD_UNITS[bits][0]
-        if bits in (4, 8) and d % u == 0 and next_pow2(t) * next_pow2(d // u) * u <= reg_cap:
+        if bits in (4, 8) and _words_fit(t, d, bits, WORD_UNITS[bits], reg_cap):
             method, fused_warps = "words", fused_warps or (4 if bits == 4 else 8)
         else:
             method = "split"
     if method == "words":
-        u, word = unit or WORD_UNITS[bits]
-        if d % u or (u * bits) % word or next_pow2(t) * next_pow2(d // u) * u > reg_cap:
+        u, word = unit = unit or WORD_UNITS[bits]
+        if not _words_fit(t, d, bits, unit, reg_cap):
             raise ValueError(f"method='words' needs D % {u} == 0 and a block of at most reg_cap={reg_cap} padded "
                              f"values (got {t} x {d}); use method='auto'")
         _quantize_words_kernel[(n,)](x, packed, scale, zero, t, d, BITS=bits, U=u, WORD=word,
