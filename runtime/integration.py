@@ -61,6 +61,9 @@ class Binding:
         if not self.closed:
             self.closed = True
             self.engine.close()
+        if self.finalizer is not None:      # it holds the binding: the engine would outlive close
+            self.finalizer.detach()
+            self.finalizer = None
 
 
 def binding_of(model: torch.nn.Module) -> Binding:
@@ -248,8 +251,7 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     if base_model is not model:
         _BINDINGS[base_model] = binding
     # The engine (and its telemetry segment) lives as long as the model; finalize also runs at
-    # interpreter exit, which is what removes the segment on a clean exit. Disabling detaches it:
-    # the finalizer holds the binding, so the engine (host pool included) would outlive disable.
+    # interpreter exit, which is what removes the segment on a clean exit; closing detaches it.
     binding.finalizer = weakref.finalize(model, binding.close)
     return model
 
@@ -263,9 +265,6 @@ def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
     if binding.previous_attn and binding.previous_attn != hf_attention.ATTN_IMPLEMENTATION:
         model.set_attn_implementation(binding.previous_attn)
     binding.close()
-    if binding.finalizer is not None:
-        binding.finalizer.detach()
-        binding.finalizer = None
     for key in [k for k, v in _BINDINGS.items() if v is binding]:
         del _BINDINGS[key]
     return model
