@@ -455,8 +455,8 @@ def main() -> int:
         ids = torch.randint(0, cfg.vocab_size - 1, (1, ctx), generator=g).to(device)
         if salient is not None:
             # one salient token in each of `planted` blocks, spread over the prompt before its window
-            blocks = torch.randperm(max(1, (ctx - args.window) // args.block_size), generator=g)[:args.planted]
-            ids[0, blocks.to(device) * args.block_size + args.block_size // 2] = salient
+            picked = torch.randperm(max(1, (ctx - args.window) // args.block_size), generator=g)[:args.planted]
+            ids[0, picked.to(device) * args.block_size + args.block_size // 2] = salient
         blocks = n * -(-(ctx + extra_tokens) // args.block_size)   # every sequence's own blocks
         measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks,
                 telemetry_ab=args.batch_telemetry)
