@@ -4,6 +4,7 @@ stage each, timed against the HBM copy rate, for a profiler (ncu) and for differ
     python benchmarks/diag_quant.py --stages           # times every one-stage variant below
     ncu -k regex:diag_ --section SpeedOfLight ... python benchmarks/diag_quant.py --stages --once
     python benchmarks/diag_quant.py --words            # the words path's units and loads, every bit width
+    python benchmarks/diag_quant.py --relay            # the relay kernel's tile sizes, warps, ticket
 
 Blocks of 64 x 128 bf16 (the runtime's host-pool unit), 16,384 of them (268 MB). Variants:
   fused4 / fused8  the runtime's fused kernel (_quantize_fused_kernel) at 4 / 8 bits
@@ -95,10 +96,15 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 }
 
 
-def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True) -> None:
+RELAY_SWEEP = [(1024, 1, False), (1024, 2, False), (2048, 2, False), (2048, 4, False), (4096, 4, False),
+               (4096, 8, False), (8192, 8, False), (2048, 2, True), (4096, 4, True)]   # values, warps, ticket
+
+
+def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True, relay: bool = False) -> None:
     """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
     and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
-    against split's."""
+    against split's. relay: instead, method="relay" (values per program, warps, ticket) against
+    the default path and split."""
     hbm = hbm_copy_rate()
     print(f"HBM copy {hbm:.0f} GB/s", flush=True)
     rows = []
@@ -107,10 +113,18 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
         for bits in bits_list:
             ref = Q.quantize(x, bits, method="split")[0]
             moved = x.numel() * 2 + ref.numel()
-            variants = [("split", {"method": "split"}), ("split pack 3d", {"method": "split", "pack_load2d": False})]
-            variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
-                         for v, w in ((1024, 2), (1024, 4), (2048, 2), (4096, 4), (4096, 8), (8192, 8))]
-            if shape[1] == 64 and words:
+            if relay:
+                variants = [("default (auto)", {}), ("split", {"method": "split"})]
+                variants += [(f"relay {v} w{w}{' ticket' if tk else ''}",
+                              {"method": "relay", "pack_values": v, "pack_warps": w, "ticket": tk})
+                             for v, w, tk in RELAY_SWEEP]
+            else:
+                variants = [("split", {"method": "split"}), ("split pack 3d", {"method": "split", "pack_load2d": False})]
+                variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
+                             for v, w in ((1024, 2), (1024, 4), (2048, 2), (4096, 4), (4096, 8), (8192, 8))]
+            if relay:
+                pass
+            elif shape[1] == 64 and words:
                 variants.append(("fused", {"method": "fused"}))
                 for unit in WORDS_SWEEP[bits]:
                     for load2d in (True, False):
@@ -150,10 +164,11 @@ def main() -> None:
     ap.add_argument("--once", action="store_true", help="with --stages: launch each variant twice, no timing (ncu)")
     ap.add_argument("--bits", default="4,5,6,8", help="with --words: bit widths")
     ap.add_argument("--split-only", action="store_true", help="with --words: only the split path's variants")
+    ap.add_argument("--relay", action="store_true", help="the relay kernel's sweep (values, warps, ticket)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.words:
-        words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only)
+    if args.words or args.relay:
+        words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only, args.relay)
     if not args.stages:
         return
     x = torch.randn(16384, 64, 128, device="cuda", dtype=torch.bfloat16)

@@ -152,29 +152,77 @@ def _tile_min_max(b_x, m):
 
 
 @triton.jit
-def _pack_grouped_kernel(
-    p_x, p_part, p_packed, p_scale, p_zero, T, D, P, C,
-    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-    LOAD2D: tl.constexpr = False,
-):
-    """D % 8 == 0: 8 codes make exactly BITS bytes, stored as in _store_groups (WORDS: see there).
-    LOAD2D: see _load_units.
-
-    One program per (block, tile of BLOCK_T rows): small programs keep enough loads in flight;
-    each first folds its block's C partial min/max (written by _minmax_kernel).
-    """
-    i_n = tl.program_id(0).to(tl.int64)
-    i_t = tl.program_id(1)
+def _pack_tile(p_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, T, D, P, C,
+               BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+               BLOCK_C: tl.constexpr, LOAD2D: tl.constexpr):
+    """Pack row tile i_t (BLOCK_T rows) of block i_n (D % 8 == 0: 8 codes make exactly BITS bytes,
+    stored as in _store_groups) once the block's C partial min / max pairs are in p_part (N, C, 2);
+    tile 0 also writes the block's scale and zero point. The partials are read past L1 (.cg): the
+    relay kernel reads them right after other programs wrote them."""
     o_c = tl.arange(0, BLOCK_C)
     m_c = o_c < C
     p_pn = p_part + (i_n * C + o_c) * 2
-    lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf")), 0)
-    hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf")), 0)
+    lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf"), cache_modifier=".cg"), 0)
+    hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf"), cache_modifier=".cg"), 0)
     inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, i_t == 0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     b_x, _ = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
     _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
                   BLOCK_T, BLOCK_G, WORDS)
+
+
+@triton.jit
+def _pack_grouped_kernel(
+    p_x, p_part, p_packed, p_scale, p_zero, T, D, P, C,
+    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    LOAD2D: tl.constexpr = False,
+):
+    """Split path, second kernel: one program per (block, tile of BLOCK_T rows), _pack_tile after
+    _minmax_kernel wrote the C partials (small programs keep enough loads in flight). LOAD2D: see
+    _load_units."""
+    _pack_tile(p_x, p_part, p_packed, p_scale, p_zero, tl.program_id(0).to(tl.int64), tl.program_id(1),
+               T, D, P, C, BITS, WORDS, BLOCK_T, BLOCK_G, BLOCK_C, LOAD2D)
+
+
+@triton.jit
+def _quantize_relay_kernel(
+    p_x, p_part, p_count, p_packed, p_scale, p_zero, N, T, D, P, C,
+    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    LOAD2D: tl.constexpr, TICKET: tl.constexpr,
+):
+    """Quantize reading the input from HBM once (D % 8 == 0): program k = n * C + i (grid (N + 1) * C)
+    publishes the min / max of row tile i of block n, then packs row tile i of block n - 1, whose C
+    partials the C programs before it published; that tile was read by program k - C moments ago
+    and comes from L2.
+
+    A program waits only on programs with lower numbers. The interpreter runs programs in order;
+    the GPU dispatches a grid's programs in increasing order (the property CUB's single-pass scan
+    relies on too), so every program waited on is running or done. TICKET: number the programs by
+    an atomic counter in the order they start instead (p_count[N]; no reliance on dispatch order).
+    p_count (N + 1,) int32 must be zero.
+    """
+    if TICKET:
+        k = tl.atomic_add(p_count + N, 1)
+    else:
+        k = tl.program_id(0)
+    i_n = (k // C).to(tl.int64)
+    i_t = k % C
+    if i_n < N:
+        o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+        lo, hi = _tile_min_max(b_x, m)
+        p_pk = p_part + (i_n * C + i_t) * 2
+        tl.store(p_pk, lo)
+        tl.store(p_pk + 1, hi)
+        tl.debug_barrier()                                  # the partials are stored, then counted
+        tl.atomic_add(p_count + i_n, 1, sem="release")
+    if i_n > 0:
+        done = tl.atomic_add(p_count + i_n - 1, 0, sem="acquire")
+        while done < C:
+            done = tl.atomic_add(p_count + i_n - 1, 0, sem="acquire")
+        tl.debug_barrier()
+        _pack_tile(p_x, p_part, p_packed, p_scale, p_zero, i_n - 1, i_t, T, D, P, C, BITS, WORDS,
+                   BLOCK_T, BLOCK_G, BLOCK_C, LOAD2D)
 
 
 @triton.jit
@@ -386,19 +434,22 @@ def _words_fit(t: int, d: int, bits: int, unit: tuple[int, int], reg_cap: int) -
 def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 0,
              pack_warps: int = 0, unit: tuple[int, int] | None = None,
-             load2d: bool = True, pack_load2d: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             load2d: bool = True, pack_load2d: bool = True,
+             ticket: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
     most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
-    read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel) or
+    read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel),
+    "relay" (one kernel of row-tile programs that read the input from HBM once and pass each block's
+    min / max on: _quantize_relay_kernel; ticket: number its programs by an atomic counter) or
     "auto" (the one measured faster for the block: words at 4 and 8 bits where it fits, else split).
     Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
     A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
     copy rate against split's 41-46 % (docs/BENCHMARKS.md) and was removed.
     """
-    if method not in ("auto", "fused", "split", "words"):
-        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused', 'split' or 'words'")
+    if method not in ("auto", "fused", "split", "words", "relay"):
+        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused', 'split', 'words' or 'relay'")
     n, t, d = x.shape
     x = x.contiguous()
     p = (d * bits + 7) // 8
@@ -434,6 +485,17 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 > 8192 else 4)   # 8192 values: 4 warps best
         _quantize_fused_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
                                      BLOCK_G=BLOCK_G, WORDS=words, num_warps=warps)
+        return packed, scale, zero
+    if d % 8 == 0 and method == "relay":
+        pack_values = pack_values or (1024 if bits == 8 else 2048)
+        BLOCK_T = max(1, min(BLOCK_T, pack_values // (BLOCK_G * 8)))
+        c = triton.cdiv(t, BLOCK_T)
+        part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
+        count = torch.zeros(n + 1, device=x.device, dtype=torch.int32)
+        _quantize_relay_kernel[((n + 1) * c,)](
+            x, part, count, packed, scale, zero, n, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
+            BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, TICKET=ticket,
+            num_warps=pack_warps or 2)
         return packed, scale, zero
     if d % 8 == 0:
         # split: two streaming passes of small programs (the input is read from HBM twice)

@@ -219,6 +219,12 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"quantize-{b}bit-d64-words-3d-u{u}": (lambda b=b, u=u: _quantize(b, 64, 5, method="words", unit=u,
                                                                           load2d=False))
        for b, u in ((4, (16, 64)), (5, (64, 64)), (6, (32, 64)), (8, (16, 64)))},
+    # the relay kernel: 3 blocks of 5 row tiles (the last ragged), 20 programs, each waiting on
+    # the min / max the previous block's programs published; numbered by program id or by ticket
+    **{f"quantize-{b}bit-d64-t40-relay": (lambda b=b: _quantize(b, 64, 40, 3, method="relay", pack_values=512))
+       for b in (4, 5, 6, 8)},
+    "quantize-4bit-d64-t40-relay-ticket": lambda: _quantize(4, 64, 40, 3, method="relay", pack_values=512,
+                                                           ticket=True),
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},

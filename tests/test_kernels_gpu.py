@@ -170,8 +170,13 @@ def _poison_bytes(nbytes: int) -> None:
     (64, {"method": "words"}),                       # whole words per thread, 2D load
     (50, {"method": "words"}),                       # ragged block
     (64, {"method": "words", "load2d": False}),
+    (64, {"method": "relay"}),                       # one kernel, input read once, min/max relayed
+    (512, {"method": "relay"}),
+    (50, {"method": "relay", "pack_values": 1024}),  # ragged last row tile
+    (512, {"method": "relay", "ticket": True}),      # programs numbered by an atomic ticket
 ], ids=["default-t64", "fused-register-t64", "fused-register-t512",
-        "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64"])
+        "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64",
+        "relay-t64", "relay-t512", "relay-t50", "relay-ticket-t512"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
     "auto", is fused at T=64 and split at T=512)."""
@@ -186,6 +191,22 @@ def test_quantize_word_and_byte_stores(bits, D, T, tuning):
     """Whole-word stores where rows hold whole word groups (6 bits: D=48, 96; 5 bits: D=96, the last of
     4 padded quads masked off; 8 bits: every D) and the byte stores otherwise (D=40; 5 bits D=48)."""
     _check_quantize(bits, T, D, tuning)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("ticket", [False, True])
+def test_quantize_relay_matches_split_on_a_large_input(bits, ticket):
+    """The relay kernel's programs wait on each other's published min / max: on 4096 blocks (a few
+    hundred thousand programs, many waves) every byte, scale and zero point equals the split path's
+    (same min / max, same reciprocal, same codes), so a partial read before it was published shows."""
+    from hi_sparse.kernels import _quant_triton as Q
+    torch.manual_seed(bits)
+    x = (torch.randn(4096, 512, 128, device="cuda") * torch.rand(4096, 1, 1, device="cuda") * 10).to(torch.bfloat16)
+    want = Q.quantize(x, bits, method="split")
+    for _ in range(3):
+        _poison_bytes(x.shape[0] * x.shape[1] * K.packed_width(128, bits))
+        got = Q.quantize(x, bits, method="relay", ticket=ticket)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def _check_quantize(bits: int, T: int, D: int, tuning: dict) -> None:
