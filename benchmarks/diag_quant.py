@@ -96,14 +96,17 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 }
 
 
-RELAY_SWEEP = [(1024, 1, False), (1024, 2, False), (2048, 2, False), (2048, 4, False), (4096, 4, False),
-               (4096, 8, False), (8192, 8, False), (2048, 2, True), (4096, 4, True)]   # values, warps, ticket
+RELAY_SWEEP = [   # values per program, warps, ticket, lag (blocks), early
+    (8192, 8, False, 1, False), (8192, 8, False, 1, True), (8192, 8, False, 4, False), (8192, 8, False, 4, True),
+    (4096, 4, False, 1, True), (4096, 4, False, 4, True), (2048, 2, False, 4, True), (1024, 2, False, 4, True),
+    (8192, 4, False, 4, True), (16384, 8, False, 4, True), (16384, 16, False, 4, True), (8192, 8, True, 4, True),
+]
 
 
 def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True, relay: bool = False) -> None:
     """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
     and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
-    against split's. relay: instead, method="relay" (values per program, warps, ticket) against
+    against split's. relay: instead, method="relay" (RELAY_SWEEP) against
     the default path and split."""
     hbm = hbm_copy_rate()
     print(f"HBM copy {hbm:.0f} GB/s", flush=True)
@@ -115,9 +118,10 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
             moved = x.numel() * 2 + ref.numel()
             if relay:
                 variants = [("default (auto)", {}), ("split", {"method": "split"})]
-                variants += [(f"relay {v} w{w}{' ticket' if tk else ''}",
-                              {"method": "relay", "pack_values": v, "pack_warps": w, "ticket": tk})
-                             for v, w, tk in RELAY_SWEEP]
+                variants += [(f"relay {v} w{w} lag{lag}{' early' if early else ''}{' ticket' if tk else ''}",
+                              {"method": "relay", "pack_values": v, "pack_warps": w, "ticket": tk, "lag": lag,
+                               "early": early})
+                             for v, w, tk, lag, early in RELAY_SWEEP]
             else:
                 variants = [("split", {"method": "split"}), ("split pack 3d", {"method": "split", "pack_load2d": False})]
                 variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})

@@ -152,21 +152,20 @@ def _tile_min_max(b_x, m):
 
 
 @triton.jit
-def _pack_tile(p_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, T, D, P, C,
-               BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-               BLOCK_C: tl.constexpr, LOAD2D: tl.constexpr):
-    """Pack row tile i_t (BLOCK_T rows) of block i_n (D % 8 == 0: 8 codes make exactly BITS bytes,
-    stored as in _store_groups) once the block's C partial min / max pairs are in p_part (N, C, 2);
-    tile 0 also writes the block's scale and zero point. The partials are read past L1 (.cg): the
-    relay kernel reads them right after other programs wrote them."""
+def _pack_loaded(b_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, C,
+                 BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """Pack b_x, rows o_t (tile i_t) of block i_n as loaded by _load_units with U = 8 (D % 8 == 0:
+    8 codes make exactly BITS bytes, stored as in _store_groups), once the block's C partial
+    min / max pairs are in p_part (N, C, 2); tile 0 also writes the block's scale and zero point.
+    The partials are read past L1 (.cg): the relay kernel reads them right after other programs
+    wrote them."""
     o_c = tl.arange(0, BLOCK_C)
     m_c = o_c < C
     p_pn = p_part + (i_n * C + o_c) * 2
     lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf"), cache_modifier=".cg"), 0)
     hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf"), cache_modifier=".cg"), 0)
     inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, i_t == 0)
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    b_x, _ = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
     _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
                   BLOCK_T, BLOCK_G, WORDS)
 
@@ -177,23 +176,28 @@ def _pack_grouped_kernel(
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD2D: tl.constexpr = False,
 ):
-    """Split path, second kernel: one program per (block, tile of BLOCK_T rows), _pack_tile after
+    """Split path, second kernel: one program per (block, tile of BLOCK_T rows) packs its tile after
     _minmax_kernel wrote the C partials (small programs keep enough loads in flight). LOAD2D: see
     _load_units."""
-    _pack_tile(p_x, p_part, p_packed, p_scale, p_zero, tl.program_id(0).to(tl.int64), tl.program_id(1),
-               T, D, P, C, BITS, WORDS, BLOCK_T, BLOCK_G, BLOCK_C, LOAD2D)
+    i_n = tl.program_id(0).to(tl.int64)
+    i_t = tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    b_x, _ = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+    _pack_loaded(b_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, C, BITS, WORDS, BLOCK_T,
+                 BLOCK_G, BLOCK_C)
 
 
 @triton.jit
 def _quantize_relay_kernel(
-    p_x, p_part, p_count, p_packed, p_scale, p_zero, N, T, D, P, C,
+    p_x, p_part, p_count, p_packed, p_scale, p_zero, N, T, D, P, C, LAG,
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-    LOAD2D: tl.constexpr, TICKET: tl.constexpr,
+    LOAD2D: tl.constexpr, TICKET: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """Quantize reading the input from HBM once (D % 8 == 0): program k = n * C + i (grid (N + 1) * C)
-    publishes the min / max of row tile i of block n, then packs row tile i of block n - 1, whose C
-    partials the C programs before it published; that tile was read by program k - C moments ago
-    and comes from L2.
+    """Quantize reading the input from HBM once (D % 8 == 0): program k = n * C + i (grid
+    (N + LAG) * C) publishes the min / max of row tile i of block n, then packs row tile i of block
+    n - LAG once that block's C partials are published; that tile was read by program k - LAG * C
+    moments before and comes from L2. EARLY: load the tile to pack together with the tile to
+    reduce (both loads in flight at once; the input never changes, only the partials are waited on).
 
     A program waits only on programs with lower numbers. The interpreter runs programs in order;
     the GPU dispatches a grid's programs in increasing order (the property CUB's single-pass scan
@@ -207,8 +211,11 @@ def _quantize_relay_kernel(
         k = tl.program_id(0)
     i_n = (k // C).to(tl.int64)
     i_t = k % C
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    i_p = i_n - LAG                                        # the block this program packs
+    if EARLY:
+        b_xp, _ = _load_units(p_x + i_p * T * D, o_t, tl.where(i_p >= 0, T, 0), D, 8, BLOCK_T, BLOCK_G, LOAD2D)
     if i_n < N:
-        o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
         b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
         lo, hi = _tile_min_max(b_x, m)
         p_pk = p_part + (i_n * C + i_t) * 2
@@ -216,13 +223,15 @@ def _quantize_relay_kernel(
         tl.store(p_pk + 1, hi)
         tl.debug_barrier()                                  # the partials are stored, then counted
         tl.atomic_add(p_count + i_n, 1, sem="release")
-    if i_n > 0:
-        done = tl.atomic_add(p_count + i_n - 1, 0, sem="acquire")
+    if i_p >= 0:
+        if not EARLY:
+            b_xp, _ = _load_units(p_x + i_p * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+        done = tl.atomic_add(p_count + i_p, 0, sem="acquire")
         while done < C:
-            done = tl.atomic_add(p_count + i_n - 1, 0, sem="acquire")
+            done = tl.atomic_add(p_count + i_p, 0, sem="acquire")
         tl.debug_barrier()
-        _pack_tile(p_x, p_part, p_packed, p_scale, p_zero, i_n - 1, i_t, T, D, P, C, BITS, WORDS,
-                   BLOCK_T, BLOCK_G, BLOCK_C, LOAD2D)
+        _pack_loaded(b_xp, p_part, p_packed, p_scale, p_zero, i_p, i_t, o_t, T, D, P, C, BITS, WORDS,
+                     BLOCK_T, BLOCK_G, BLOCK_C)
 
 
 @triton.jit
@@ -435,14 +444,14 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 0,
              pack_warps: int = 0, unit: tuple[int, int] | None = None,
              load2d: bool = True, pack_load2d: bool = True,
-             ticket: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ticket: bool = False, lag: int = 1, early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
     most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
     read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel),
     "relay" (one kernel of row-tile programs that read the input from HBM once and pass each block's
-    min / max on: _quantize_relay_kernel; ticket: number its programs by an atomic counter) or
+    min / max on: _quantize_relay_kernel; ticket, lag, early: see there) or
     "auto" (the one measured faster for the block: words at 4 and 8 bits where it fits, else split).
     Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
     A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
@@ -492,9 +501,9 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         c = triton.cdiv(t, BLOCK_T)
         part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
         count = torch.zeros(n + 1, device=x.device, dtype=torch.int32)
-        _quantize_relay_kernel[((n + 1) * c,)](
-            x, part, count, packed, scale, zero, n, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
-            BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, TICKET=ticket,
+        _quantize_relay_kernel[((n + lag) * c,)](
+            x, part, count, packed, scale, zero, n, t, d, p, c, lag, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
+            BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, TICKET=ticket, EARLY=early,
             num_warps=pack_warps or 2)
         return packed, scale, zero
     if d % 8 == 0:

@@ -225,6 +225,8 @@ CASES: dict[str, Callable[[], None]] = {
        for b in (4, 5, 6, 8)},
     "quantize-4bit-d64-t40-relay-ticket": lambda: _quantize(4, 64, 40, 3, method="relay", pack_values=512,
                                                            ticket=True),
+    "quantize-8bit-d64-t40-relay-lag2-early": lambda: _quantize(8, 64, 40, 3, method="relay", pack_values=512,
+                                                               lag=2, early=True),
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
