@@ -4,7 +4,7 @@ stage each, timed against the HBM copy rate, for a profiler (ncu) and for differ
     python benchmarks/diag_quant.py --stages           # times every one-stage variant below
     ncu -k regex:diag_ --section SpeedOfLight ... python benchmarks/diag_quant.py --stages --once
     python benchmarks/diag_quant.py --words            # the words path's units and loads, every bit width
-    python benchmarks/diag_quant.py --relay            # the relay kernel's tile sizes, warps, ticket
+    python benchmarks/diag_quant.py --relay            # relay and twopass kernels: tiles, warps, options
 
 Blocks of 64 x 128 bf16 (the runtime's host-pool unit), 16,384 of them (268 MB). Variants:
   fused4 / fused8  the runtime's fused kernel (_quantize_fused_kernel) at 4 / 8 bits
@@ -97,9 +97,12 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 
 
 RELAY_SWEEP = [   # values per program, warps, ticket, lag (blocks), early
-    (8192, 8, False, 1, False), (8192, 8, False, 1, True), (8192, 8, False, 4, False), (8192, 8, False, 4, True),
-    (4096, 4, False, 1, True), (4096, 4, False, 4, True), (2048, 2, False, 4, True), (1024, 2, False, 4, True),
-    (8192, 4, False, 4, True), (16384, 8, False, 4, True), (16384, 16, False, 4, True), (8192, 8, True, 4, True),
+    (8192, 8, False, 4, False), (8192, 4, False, 4, True), (4096, 4, False, 4, True), (2048, 2, False, 4, True),
+    (1024, 2, False, 4, True), (8192, 8, True, 4, False),
+]
+TWOPASS_SWEEP = [   # values per tile, warps, prefetch
+    (2048, 2, True), (2048, 4, True), (4096, 4, True), (4096, 8, True), (8192, 4, True), (8192, 8, True),
+    (16384, 8, True), (4096, 4, False),
 ]
 
 
@@ -107,7 +110,7 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
     """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
     and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
     against split's. relay: instead, method="relay" (RELAY_SWEEP) against
-    the default path and split."""
+    the default path, split and method="twopass" (TWOPASS_SWEEP)."""
     hbm = hbm_copy_rate()
     print(f"HBM copy {hbm:.0f} GB/s", flush=True)
     rows = []
@@ -118,6 +121,11 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
             moved = x.numel() * 2 + ref.numel()
             if relay:
                 variants = [("default (auto)", {}), ("split", {"method": "split"})]
+                variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
+                             for v, w in ((1024, 2), (2048, 2), (4096, 4))]
+                variants += [(f"twopass {v} w{w}{'' if pf else ' no prefetch'}",
+                              {"method": "twopass", "pack_values": v, "fused_warps": w, "prefetch": pf})
+                             for v, w, pf in TWOPASS_SWEEP]
                 variants += [(f"relay {v} w{w} lag{lag}{' early' if early else ''}{' ticket' if tk else ''}",
                               {"method": "relay", "pack_values": v, "pack_warps": w, "ticket": tk, "lag": lag,
                                "early": early})
@@ -168,7 +176,7 @@ def main() -> None:
     ap.add_argument("--once", action="store_true", help="with --stages: launch each variant twice, no timing (ncu)")
     ap.add_argument("--bits", default="4,5,6,8", help="with --words: bit widths")
     ap.add_argument("--split-only", action="store_true", help="with --words: only the split path's variants")
-    ap.add_argument("--relay", action="store_true", help="the relay kernel's sweep (values, warps, ticket)")
+    ap.add_argument("--relay", action="store_true", help="the relay and twopass kernels' sweep")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.words or args.relay:

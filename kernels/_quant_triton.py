@@ -253,12 +253,11 @@ def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.c
                   BLOCK_G: tl.constexpr, WORDS: tl.constexpr):
     """Pack codes b_c (BLOCK_T, BLOCK_G, 8) int32 of rows o_t (valid where m_t) into the rows at p_on.
 
-    Groups of 8 codes (n_g valid per row) make exactly BITS bytes; only int32 arithmetic. Every
-    store is of whole 32-bit words (on the H200 this lifted the split path's 5/6-bit quantize from
-    30-34 % to 44-46 % of the copy rate; the register-tile path stayed at 29-35 %) unless WORDS is
-    False: 5 / 6 bits then store bytes (rows of groups not a multiple of the 4 / 2 groups that make
-    whole words). Words are little-endian: stream bit s is bit s % 8
-    of byte s // 8, as in the contract.
+    Groups of 8 codes (n_g valid per row) make exactly BITS bytes. Every store is of whole words
+    (32 bits; one 64-bit word per group at 8 bits; on the H200 word stores lifted the split path's
+    5/6-bit quantize from 30-34 % to 44-46 % of the copy rate) unless WORDS is False: 5 / 6 bits
+    then store bytes (rows of groups not a multiple of the 4 / 2 groups that make whole words).
+    Words are little-endian: stream bit s is bit s % 8 of byte s // 8, as in the contract.
     """
     o_i = tl.arange(0, 8)
     o_g = tl.arange(0, BLOCK_G)
@@ -268,42 +267,42 @@ def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.c
         # 8 four-bit codes are one 32-bit word
         b_w = tl.sum(b_c << (o_i * 4)[None, None, :], 2)                               # (T, G)
         tl.store(p_w + o_g[None, :], b_w, mask=m_tg)
+    elif BITS == 8:
+        # 8 eight-bit codes are one 64-bit word (two 32-bit words per group, one 3D store, wrote
+        # 4x the sectors needed on the H200: benchmarks/diag_quant.py --stages)
+        b_w = tl.sum(b_c.to(tl.int64) << (o_i * 8).to(tl.int64)[None, None, :], 2)      # (T, G)
+        tl.store(p_on.to(tl.pointer_type(tl.int64)) + o_t[:, None] * (P // 8) + o_g[None, :], b_w, mask=m_tg)
     elif WORDS:
         # codes 0-3 and 4-7 of each group as two 4*BITS-bit values A and B (shifts < 32, the sum
         # is an OR: the same in-thread shift-and-sum as 4 bits), then whole words of them
         o_j = tl.arange(0, 4)
         b_ab = tl.sum(tl.reshape(b_c, [BLOCK_T, BLOCK_G, 2, 4]) << (o_j * BITS)[None, None, None, :], 3)
-        if BITS == 8:
-            # a group is two words: A (codes 0-3) then B (codes 4-7)
-            o_w = o_g[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-            tl.store(p_w[:, :, None] + o_w, b_ab, mask=m_tg[:, :, None])
+        b_a, b_b = tl.split(b_ab)                                                   # (T, G) each
+        a0, a1 = _halves(b_a, BLOCK_T, BLOCK_G)
+        b0, b1 = _halves(b_b, BLOCK_T, BLOCK_G)
+        if BITS == 6:
+            # a pair of groups is 96 bits = 3 words: A0 B0 | A1 B1, 24 bits each
+            o_q = tl.arange(0, BLOCK_G // 2)
+            m_q = m_t[:, None] & (o_q < n_g // 2)[None, :]
+            p_q = p_w + (o_q * 3)[None, :]
+            tl.store(p_q, a0 | (b0 << 24), mask=m_q)
+            tl.store(p_q + 1, (b0 >> 8) | (a1 << 16), mask=m_q)
+            tl.store(p_q + 2, (a1 >> 16) | (b1 << 8), mask=m_q)
         else:
-            b_a, b_b = tl.split(b_ab)                                                   # (T, G) each
-            a0, a1 = _halves(b_a, BLOCK_T, BLOCK_G)
-            b0, b1 = _halves(b_b, BLOCK_T, BLOCK_G)
-            if BITS == 6:
-                # a pair of groups is 96 bits = 3 words: A0 B0 | A1 B1, 24 bits each
-                o_q = tl.arange(0, BLOCK_G // 2)
-                m_q = m_t[:, None] & (o_q < n_g // 2)[None, :]
-                p_q = p_w + (o_q * 3)[None, :]
-                tl.store(p_q, a0 | (b0 << 24), mask=m_q)
-                tl.store(p_q + 1, (b0 >> 8) | (a1 << 16), mask=m_q)
-                tl.store(p_q + 2, (a1 >> 16) | (b1 << 8), mask=m_q)
-            else:
-                # a quad of groups is 160 bits = 5 words: A0 B0 A1 B1 A2 B2 A3 B3, 20 bits each
-                # (A and B are < 2^20: the arithmetic >> shifts in zeros)
-                a0, a2 = _halves(a0, BLOCK_T, BLOCK_G // 2)
-                a1, a3 = _halves(a1, BLOCK_T, BLOCK_G // 2)
-                b0, b2 = _halves(b0, BLOCK_T, BLOCK_G // 2)
-                b1, b3 = _halves(b1, BLOCK_T, BLOCK_G // 2)
-                o_q = tl.arange(0, BLOCK_G // 4)
-                m_q = m_t[:, None] & (o_q < n_g // 4)[None, :]
-                p_q = p_w + (o_q * 5)[None, :]
-                tl.store(p_q, a0 | (b0 << 20), mask=m_q)
-                tl.store(p_q + 1, (b0 >> 12) | (a1 << 8) | (b1 << 28), mask=m_q)
-                tl.store(p_q + 2, (b1 >> 4) | (a2 << 16), mask=m_q)
-                tl.store(p_q + 3, (a2 >> 16) | (b2 << 4) | (a3 << 24), mask=m_q)
-                tl.store(p_q + 4, (a3 >> 8) | (b3 << 12), mask=m_q)
+            # a quad of groups is 160 bits = 5 words: A0 B0 A1 B1 A2 B2 A3 B3, 20 bits each
+            # (A and B are < 2^20: the arithmetic >> shifts in zeros)
+            a0, a2 = _halves(a0, BLOCK_T, BLOCK_G // 2)
+            a1, a3 = _halves(a1, BLOCK_T, BLOCK_G // 2)
+            b0, b2 = _halves(b0, BLOCK_T, BLOCK_G // 2)
+            b1, b3 = _halves(b1, BLOCK_T, BLOCK_G // 2)
+            o_q = tl.arange(0, BLOCK_G // 4)
+            m_q = m_t[:, None] & (o_q < n_g // 4)[None, :]
+            p_q = p_w + (o_q * 5)[None, :]
+            tl.store(p_q, a0 | (b0 << 20), mask=m_q)
+            tl.store(p_q + 1, (b0 >> 12) | (a1 << 8) | (b1 << 28), mask=m_q)
+            tl.store(p_q + 2, (b1 >> 4) | (a2 << 16), mask=m_q)
+            tl.store(p_q + 3, (a2 >> 16) | (b2 << 4) | (a3 << 24), mask=m_q)
+            tl.store(p_q + 4, (a3 >> 8) | (b3 << 12), mask=m_q)
     else:
         # byte fallback (5 / 6 bits, rows without whole pairs / quads of groups): BITS bytes per
         # group from a low word (stream bits 0-31) and a high word (bits 32 and up)
@@ -392,6 +391,45 @@ def _quantize_words_kernel(
 
 
 @triton.jit
+def _quantize_twopass_kernel(
+    p_x, p_packed, p_scale, p_zero, T, D, P,
+    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    LOAD2D: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """One program per block (D % 8 == 0), in row tiles of BLOCK_T rows: pass 1 folds the block's
+    min / max, pass 2 reads the block again (from L2: the program read it moments before) and
+    packs it as _store_groups. PREFETCH: each pass loads the next tile before it works on the
+    current one (two tiles in flight per program)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    p_xn = p_x + i_n * T * D
+    o_r = tl.arange(0, BLOCK_T)
+    acc_lo = tl.full([BLOCK_T, BLOCK_G], float("inf"), tl.float32)
+    acc_hi = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
+    b_next, m_next = _load_units(p_xn, o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+    for t0 in range(0, T, BLOCK_T):
+        if PREFETCH:
+            b_x, m = b_next, m_next
+            b_next, m_next = _load_units(p_xn, t0 + BLOCK_T + o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+        else:
+            b_x, m = _load_units(p_xn, t0 + o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+        acc_lo = tl.minimum(acc_lo, tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2))
+        acc_hi = tl.maximum(acc_hi, tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2))
+    lo = tl.min(tl.min(acc_lo, 1), 0)
+    hi = tl.max(tl.max(acc_hi, 1), 0)
+    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
+    p_on = p_packed + i_n * T * P
+    b_next, _ = _load_units(p_xn, o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+    for t0 in range(0, T, BLOCK_T):
+        o_t = t0 + o_r
+        if PREFETCH:
+            b_x = b_next
+            b_next, _ = _load_units(p_xn, o_t + BLOCK_T, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+        else:
+            b_x, _ = _load_units(p_xn, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+        _store_groups(_codes(b_x, lo, inv, BITS), p_on, o_t, o_t < T, D // 8, P, BITS, BLOCK_T, BLOCK_G, WORDS)
+
+
+@triton.jit
 def _dequant_grouped_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
     BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -444,21 +482,23 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 0,
              pack_warps: int = 0, unit: tuple[int, int] | None = None,
              load2d: bool = True, pack_load2d: bool = True,
-             ticket: bool = False, lag: int = 1, early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ticket: bool = False, lag: int = 1, early: bool = False,
+             prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
     most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
     read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel),
     "relay" (one kernel of row-tile programs that read the input from HBM once and pass each block's
-    min / max on: _quantize_relay_kernel; ticket, lag, early: see there) or
+    min / max on: _quantize_relay_kernel; ticket, lag, early: see there), "twopass" (one program
+    per block, the second read from L2: _quantize_twopass_kernel, tiles of pack_values values) or
     "auto" (the one measured faster for the block: words at 4 and 8 bits where it fits, else split).
     Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
     A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
     copy rate against split's 41-46 % (docs/BENCHMARKS.md) and was removed.
     """
-    if method not in ("auto", "fused", "split", "words", "relay"):
-        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused', 'split', 'words' or 'relay'")
+    if method not in ("auto", "fused", "split", "words", "relay", "twopass"):
+        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused', 'split', 'words', 'relay' or 'twopass'")
     n, t, d = x.shape
     x = x.contiguous()
     p = (d * bits + 7) // 8
@@ -494,6 +534,12 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 > 8192 else 4)   # 8192 values: 4 warps best
         _quantize_fused_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
                                      BLOCK_G=BLOCK_G, WORDS=words, num_warps=warps)
+        return packed, scale, zero
+    if d % 8 == 0 and method == "twopass":
+        BLOCK_T = max(1, min(BLOCK_T, (pack_values or 4096) // (BLOCK_G * 8)))
+        _quantize_twopass_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
+                                       BLOCK_G=BLOCK_G, LOAD2D=pack_load2d, PREFETCH=prefetch,
+                                       num_warps=fused_warps or 4)
         return packed, scale, zero
     if d % 8 == 0 and method == "relay":
         pack_values = pack_values or (1024 if bits == 8 else 2048)

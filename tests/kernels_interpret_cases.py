@@ -227,6 +227,12 @@ CASES: dict[str, Callable[[], None]] = {
                                                            ticket=True),
     "quantize-8bit-d64-t40-relay-lag2-early": lambda: _quantize(8, 64, 40, 3, method="relay", pack_values=512,
                                                                lag=2, early=True),
+    # the two-pass kernel: one program per block, 5 row tiles of 8 rows (the last ragged), with and
+    # without loading the next tile first
+    **{f"quantize-{b}bit-d64-t40-twopass": (lambda b=b: _quantize(b, 64, 40, 3, method="twopass", pack_values=512))
+       for b in (4, 5, 6, 8)},
+    "quantize-4bit-d64-t40-twopass-no-prefetch": lambda: _quantize(4, 64, 40, 3, method="twopass", pack_values=512,
+                                                                  prefetch=False),
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},

@@ -175,9 +175,13 @@ def _poison_bytes(nbytes: int) -> None:
     (50, {"method": "relay", "pack_values": 1024}),  # ragged last row tile
     (512, {"method": "relay", "ticket": True}),      # programs numbered by an atomic ticket
     (512, {"method": "relay", "lag": 3, "early": True, "pack_values": 8192, "pack_warps": 8}),
+    (512, {"method": "twopass"}),                    # one program per block, second read from L2
+    (50, {"method": "twopass", "pack_values": 1024}),
+    (512, {"method": "twopass", "prefetch": False, "pack_values": 8192, "fused_warps": 8}),
 ], ids=["default-t64", "fused-register-t64", "fused-register-t512",
         "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64",
-        "relay-t64", "relay-t512", "relay-t50", "relay-ticket-t512", "relay-lag3-early-t512"])
+        "relay-t64", "relay-t512", "relay-t50", "relay-ticket-t512", "relay-lag3-early-t512",
+        "twopass-t512", "twopass-t50", "twopass-no-prefetch-t512"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
     "auto", is fused at T=64 and split at T=512)."""
@@ -195,19 +199,23 @@ def test_quantize_word_and_byte_stores(bits, D, T, tuning):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("tuning", [{}, {"ticket": True}, {"lag": 4, "early": True, "pack_values": 8192,
-                                                             "pack_warps": 8}], ids=["pid", "ticket", "lag4-early"])
-def test_quantize_relay_matches_split_on_a_large_input(bits, tuning):
-    """The relay kernel's programs wait on each other's published min / max: on 4096 blocks (a few
-    hundred thousand programs, many waves) every byte, scale and zero point equals the split path's
-    (same min / max, same reciprocal, same codes), so a partial read before it was published shows."""
+@pytest.mark.parametrize("tuning", [
+    {"method": "relay"}, {"method": "relay", "ticket": True},
+    {"method": "relay", "lag": 4, "early": True, "pack_values": 8192, "pack_warps": 8},
+    {"method": "twopass"}, {"method": "auto"},
+], ids=["relay-pid", "relay-ticket", "relay-lag4-early", "twopass", "auto"])
+def test_quantize_matches_split_on_a_large_input(bits, tuning):
+    """4096 blocks of 512 rows (the relay kernel: a few hundred thousand programs, many waves, each
+    waiting on min / max others published): every byte, scale and zero point equals the split
+    path's (same min / max, same reciprocal, same codes), so a partial read before it was
+    published shows."""
     from hi_sparse.kernels import _quant_triton as Q
     torch.manual_seed(bits)
     x = (torch.randn(4096, 512, 128, device="cuda") * torch.rand(4096, 1, 1, device="cuda") * 10).to(torch.bfloat16)
     want = Q.quantize(x, bits, method="split")
     for _ in range(3):
         _poison_bytes(x.shape[0] * x.shape[1] * K.packed_width(128, bits))
-        got = Q.quantize(x, bits, method="relay", **tuning)
+        got = Q.quantize(x, bits, **tuning)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
