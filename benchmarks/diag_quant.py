@@ -100,13 +100,15 @@ RELAY_SWEEP = [   # values per program, warps, ticket, lag (blocks), early
     (8192, 8, False, 4, False), (8192, 4, False, 4, True), (4096, 4, False, 4, True), (2048, 2, False, 4, True),
     (1024, 2, False, 4, True), (8192, 8, True, 4, False),
 ]
-TWOPASS_SWEEP = [   # values per tile, warps, prefetch
-    (2048, 2, True), (2048, 4, True), (4096, 4, True), (4096, 8, True), (8192, 4, True), (8192, 8, True),
-    (16384, 8, True), (4096, 4, False),
+TWOPASS_SWEEP = [   # values per tile, warps, prefetch, programs per SM (0: one program per block)
+    (2048, 2, True, 0), (4096, 4, True, 0), (8192, 8, True, 0), (4096, 4, True, 2), (4096, 4, True, 4),
+    (4096, 8, True, 1), (4096, 8, True, 2), (8192, 8, True, 1), (8192, 8, True, 2), (8192, 4, True, 2),
+    (2048, 2, True, 8), (2048, 4, True, 4), (16384, 16, True, 1),
 ]
 
 
-def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True, relay: bool = False) -> None:
+def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True, relay: bool = False,
+                twopass_only: bool = False) -> None:
     """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
     and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
     against split's. relay: instead, method="relay" (RELAY_SWEEP) against
@@ -122,11 +124,13 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
             if relay:
                 variants = [("default (auto)", {}), ("split", {"method": "split"})]
                 variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
-                             for v, w in ((1024, 2), (2048, 2), (4096, 4))]
-                variants += [(f"twopass {v} w{w}{'' if pf else ' no prefetch'}",
-                              {"method": "twopass", "pack_values": v, "fused_warps": w, "prefetch": pf})
-                             for v, w, pf in TWOPASS_SWEEP]
-                variants += [(f"relay {v} w{w} lag{lag}{' early' if early else ''}{' ticket' if tk else ''}",
+                             for v, w in ((1024, 2), (2048, 2), (4096, 4))] if not twopass_only else []
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                variants += [(f"twopass {v} w{w}{'' if pf else ' no prefetch'}{f' {k}/SM' if k else ''}",
+                              {"method": "twopass", "pack_values": v, "fused_warps": w, "prefetch": pf,
+                               "programs": k * sms})
+                             for v, w, pf, k in TWOPASS_SWEEP]
+                variants += [] if twopass_only else [(f"relay {v} w{w} lag{lag}{' early' if early else ''}{' ticket' if tk else ''}",
                               {"method": "relay", "pack_values": v, "pack_warps": w, "ticket": tk, "lag": lag,
                                "early": early})
                              for v, w, tk, lag, early in RELAY_SWEEP]
@@ -177,10 +181,12 @@ def main() -> None:
     ap.add_argument("--bits", default="4,5,6,8", help="with --words: bit widths")
     ap.add_argument("--split-only", action="store_true", help="with --words: only the split path's variants")
     ap.add_argument("--relay", action="store_true", help="the relay and twopass kernels' sweep")
+    ap.add_argument("--twopass-only", action="store_true", help="with --relay: leave the relay kernel out")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.words or args.relay:
-        words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only, args.relay)
+        words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only, args.relay,
+                    args.twopass_only)
     if not args.stages:
         return
     x = torch.randn(16384, 64, 128, device="cuda", dtype=torch.bfloat16)

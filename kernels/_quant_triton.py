@@ -391,16 +391,9 @@ def _quantize_words_kernel(
 
 
 @triton.jit
-def _quantize_twopass_kernel(
-    p_x, p_packed, p_scale, p_zero, T, D, P,
-    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-    LOAD2D: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """One program per block (D % 8 == 0), in row tiles of BLOCK_T rows: pass 1 folds the block's
-    min / max, pass 2 reads the block again (from L2: the program read it moments before) and
-    packs it as _store_groups. PREFETCH: each pass loads the next tile before it works on the
-    current one (two tiles in flight per program)."""
-    i_n = tl.program_id(0).to(tl.int64)
+def _twopass_block(p_x, p_packed, p_scale, p_zero, i_n, T, D, P, BITS: tl.constexpr, WORDS: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, LOAD2D: tl.constexpr, PREFETCH: tl.constexpr):
+    """Block i_n of _quantize_twopass_kernel."""
     p_xn = p_x + i_n * T * D
     o_r = tl.arange(0, BLOCK_T)
     acc_lo = tl.full([BLOCK_T, BLOCK_G], float("inf"), tl.float32)
@@ -427,6 +420,22 @@ def _quantize_twopass_kernel(
         else:
             b_x, _ = _load_units(p_xn, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
         _store_groups(_codes(b_x, lo, inv, BITS), p_on, o_t, o_t < T, D // 8, P, BITS, BLOCK_T, BLOCK_G, WORDS)
+
+
+@triton.jit
+def _quantize_twopass_kernel(
+    p_x, p_packed, p_scale, p_zero, N, T, D, P,
+    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    LOAD2D: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Program g quantizes blocks g, g + G, ... (G programs; D % 8 == 0), each in row tiles of
+    BLOCK_T rows: pass 1 folds the block's min / max, pass 2 reads the block again (from L2: the
+    program read it moments before, and G blocks in flight fit in L2) and packs it as
+    _store_groups. PREFETCH: each pass loads the next tile before it works on the current one
+    (two tiles in flight per program)."""
+    for i_n in range(tl.program_id(0), N, tl.num_programs(0)):
+        _twopass_block(p_x, p_packed, p_scale, p_zero, tl.cast(i_n, tl.int64), T, D, P, BITS, WORDS, BLOCK_T,
+                       BLOCK_G, LOAD2D, PREFETCH)
 
 
 @triton.jit
@@ -483,7 +492,7 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
              pack_warps: int = 0, unit: tuple[int, int] | None = None,
              load2d: bool = True, pack_load2d: bool = True,
              ticket: bool = False, lag: int = 1, early: bool = False,
-             prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             prefetch: bool = True, programs: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
@@ -491,7 +500,8 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
     read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel),
     "relay" (one kernel of row-tile programs that read the input from HBM once and pass each block's
     min / max on: _quantize_relay_kernel; ticket, lag, early: see there), "twopass" (one program
-    per block, the second read from L2: _quantize_twopass_kernel, tiles of pack_values values) or
+    program per block in flight, the second read from L2: _quantize_twopass_kernel, tiles of
+    pack_values values, at most `programs` programs, 0 = one per block) or
     "auto" (the one measured faster for the block: words at 4 and 8 bits where it fits, else split).
     Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
     A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
@@ -537,7 +547,7 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         return packed, scale, zero
     if d % 8 == 0 and method == "twopass":
         BLOCK_T = max(1, min(BLOCK_T, (pack_values or 4096) // (BLOCK_G * 8)))
-        _quantize_twopass_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
+        _quantize_twopass_kernel[(min(n, programs or n),)](x, packed, scale, zero, n, t, d, p, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
                                        BLOCK_G=BLOCK_G, LOAD2D=pack_load2d, PREFETCH=prefetch,
                                        num_warps=fused_warps or 4)
         return packed, scale, zero

@@ -233,6 +233,8 @@ CASES: dict[str, Callable[[], None]] = {
        for b in (4, 5, 6, 8)},
     "quantize-4bit-d64-t40-twopass-no-prefetch": lambda: _quantize(4, 64, 40, 3, method="twopass", pack_values=512,
                                                                   prefetch=False),
+    "quantize-6bit-d64-t40-twopass-2-programs": lambda: _quantize(6, 64, 40, 3, method="twopass", pack_values=512,
+                                                                 programs=2),
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},

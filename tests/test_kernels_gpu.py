@@ -178,10 +178,11 @@ def _poison_bytes(nbytes: int) -> None:
     (512, {"method": "twopass"}),                    # one program per block, second read from L2
     (50, {"method": "twopass", "pack_values": 1024}),
     (512, {"method": "twopass", "prefetch": False, "pack_values": 8192, "fused_warps": 8}),
+    (512, {"method": "twopass", "programs": 5}),     # 5 programs loop over the 37 blocks
 ], ids=["default-t64", "fused-register-t64", "fused-register-t512",
         "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64",
         "relay-t64", "relay-t512", "relay-t50", "relay-ticket-t512", "relay-lag3-early-t512",
-        "twopass-t512", "twopass-t50", "twopass-no-prefetch-t512"])
+        "twopass-t512", "twopass-t50", "twopass-no-prefetch-t512", "twopass-5-programs-t512"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
     "auto", is fused at T=64 and split at T=512)."""
@@ -202,8 +203,9 @@ def test_quantize_word_and_byte_stores(bits, D, T, tuning):
 @pytest.mark.parametrize("tuning", [
     {"method": "relay"}, {"method": "relay", "ticket": True},
     {"method": "relay", "lag": 4, "early": True, "pack_values": 8192, "pack_warps": 8},
-    {"method": "twopass"}, {"method": "auto"},
-], ids=["relay-pid", "relay-ticket", "relay-lag4-early", "twopass", "auto"])
+    {"method": "twopass"}, {"method": "twopass", "programs": 264, "pack_values": 8192, "fused_warps": 8},
+    {"method": "auto"},
+], ids=["relay-pid", "relay-ticket", "relay-lag4-early", "twopass", "twopass-264-programs", "auto"])
 def test_quantize_matches_split_on_a_large_input(bits, tuning):
     """4096 blocks of 512 rows (the relay kernel: a few hundred thousand programs, many waves, each
     waiting on min / max others published): every byte, scale and zero point equals the split
