@@ -4,7 +4,8 @@ stage each, timed against the HBM copy rate, for a profiler (ncu) and for differ
     python benchmarks/diag_quant.py --stages           # times every one-stage variant below
     ncu -k regex:diag_ --section SpeedOfLight ... python benchmarks/diag_quant.py --stages --once
     python benchmarks/diag_quant.py --words            # the words path's units and loads, every bit width
-    python benchmarks/diag_quant.py --relay            # relay and twopass kernels: tiles, warps, options
+    python benchmarks/diag_quant.py --relay            # the relay kernel: tiles, warps, lag, early
+    python benchmarks/diag_quant.py --twopass          # the twopass kernel: tiles, warps, programs
 
 Blocks of 64 x 128 bf16 (the runtime's host-pool unit), 16,384 of them (268 MB). Variants:
   fused4 / fused8  the runtime's fused kernel (_quantize_fused_kernel) at 4 / 8 bits
@@ -96,9 +97,10 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 }
 
 
-RELAY_SWEEP = [   # values per program, warps, ticket, lag (blocks), early
-    (8192, 8, False, 4, False), (8192, 4, False, 4, True), (4096, 4, False, 4, True), (2048, 2, False, 4, True),
-    (1024, 2, False, 4, True), (8192, 8, True, 4, False),
+RELAY_SWEEP = [   # values per program, warps, lag in programs (rounded up to whole blocks), early
+    (2048, 2, 1024, False), (2048, 2, 4096, False), (2048, 2, 8192, False), (2048, 2, 4096, True),
+    (4096, 4, 2048, False), (4096, 4, 4096, False), (4096, 4, 4096, True), (8192, 8, 1024, False),
+    (8192, 8, 2048, False), (8192, 8, 2048, True), (1024, 2, 4096, False), (1024, 1, 8192, False),
 ]
 TWOPASS_SWEEP = [   # values per tile, warps, prefetch, programs per SM (0: one program per block)
     (2048, 2, True, 0), (4096, 4, True, 0), (8192, 8, True, 0), (4096, 4, True, 2), (4096, 4, True, 4),
@@ -107,12 +109,42 @@ TWOPASS_SWEEP = [   # values per tile, warps, prefetch, programs per SM (0: one 
 ]
 
 
-def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True, relay: bool = False,
-                twopass_only: bool = False) -> None:
-    """method="words" (units, 2D or 3D load, 4 or 8 warps) against fused and split, 64 x 128 blocks
-    and the 512-token blocks; bytes = bf16 input + packed output; every variant's bytes checked
-    against split's. relay: instead, method="relay" (RELAY_SWEEP) against
-    the default path, split and method="twopass" (TWOPASS_SWEEP)."""
+def _variants(mode: str, shape: tuple[int, int, int], bits: int, words: bool) -> list[tuple[str, dict]]:
+    """The variants of one sweep mode: "words" (split's pack settings, and at 64 tokens fused and
+    every words unit / load / warps), "relay" (RELAY_SWEEP) or "twopass" (TWOPASS_SWEEP), each
+    after the default path and split."""
+    out = [("default (auto)", {}), ("split", {"method": "split"})]
+    if mode == "relay":
+        out.append(("twopass 2048 w2", {"method": "twopass", "pack_values": 2048, "fused_warps": 2}))
+        for v, w, lag_programs, early in RELAY_SWEEP:
+            lag = -(-lag_programs // (shape[1] * shape[2] // v))
+            out.append((f"relay {v} w{w} lag {lag} blocks{' early' if early else ''}",
+                        {"method": "relay", "pack_values": v, "pack_warps": w, "lag": lag, "early": early}))
+        return out
+    if mode == "twopass":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        out += [(f"twopass {v} w{w}{'' if pf else ' no prefetch'}{f' {k}/SM' if k else ''}",
+                 {"method": "twopass", "pack_values": v, "fused_warps": w, "prefetch": pf, "programs": k * sms})
+                for v, w, pf, k in TWOPASS_SWEEP]
+        return out
+    out.append(("split pack 3d", {"method": "split", "pack_load2d": False}))
+    out += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
+            for v, w in ((1024, 2), (1024, 4), (2048, 2), (4096, 4), (4096, 8), (8192, 8))]
+    if shape[1] == 64 and words:
+        out.append(("fused", {"method": "fused"}))
+        out += [(f"words u{unit[0]}/{unit[1]} {'2d' if load2d else '3d'} w{warps}",
+                 {"method": "words", "unit": unit, "load2d": load2d, "fused_warps": warps})
+                for unit in WORDS_SWEEP[bits] for load2d in (True, False) for warps in (4, 8)]
+    elif words:
+        out += [(f"words u{WORDS_SWEEP[bits][0]} 2d w{warps} cap64K",
+                 {"method": "words", "unit": WORDS_SWEEP[bits][0], "reg_cap": 65536, "fused_warps": warps})
+                for warps in (8, 16)]
+    return out
+
+
+def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = True, mode: str = "words") -> None:
+    """Quantize variants (_variants(mode)) on 64 x 128 blocks and the 512-token blocks; bytes =
+    bf16 input + packed output; every variant's bytes checked against split's."""
     hbm = hbm_copy_rate()
     print(f"HBM copy {hbm:.0f} GB/s", flush=True)
     rows = []
@@ -121,42 +153,11 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
         for bits in bits_list:
             ref = Q.quantize(x, bits, method="split")[0]
             moved = x.numel() * 2 + ref.numel()
-            if relay:
-                variants = [("default (auto)", {}), ("split", {"method": "split"})]
-                variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
-                             for v, w in ((1024, 2), (2048, 2), (4096, 4))] if not twopass_only else []
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                variants += [(f"twopass {v} w{w}{'' if pf else ' no prefetch'}{f' {k}/SM' if k else ''}",
-                              {"method": "twopass", "pack_values": v, "fused_warps": w, "prefetch": pf,
-                               "programs": k * sms})
-                             for v, w, pf, k in TWOPASS_SWEEP]
-                variants += [] if twopass_only else [(f"relay {v} w{w} lag{lag}{' early' if early else ''}{' ticket' if tk else ''}",
-                              {"method": "relay", "pack_values": v, "pack_warps": w, "ticket": tk, "lag": lag,
-                               "early": early})
-                             for v, w, tk, lag, early in RELAY_SWEEP]
-            else:
-                variants = [("split", {"method": "split"}), ("split pack 3d", {"method": "split", "pack_load2d": False})]
-                variants += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})
-                             for v, w in ((1024, 2), (1024, 4), (2048, 2), (4096, 4), (4096, 8), (8192, 8))]
-            if relay:
-                pass
-            elif shape[1] == 64 and words:
-                variants.append(("fused", {"method": "fused"}))
-                for unit in WORDS_SWEEP[bits]:
-                    for load2d in (True, False):
-                        for warps in (4, 8):
-                            variants.append((f"words u{unit[0]}/{unit[1]} {'2d' if load2d else '3d'} w{warps}",
-                                             {"method": "words", "unit": unit, "load2d": load2d,
-                                              "fused_warps": warps}))
-            elif words:
-                for warps in (8, 16):
-                    variants.append((f"words u{WORDS_SWEEP[bits][0]} 2d w{warps} cap64K",
-                                     {"method": "words", "unit": WORDS_SWEEP[bits][0], "reg_cap": 65536,
-                                      "fused_warps": warps}))
+            variants = _variants(mode, shape, bits, words)
             for name, kw in variants:
                 try:
                     same = bool(torch.equal(Q.quantize(x, bits, **kw)[0], ref))
-                    ms = triton.testing.do_bench(lambda: Q.quantize(x, bits, **kw), warmup=10, rep=40,
+                    ms = triton.testing.do_bench(lambda x=x, kw=kw: Q.quantize(x, bits, **kw), warmup=10, rep=40,
                                                  return_mode="median")
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported
                     print(f"  {shape[1]}t {bits}b {name:28s} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
@@ -180,13 +181,13 @@ def main() -> None:
     ap.add_argument("--once", action="store_true", help="with --stages: launch each variant twice, no timing (ncu)")
     ap.add_argument("--bits", default="4,5,6,8", help="with --words: bit widths")
     ap.add_argument("--split-only", action="store_true", help="with --words: only the split path's variants")
-    ap.add_argument("--relay", action="store_true", help="the relay and twopass kernels' sweep")
-    ap.add_argument("--twopass-only", action="store_true", help="with --relay: leave the relay kernel out")
+    ap.add_argument("--relay", action="store_true", help="the relay kernel's sweep")
+    ap.add_argument("--twopass", action="store_true", help="the twopass kernel's sweep")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.words or args.relay:
-        words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only, args.relay,
-                    args.twopass_only)
+    if args.words or args.relay or args.twopass:
+        mode = "relay" if args.relay else "twopass" if args.twopass else "words"
+        words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only, mode)
     if not args.stages:
         return
     x = torch.randn(16384, 64, 128, device="cuda", dtype=torch.bfloat16)
