@@ -174,6 +174,29 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
             json.dump({"hbm_GBps": hbm, "rows": rows}, f, indent=1)
 
 
+NCU_VARIANTS = [   # (tokens per block, bits, quantize keywords): one launch each for `--ncu`
+    (64, 4, {"method": "twopass", "pack_values": 2048, "fused_warps": 2}),
+    (512, 4, {"method": "twopass", "pack_values": 2048, "fused_warps": 2}),
+    (512, 4, {"method": "twopass", "pack_values": 8192, "fused_warps": 8}),
+    (512, 4, {"method": "relay", "pack_values": 2048, "pack_warps": 2, "lag": 32}),
+    (512, 4, {"method": "split"}),
+]
+
+
+def ncu_launches() -> None:
+    """Each NCU_VARIANTS entry launched once on its 268 MB input, for a profiler:
+
+    ncu --clock-control none -k 'regex:quantize|pack|minmax' --metrics dram__bytes_read.sum,
+    dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum,
+    sm__warps_active.avg.pct_of_peak_sustained_active python benchmarks/diag_quant.py --ncu
+    """
+    for t, bits, kw in NCU_VARIANTS:
+        x = torch.randn(268435456 // 2 // (t * 128), t, 128, device="cuda", dtype=torch.bfloat16)
+        Q.quantize(x, bits, **kw)
+        torch.cuda.synchronize()
+        print(f"launched {t}t {bits}b {kw}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", action="store_true", help="the one-stage variants (diag_kernel)")
@@ -184,7 +207,10 @@ def main() -> None:
     ap.add_argument("--relay", action="store_true", help="the relay kernel's sweep")
     ap.add_argument("--twopass", action="store_true", help="the twopass kernel's sweep")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ncu", action="store_true", help="launch NCU_VARIANTS once each (for ncu)")
     args = ap.parse_args()
+    if args.ncu:
+        ncu_launches()
     if args.words or args.relay or args.twopass:
         mode = "relay" if args.relay else "twopass" if args.twopass else "words"
         words_sweep(args.json, [int(b) for b in args.bits.split(",")], not args.split_only, mode)
