@@ -97,10 +97,11 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 }
 
 
-RELAY_SWEEP = [   # values per program, warps, lag in programs (rounded up to whole blocks), early
-    (2048, 2, 1024, False), (2048, 2, 4096, False), (2048, 2, 8192, False), (2048, 2, 4096, True),
-    (4096, 4, 2048, False), (4096, 4, 4096, False), (4096, 4, 4096, True), (8192, 8, 1024, False),
-    (8192, 8, 2048, False), (8192, 8, 2048, True), (1024, 2, 4096, False), (1024, 1, 8192, False),
+RELAY_SWEEP = [   # values per program, warps, lag in programs (rounded up to whole blocks), early, flags
+    (2048, 2, 1024, False, False), (8192, 8, 32, False, False),
+    (2048, 2, 1024, False, True), (2048, 2, 4096, False, True), (2048, 2, 64, False, True),
+    (4096, 4, 1024, False, True), (4096, 4, 64, False, True), (8192, 8, 512, False, True),
+    (8192, 8, 32, False, True), (8192, 8, 32, True, True), (1024, 2, 4096, False, True),
 ]
 TWOPASS_SWEEP = [   # values per tile, warps, prefetch, programs per SM (0: one program per block)
     (2048, 2, True, 0), (4096, 4, True, 0), (8192, 8, True, 0), (4096, 4, True, 2), (4096, 4, True, 4),
@@ -116,10 +117,12 @@ def _variants(mode: str, shape: tuple[int, int, int], bits: int, words: bool) ->
     out = [("default (auto)", {}), ("split", {"method": "split"})]
     if mode == "relay":
         out.append(("twopass 2048 w2", {"method": "twopass", "pack_values": 2048, "fused_warps": 2}))
-        for v, w, lag_programs, early in RELAY_SWEEP:
+        out.append(("twopass 8192 w8", {"method": "twopass", "pack_values": 8192, "fused_warps": 8}))
+        for v, w, lag_programs, early, flags in RELAY_SWEEP:
             lag = -(-lag_programs // (shape[1] * shape[2] // v))
-            out.append((f"relay {v} w{w} lag {lag} blocks{' early' if early else ''}",
-                        {"method": "relay", "pack_values": v, "pack_warps": w, "lag": lag, "early": early}))
+            out.append((f"relay {v} w{w} lag {lag} blocks{' early' if early else ''}{' flags' if flags else ''}",
+                        {"method": "relay", "pack_values": v, "pack_warps": w, "lag": lag, "early": early,
+                         "flags": flags}))
         return out
     if mode == "twopass":
         sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -165,6 +165,13 @@ def _pack_loaded(b_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P,
     p_pn = p_part + (i_n * C + o_c) * 2
     lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf"), cache_modifier=".cg"), 0)
     hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf"), cache_modifier=".cg"), 0)
+    _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, BITS, WORDS, BLOCK_T, BLOCK_G)
+
+
+@triton.jit
+def _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, BITS: tl.constexpr,
+               WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    """_pack_loaded once the block's min and max are known."""
     inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, i_t == 0)
     _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
                   BLOCK_T, BLOCK_G, WORDS)
@@ -191,7 +198,8 @@ def _pack_grouped_kernel(
 def _quantize_relay_kernel(
     p_x, p_part, p_count, p_packed, p_scale, p_zero, N, T, D, P, C, LAG,
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-    LOAD2D: tl.constexpr, TICKET: tl.constexpr, EARLY: tl.constexpr,
+    LOAD2D: tl.constexpr, TICKET: tl.constexpr, EARLY: tl.constexpr, FLAGS: tl.constexpr = False,
+    EMPTY: tl.constexpr = 0,
 ):
     """Quantize reading the input from HBM once (D % 8 == 0): program k = n * C + i (grid
     (N + LAG) * C) publishes the min / max of row tile i of block n, then packs row tile i of block
@@ -204,6 +212,11 @@ def _quantize_relay_kernel(
     relies on too), so every program waited on is running or done. TICKET: number the programs by
     an atomic counter in the order they start instead (p_count[N]; no reliance on dispatch order).
     p_count (N + 1,) int32 must be zero.
+
+    FLAGS: no counter, no fences: tile i's min and max are one 64-bit word (max's bits high, min's
+    low) in p_part (N, C) int64, filled with EMPTY (min +inf, max -inf: no tile gives it) before
+    the launch; a packing program polls its block's C words until none is EMPTY (the data is the
+    flag: a 64-bit store is seen whole or not at all).
     """
     if TICKET:
         k = tl.atomic_add(p_count + N, 1)
@@ -218,20 +231,37 @@ def _quantize_relay_kernel(
     if i_n < N:
         b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
         lo, hi = _tile_min_max(b_x, m)
-        p_pk = p_part + (i_n * C + i_t) * 2
-        tl.store(p_pk, lo)
-        tl.store(p_pk + 1, hi)
-        tl.debug_barrier()                                  # the partials are stored, then counted
-        tl.atomic_add(p_count + i_n, 1, sem="release")
+        if FLAGS:
+            w = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | \
+                (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+            tl.store(p_part.to(tl.pointer_type(tl.int64)) + i_n * C + i_t, w)
+        else:
+            p_pk = p_part + (i_n * C + i_t) * 2
+            tl.store(p_pk, lo)
+            tl.store(p_pk + 1, hi)
+            tl.debug_barrier()                              # the partials are stored, then counted
+            tl.atomic_add(p_count + i_n, 1, sem="release")
     if i_p >= 0:
         if not EARLY:
             b_xp, _ = _load_units(p_x + i_p * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
-        done = tl.atomic_add(p_count + i_p, 0, sem="acquire")
-        while done < C:
+        if FLAGS:
+            o_c = tl.arange(0, BLOCK_C)
+            p_w = p_part.to(tl.pointer_type(tl.int64)) + i_p * C + o_c
+            w = tl.load(p_w, mask=o_c < C, other=0, volatile=True)
+            while tl.sum((w == EMPTY).to(tl.int32), 0) > 0:
+                w = tl.load(p_w, mask=o_c < C, other=0, volatile=True)
+            m_c = o_c < C
+            lo = tl.min(tl.where(m_c, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), float("inf")), 0)
+            hi = tl.max(tl.where(m_c, (w >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf")), 0)
+            _pack_with(b_xp, lo, hi, p_packed, p_scale, p_zero, i_p, i_t, o_t, T, D, P, BITS, WORDS, BLOCK_T,
+                       BLOCK_G)
+        else:
             done = tl.atomic_add(p_count + i_p, 0, sem="acquire")
-        tl.debug_barrier()
-        _pack_loaded(b_xp, p_part, p_packed, p_scale, p_zero, i_p, i_t, o_t, T, D, P, C, BITS, WORDS,
-                     BLOCK_T, BLOCK_G, BLOCK_C)
+            while done < C:
+                done = tl.atomic_add(p_count + i_p, 0, sem="acquire")
+            tl.debug_barrier()
+            _pack_loaded(b_xp, p_part, p_packed, p_scale, p_zero, i_p, i_t, o_t, T, D, P, C, BITS, WORDS,
+                         BLOCK_T, BLOCK_G, BLOCK_C)
 
 
 @triton.jit
@@ -471,6 +501,9 @@ REG_CAP = 16384          # fused path: blocks of up to this many (padded) values
 _WORD_GROUPS = {4: 1, 5: 4, 6: 2, 8: 1}   # 8-code groups that make whole 32-bit words
 
 
+# relay kernel with flags: the word of a tile not yet reduced (min +inf low, max -inf high), as int64
+RELAY_EMPTY = (0xFF800000 << 32 | 0x7F800000) - (1 << 64)
+
 # words path: codes per unit and word bits, per bit width (a unit is whole words)
 WORD_UNITS = {4: (8, 32), 5: (32, 32), 6: (16, 32), 8: (8, 64)}
 
@@ -492,14 +525,14 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
              pack_warps: int = 0, unit: tuple[int, int] | None = None,
              load2d: bool = True, pack_load2d: bool = True,
              ticket: bool = False, lag: int = 1, early: bool = False,
-             prefetch: bool = True, programs: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             prefetch: bool = True, programs: int = 0, flags: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
     most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
     read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel),
     "relay" (one kernel of row-tile programs that read the input from HBM once and pass each block's
-    min / max on: _quantize_relay_kernel; ticket, lag, early: see there), "twopass" (one program
+    min / max on: _quantize_relay_kernel; ticket, lag, early, flags: see there), "twopass" (one program
     program per block in flight, the second read from L2: _quantize_twopass_kernel, tiles of
     pack_values values, at most `programs` programs, 0 = one per block) or
     "auto" (the one measured faster for the block: words at 4 and 8 bits where it fits, else split).
@@ -555,12 +588,15 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         pack_values = pack_values or (1024 if bits == 8 else 2048)
         BLOCK_T = max(1, min(BLOCK_T, pack_values // (BLOCK_G * 8)))
         c = triton.cdiv(t, BLOCK_T)
-        part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
-        count = torch.zeros(n + 1, device=x.device, dtype=torch.int32)
+        if flags:
+            part = torch.full((n, c), RELAY_EMPTY, device=x.device, dtype=torch.int64)
+        else:
+            part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
+        count = torch.zeros(n + 1 if ticket or not flags else 1, device=x.device, dtype=torch.int32)
         _quantize_relay_kernel[((n + lag) * c,)](
             x, part, count, packed, scale, zero, n, t, d, p, c, lag, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
             BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, TICKET=ticket, EARLY=early,
-            num_warps=pack_warps or 2)
+            FLAGS=flags, EMPTY=RELAY_EMPTY, num_warps=pack_warps or 2)
         return packed, scale, zero
     if d % 8 == 0:
         # split: two streaming passes of small programs (the input is read from HBM twice)

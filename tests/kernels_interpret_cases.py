@@ -227,6 +227,8 @@ CASES: dict[str, Callable[[], None]] = {
                                                            ticket=True),
     "quantize-8bit-d64-t40-relay-lag2-early": lambda: _quantize(8, 64, 40, 3, method="relay", pack_values=512,
                                                                lag=2, early=True),
+    **{f"quantize-{b}bit-d64-t40-relay-flags": (lambda b=b: _quantize(b, 64, 40, 3, method="relay", pack_values=512,
+                                                                      flags=True, lag=2)) for b in (4, 8)},
     # the two-pass kernel: one program per block, 5 row tiles of 8 rows (the last ragged), with and
     # without loading the next tile first
     **{f"quantize-{b}bit-d64-t40-twopass": (lambda b=b: _quantize(b, 64, 40, 3, method="twopass", pack_values=512))

@@ -175,6 +175,8 @@ def _poison_bytes(nbytes: int) -> None:
     (50, {"method": "relay", "pack_values": 1024}),  # ragged last row tile
     (512, {"method": "relay", "ticket": True}),      # programs numbered by an atomic ticket
     (512, {"method": "relay", "lag": 3, "early": True, "pack_values": 8192, "pack_warps": 8}),
+    (512, {"method": "relay", "flags": True, "lag": 2}),   # min / max words as their own flags
+    (64, {"method": "relay", "flags": True, "pack_values": 2048, "lag": 256}),
     (512, {"method": "twopass"}),                    # one program per block, second read from L2
     (50, {"method": "twopass", "pack_values": 1024}),
     (512, {"method": "twopass", "prefetch": False, "pack_values": 8192, "fused_warps": 8}),
@@ -182,6 +184,7 @@ def _poison_bytes(nbytes: int) -> None:
 ], ids=["default-t64", "fused-register-t64", "fused-register-t512",
         "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64",
         "relay-t64", "relay-t512", "relay-t50", "relay-ticket-t512", "relay-lag3-early-t512",
+        "relay-flags-t512", "relay-flags-lag256-t64",
         "twopass-t512", "twopass-t50", "twopass-no-prefetch-t512", "twopass-5-programs-t512"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
@@ -203,9 +206,11 @@ def test_quantize_word_and_byte_stores(bits, D, T, tuning):
 @pytest.mark.parametrize("tuning", [
     {"method": "relay"}, {"method": "relay", "ticket": True},
     {"method": "relay", "lag": 4, "early": True, "pack_values": 8192, "pack_warps": 8},
+    {"method": "relay", "flags": True, "lag": 32}, {"method": "relay", "flags": True, "pack_values": 8192,
+                                                    "pack_warps": 8},
     {"method": "twopass"}, {"method": "twopass", "programs": 264, "pack_values": 8192, "fused_warps": 8},
     {"method": "auto"},
-], ids=["relay-pid", "relay-ticket", "relay-lag4-early", "twopass", "twopass-264-programs", "auto"])
+], ids=["relay-pid", "relay-ticket", "relay-lag4-early", "relay-flags-lag32", "relay-flags-8192", "twopass", "twopass-264-programs", "auto"])
 def test_quantize_matches_split_on_a_large_input(bits, tuning):
     """4096 blocks of 512 rows (the relay kernel: a few hundred thousand programs, many waves, each
     waiting on min / max others published): every byte, scale and zero point equals the split
