@@ -4,8 +4,8 @@ stage each, timed against the HBM copy rate, for a profiler (ncu) and for differ
     python benchmarks/diag_quant.py --stages           # times every one-stage variant below
     ncu -k regex:diag_ --section SpeedOfLight ... python benchmarks/diag_quant.py --stages --once
     python benchmarks/diag_quant.py --words            # the words path's units and loads, every bit width
-    python benchmarks/diag_quant.py --relay            # the relay kernel: tiles, warps, lag, early
-    python benchmarks/diag_quant.py --twopass          # the twopass kernel: tiles, warps, programs
+    python benchmarks/diag_quant.py --relay            # the relay kernel: tiles, warps, lag
+    python benchmarks/diag_quant.py --twopass          # the twopass kernel: tiles, warps, prefetch
 
 Blocks of 64 x 128 bf16 (the runtime's host-pool unit), 16,384 of them (268 MB). Variants:
   fused4 / fused8  the runtime's fused kernel (_quantize_fused_kernel) at 4 / 8 bits
@@ -97,16 +97,13 @@ WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
 }
 
 
-RELAY_SWEEP = [   # values per program, warps, lag in programs (rounded up to whole blocks), early, flags
-    (2048, 2, 1024, False, False), (8192, 8, 32, False, False),
-    (2048, 2, 1024, False, True), (2048, 2, 4096, False, True), (2048, 2, 64, False, True),
-    (4096, 4, 1024, False, True), (4096, 4, 64, False, True), (8192, 8, 512, False, True),
-    (8192, 8, 32, False, True), (8192, 8, 32, True, True), (1024, 2, 4096, False, True),
+RELAY_SWEEP = [   # values per program, warps, lag in programs (rounded up to whole blocks; 0: the default)
+    (2048, 2, 0), (2048, 2, 64), (2048, 2, 4096), (2048, 1, 0), (4096, 4, 0), (4096, 4, 2048), (8192, 8, 2048),
+    (1024, 2, 0),
 ]
-TWOPASS_SWEEP = [   # values per tile, warps, prefetch, programs per SM (0: one program per block)
-    (2048, 2, True, 0), (4096, 4, True, 0), (8192, 8, True, 0), (4096, 4, True, 2), (4096, 4, True, 4),
-    (4096, 8, True, 1), (4096, 8, True, 2), (8192, 8, True, 1), (8192, 8, True, 2), (8192, 4, True, 2),
-    (2048, 2, True, 8), (2048, 4, True, 4), (16384, 16, True, 1),
+TWOPASS_SWEEP = [   # values per tile, warps, prefetch
+    (2048, 2, True), (2048, 2, False), (4096, 4, True), (4096, 4, False), (1024, 1, True), (1024, 2, False),
+    (2048, 4, False), (8192, 8, True),
 ]
 
 
@@ -117,18 +114,15 @@ def _variants(mode: str, shape: tuple[int, int, int], bits: int, words: bool) ->
     out = [("default (auto)", {}), ("split", {"method": "split"})]
     if mode == "relay":
         out.append(("twopass 2048 w2", {"method": "twopass", "pack_values": 2048, "fused_warps": 2}))
-        out.append(("twopass 8192 w8", {"method": "twopass", "pack_values": 8192, "fused_warps": 8}))
-        for v, w, lag_programs, early, flags in RELAY_SWEEP:
+        for v, w, lag_programs in RELAY_SWEEP:
             lag = -(-lag_programs // (shape[1] * shape[2] // v))
-            out.append((f"relay {v} w{w} lag {lag} blocks{' early' if early else ''}{' flags' if flags else ''}",
-                        {"method": "relay", "pack_values": v, "pack_warps": w, "lag": lag, "early": early,
-                         "flags": flags}))
+            out.append((f"relay {v} w{w} lag {f'{lag} blocks' if lag else 'default'}",
+                        {"method": "relay", "pack_values": v, "pack_warps": w, "lag": lag}))
         return out
     if mode == "twopass":
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        out += [(f"twopass {v} w{w}{'' if pf else ' no prefetch'}{f' {k}/SM' if k else ''}",
-                 {"method": "twopass", "pack_values": v, "fused_warps": w, "prefetch": pf, "programs": k * sms})
-                for v, w, pf, k in TWOPASS_SWEEP]
+        out += [(f"twopass {v} w{w}{'' if pf else ' no prefetch'}",
+                 {"method": "twopass", "pack_values": v, "fused_warps": w, "prefetch": pf})
+                for v, w, pf in TWOPASS_SWEEP]
         return out
     out.append(("split pack 3d", {"method": "split", "pack_load2d": False}))
     out += [(f"split pack {v} w{w}", {"method": "split", "pack_values": v, "pack_warps": w})

@@ -157,14 +157,12 @@ def _pack_loaded(b_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P,
                  BLOCK_C: tl.constexpr):
     """Pack b_x, rows o_t (tile i_t) of block i_n as loaded by _load_units with U = 8 (D % 8 == 0:
     8 codes make exactly BITS bytes, stored as in _store_groups), once the block's C partial
-    min / max pairs are in p_part (N, C, 2); tile 0 also writes the block's scale and zero point.
-    The partials are read past L1 (.cg): the relay kernel reads them right after other programs
-    wrote them."""
+    min / max pairs are in p_part (N, C, 2); tile 0 also writes the block's scale and zero point."""
     o_c = tl.arange(0, BLOCK_C)
     m_c = o_c < C
     p_pn = p_part + (i_n * C + o_c) * 2
-    lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf"), cache_modifier=".cg"), 0)
-    hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf"), cache_modifier=".cg"), 0)
+    lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf")), 0)
+    hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf")), 0)
     _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, BITS, WORDS, BLOCK_T, BLOCK_G)
 
 
@@ -196,72 +194,49 @@ def _pack_grouped_kernel(
 
 @triton.jit
 def _quantize_relay_kernel(
-    p_x, p_part, p_count, p_packed, p_scale, p_zero, N, T, D, P, C, LAG,
+    p_x, p_part, p_packed, p_scale, p_zero, N, T, D, P, C, LAG,
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-    LOAD2D: tl.constexpr, TICKET: tl.constexpr, EARLY: tl.constexpr, FLAGS: tl.constexpr = False,
-    EMPTY: tl.constexpr = 0,
+    LOAD2D: tl.constexpr, EMPTY: tl.constexpr,
 ):
     """Quantize reading the input from HBM once (D % 8 == 0): program k = n * C + i (grid
-    (N + LAG) * C) publishes the min / max of row tile i of block n, then packs row tile i of block
-    n - LAG once that block's C partials are published; that tile was read by program k - LAG * C
-    moments before and comes from L2. EARLY: load the tile to pack together with the tile to
-    reduce (both loads in flight at once; the input never changes, only the partials are waited on).
+    (N + LAG) * C) publishes the min / max of row tile i of block n, then packs row tile i of
+    block n - LAG once all C tiles of that block are published; that tile was read by program
+    k - LAG * C a little before and comes from L2.
+
+    A tile's min and max are one 64-bit word of p_part (N, C) int64 (max's bits high, min's low),
+    filled with EMPTY (min +inf, max -inf: no tile gives it) before the launch. The packing
+    program polls its block's C words until none is EMPTY: the data is its own flag (a 64-bit
+    store is seen whole or not at all), so no counter and no memory fence.
 
     A program waits only on programs with lower numbers. The interpreter runs programs in order;
-    the GPU dispatches a grid's programs in increasing order (the property CUB's single-pass scan
-    relies on too), so every program waited on is running or done. TICKET: number the programs by
-    an atomic counter in the order they start instead (p_count[N]; no reliance on dispatch order).
-    p_count (N + 1,) int32 must be zero.
-
-    FLAGS: no counter, no fences: tile i's min and max are one 64-bit word (max's bits high, min's
-    low) in p_part (N, C) int64, filled with EMPTY (min +inf, max -inf: no tile gives it) before
-    the launch; a packing program polls its block's C words until none is EMPTY (the data is the
-    flag: a 64-bit store is seen whole or not at all).
+    the GPU dispatches a grid's programs in increasing order (as CUB's single-pass scan, which
+    also waits only on predecessors, relies on), so every program waited on is running or done.
+    LAG trades L2 reuse distance (LAG * C tiles) against waiting: H200 sweeps put it near 1024
+    programs.
     """
-    if TICKET:
-        k = tl.atomic_add(p_count + N, 1)
-    else:
-        k = tl.program_id(0)
+    k = tl.program_id(0)
     i_n = (k // C).to(tl.int64)
     i_t = k % C
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    i_p = i_n - LAG                                        # the block this program packs
-    if EARLY:
-        b_xp, _ = _load_units(p_x + i_p * T * D, o_t, tl.where(i_p >= 0, T, 0), D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+    p_words = p_part.to(tl.pointer_type(tl.int64))
     if i_n < N:
         b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
         lo, hi = _tile_min_max(b_x, m)
-        if FLAGS:
-            w = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | \
-                (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-            tl.store(p_part.to(tl.pointer_type(tl.int64)) + i_n * C + i_t, w)
-        else:
-            p_pk = p_part + (i_n * C + i_t) * 2
-            tl.store(p_pk, lo)
-            tl.store(p_pk + 1, hi)
-            tl.debug_barrier()                              # the partials are stored, then counted
-            tl.atomic_add(p_count + i_n, 1, sem="release")
+        w = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (lo.to(tl.int32, bitcast=True).to(tl.int64)
+                                                                    & 0xFFFFFFFF)
+        tl.store(p_words + i_n * C + i_t, w)
+    i_p = i_n - LAG                                        # the block this program packs
     if i_p >= 0:
-        if not EARLY:
-            b_xp, _ = _load_units(p_x + i_p * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
-        if FLAGS:
-            o_c = tl.arange(0, BLOCK_C)
-            p_w = p_part.to(tl.pointer_type(tl.int64)) + i_p * C + o_c
-            w = tl.load(p_w, mask=o_c < C, other=0, volatile=True)
-            while tl.sum((w == EMPTY).to(tl.int32), 0) > 0:
-                w = tl.load(p_w, mask=o_c < C, other=0, volatile=True)
-            m_c = o_c < C
-            lo = tl.min(tl.where(m_c, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), float("inf")), 0)
-            hi = tl.max(tl.where(m_c, (w >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf")), 0)
-            _pack_with(b_xp, lo, hi, p_packed, p_scale, p_zero, i_p, i_t, o_t, T, D, P, BITS, WORDS, BLOCK_T,
-                       BLOCK_G)
-        else:
-            done = tl.atomic_add(p_count + i_p, 0, sem="acquire")
-            while done < C:
-                done = tl.atomic_add(p_count + i_p, 0, sem="acquire")
-            tl.debug_barrier()
-            _pack_loaded(b_xp, p_part, p_packed, p_scale, p_zero, i_p, i_t, o_t, T, D, P, C, BITS, WORDS,
-                         BLOCK_T, BLOCK_G, BLOCK_C)
+        b_x, _ = _load_units(p_x + i_p * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
+        o_c = tl.arange(0, BLOCK_C)
+        m_c = o_c < C
+        p_w = p_words + i_p * C + o_c
+        w = tl.load(p_w, mask=m_c, other=0, volatile=True)
+        while tl.sum((w == EMPTY).to(tl.int32), 0) > 0:
+            w = tl.load(p_w, mask=m_c, other=0, volatile=True)
+        lo = tl.min(tl.where(m_c, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), float("inf")), 0)
+        hi = tl.max(tl.where(m_c, (w >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf")), 0)
+        _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_p, i_t, o_t, T, D, P, BITS, WORDS, BLOCK_T, BLOCK_G)
 
 
 @triton.jit
@@ -421,9 +396,19 @@ def _quantize_words_kernel(
 
 
 @triton.jit
-def _twopass_block(p_x, p_packed, p_scale, p_zero, i_n, T, D, P, BITS: tl.constexpr, WORDS: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, LOAD2D: tl.constexpr, PREFETCH: tl.constexpr):
-    """Block i_n of _quantize_twopass_kernel."""
+def _quantize_twopass_kernel(
+    p_x, p_packed, p_scale, p_zero, T, D, P,
+    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    LOAD2D: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """One program per block (D % 8 == 0), in row tiles of BLOCK_T rows: pass 1 folds the block's
+    min / max, pass 2 reads the block again (from L2 while the blocks in flight fit in it: small
+    blocks) and packs it as _store_groups. PREFETCH: each pass loads the next tile before it works
+    on the current one (two tiles in flight per program).
+
+    (G programs looping over the blocks, to bound the blocks in flight for large blocks, measured
+    23-48 % of the H200's copy rate: too few loads in flight; docs/BENCHMARKS.md.)"""
+    i_n = tl.program_id(0).to(tl.int64)
     p_xn = p_x + i_n * T * D
     o_r = tl.arange(0, BLOCK_T)
     acc_lo = tl.full([BLOCK_T, BLOCK_G], float("inf"), tl.float32)
@@ -450,22 +435,6 @@ def _twopass_block(p_x, p_packed, p_scale, p_zero, i_n, T, D, P, BITS: tl.conste
         else:
             b_x, _ = _load_units(p_xn, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
         _store_groups(_codes(b_x, lo, inv, BITS), p_on, o_t, o_t < T, D // 8, P, BITS, BLOCK_T, BLOCK_G, WORDS)
-
-
-@triton.jit
-def _quantize_twopass_kernel(
-    p_x, p_packed, p_scale, p_zero, N, T, D, P,
-    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-    LOAD2D: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """Program g quantizes blocks g, g + G, ... (G programs; D % 8 == 0), each in row tiles of
-    BLOCK_T rows: pass 1 folds the block's min / max, pass 2 reads the block again (from L2: the
-    program read it moments before, and G blocks in flight fit in L2) and packs it as
-    _store_groups. PREFETCH: each pass loads the next tile before it works on the current one
-    (two tiles in flight per program)."""
-    for i_n in range(tl.program_id(0), N, tl.num_programs(0)):
-        _twopass_block(p_x, p_packed, p_scale, p_zero, tl.cast(i_n, tl.int64), T, D, P, BITS, WORDS, BLOCK_T,
-                       BLOCK_G, LOAD2D, PREFETCH)
 
 
 @triton.jit
@@ -501,8 +470,10 @@ REG_CAP = 16384          # fused path: blocks of up to this many (padded) values
 _WORD_GROUPS = {4: 1, 5: 4, 6: 2, 8: 1}   # 8-code groups that make whole 32-bit words
 
 
-# relay kernel with flags: the word of a tile not yet reduced (min +inf low, max -inf high), as int64
+# relay kernel: the word of a tile not yet reduced (min +inf low, max -inf high), as int64, and the
+# default distance in programs between reducing a tile and packing it (H200 sweep: 1024 best)
 RELAY_EMPTY = (0xFF800000 << 32 | 0x7F800000) - (1 << 64)
+RELAY_LAG_PROGRAMS = 1024
 
 # words path: codes per unit and word bits, per bit width (a unit is whole words)
 WORD_UNITS = {4: (8, 32), 5: (32, 32), 6: (16, 32), 8: (8, 64)}
@@ -520,25 +491,42 @@ def _words_fit(t: int, d: int, bits: int, unit: tuple[int, int], reg_cap: int) -
     return d % u == 0 and (u * bits) % word == 0 and next_pow2(t) * next_pow2(d // u) * u <= reg_cap
 
 
+TWOPASS_MAX_BYTES = 16384   # blocks up to this size take method "twopass" under "auto" (see _auto_method)
+
+
+def _auto_method(t: int, d: int, bits: int, elem_bytes: int, reg_cap: int = REG_CAP) -> str:
+    """The quantize method measured fastest on the H200 (2026-11-30, benchmarks/diag_quant.py
+    --words / --twopass / --relay; % of the HBM copy rate, bf16, d = 128):
+    - "words" at 4 and 8 bits where the block is one register tile of whole words per thread
+      (64 tokens: 70 / 76 %);
+    - "twopass" for other blocks of at most TWOPASS_MAX_BYTES (64 tokens, 5 / 6 bits: 64-67 %;
+      larger blocks outgrow L2 between the two reads: 512 tokens 44-47 %, read twice from HBM);
+    - "relay" for larger blocks (512 tokens: 54.7 / 55.9 / 58.5 / 60.5 % at 4 / 5 / 6 / 8 bits,
+      against split's 49-54 %, which reads the input twice from HBM).
+    Rows of d % 8 != 0 take the general kernel whatever is returned."""
+    if bits in (4, 8) and _words_fit(t, d, bits, WORD_UNITS[bits], reg_cap):
+        return "words"
+    return "twopass" if t * d * elem_bytes <= TWOPASS_MAX_BYTES else "relay"
+
+
 def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
              chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 0,
              pack_warps: int = 0, unit: tuple[int, int] | None = None,
              load2d: bool = True, pack_load2d: bool = True,
-             ticket: bool = False, lag: int = 1, early: bool = False,
-             prefetch: bool = True, programs: int = 0, flags: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             lag: int = 0, prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
 
     D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
     most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
     read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel),
-    "relay" (one kernel of row-tile programs that read the input from HBM once and pass each block's
-    min / max on: _quantize_relay_kernel; ticket, lag, early, flags: see there), "twopass" (one program
-    program per block in flight, the second read from L2: _quantize_twopass_kernel, tiles of
-    pack_values values, at most `programs` programs, 0 = one per block) or
-    "auto" (the one measured faster for the block: words at 4 and 8 bits where it fits, else split).
-    Other D run the general kernel. The keywords after bits are benchmark tuning (0 = default).
-    A fused kernel that looped twice over row tiles of larger blocks measured 17-35 % of the H200's
-    copy rate against split's 41-46 % (docs/BENCHMARKS.md) and was removed.
+    "twopass" (one program per block reads it twice, the second time from L2:
+    _quantize_twopass_kernel; tiles of pack_values values, prefetch), "relay" (one kernel of
+    row-tile programs that read the input from HBM once and pass each block's min / max on:
+    _quantize_relay_kernel; lag in blocks, 0 = about RELAY_LAG_PROGRAMS programs) or "auto" (the
+    one measured fastest for the block: _auto_method). Other D run the general kernel. The keywords
+    after bits are benchmark tuning (0 = default). A fused kernel that looped twice over row tiles
+    of larger blocks measured 17-35 % of the H200's copy rate against split's 41-46 %
+    (docs/BENCHMARKS.md) and was removed.
     """
     if method not in ("auto", "fused", "split", "words", "relay", "twopass"):
         raise ValueError(f"method={method!r} unknown; use 'auto', 'fused', 'split', 'words', 'relay' or 'twopass'")
@@ -552,14 +540,9 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
     BLOCK_T, BLOCK_G = next_pow2(t), next_pow2(d // 8)
     fits = BLOCK_T * BLOCK_G * 8 <= reg_cap
     if method == "auto":
-        # H200 (2026-11-30, benchmarks/diag_quant.py --words): 64-token blocks that fit one register
-        # tile as whole words per thread: 4 bits 70 %, 8 bits 76 % of the HBM copy rate (the byte-
-        # or multi-word-per-thread stores of the fused kernel: 63 % / 32 %); 5/6 bits need several
-        # words per thread (32-38 %) and stay on split (44-46 %), as do 512-token blocks (spills)
-        if bits in (4, 8) and _words_fit(t, d, bits, WORD_UNITS[bits], reg_cap):
-            method, fused_warps = "words", fused_warps or (4 if bits == 4 else 8)
-        else:
-            method = "split"
+        method = _auto_method(t, d, bits, x.element_size(), reg_cap)
+        if method == "words":
+            fused_warps = fused_warps or (4 if bits == 4 else 8)
     if method == "words":
         u, word = unit = unit or WORD_UNITS[bits]
         if not _words_fit(t, d, bits, unit, reg_cap):
@@ -579,24 +562,20 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
                                      BLOCK_G=BLOCK_G, WORDS=words, num_warps=warps)
         return packed, scale, zero
     if d % 8 == 0 and method == "twopass":
-        BLOCK_T = max(1, min(BLOCK_T, (pack_values or 4096) // (BLOCK_G * 8)))
-        _quantize_twopass_kernel[(min(n, programs or n),)](x, packed, scale, zero, n, t, d, p, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
+        BLOCK_T = max(1, min(BLOCK_T, (pack_values or 2048) // (BLOCK_G * 8)))
+        _quantize_twopass_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
                                        BLOCK_G=BLOCK_G, LOAD2D=pack_load2d, PREFETCH=prefetch,
-                                       num_warps=fused_warps or 4)
+                                       num_warps=fused_warps or 2)
         return packed, scale, zero
     if d % 8 == 0 and method == "relay":
-        pack_values = pack_values or (1024 if bits == 8 else 2048)
-        BLOCK_T = max(1, min(BLOCK_T, pack_values // (BLOCK_G * 8)))
+        BLOCK_T = max(1, min(BLOCK_T, (pack_values or 2048) // (BLOCK_G * 8)))
         c = triton.cdiv(t, BLOCK_T)
-        if flags:
-            part = torch.full((n, c), RELAY_EMPTY, device=x.device, dtype=torch.int64)
-        else:
-            part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
-        count = torch.zeros(n + 1 if ticket or not flags else 1, device=x.device, dtype=torch.int32)
+        lag = max(1, min(n, lag or triton.cdiv(RELAY_LAG_PROGRAMS, c)))
+        part = torch.full((n, c), RELAY_EMPTY, device=x.device, dtype=torch.int64)
         _quantize_relay_kernel[((n + lag) * c,)](
-            x, part, count, packed, scale, zero, n, t, d, p, c, lag, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
-            BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, TICKET=ticket, EARLY=early,
-            FLAGS=flags, EMPTY=RELAY_EMPTY, num_warps=pack_warps or 2)
+            x, part, packed, scale, zero, n, t, d, p, c, lag, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
+            BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, EMPTY=RELAY_EMPTY,
+            num_warps=pack_warps or 2)
         return packed, scale, zero
     if d % 8 == 0:
         # split: two streaming passes of small programs (the input is read from HBM twice)

@@ -126,6 +126,23 @@ def _constant_block() -> None:
     _need(torch.equal(K.dequantize_blocks(packed, scale, zero, 6, 64), x), "constant block must round-trip exactly")
 
 
+def _auto_picks(bits: int, t: int, method: str) -> None:
+    from hi_sparse.kernels import _quant_triton
+    _need(_quant_triton._auto_method(t, 64, bits, 4) == method, f"auto picks {_quant_triton._auto_method(t, 64, bits, 4)}")
+    _quantize(bits, 64, t, 2, method="auto")
+
+
+def _relay_infinite_block() -> None:
+    """A block of +-inf values through the relay kernel: its min / max word is not the empty word
+    the programs poll for, so the run ends and the zero point is -inf."""
+    from hi_sparse.kernels import _quant_triton
+    x = torch.randn(3, 16, 64)
+    x[1] = float("inf")
+    x[1, 0, 0] = float("-inf")
+    _, _, zero = _quant_triton.quantize(x, 4, method="relay", pack_values=512)
+    _need(zero[1] == float("-inf") and bool(torch.isfinite(zero[[0, 2]]).all()), f"zero points {zero.tolist()}")
+
+
 def _fused_too_big() -> None:
     from hi_sparse.kernels import _quant_triton
     try:
@@ -219,24 +236,21 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"quantize-{b}bit-d64-words-3d-u{u}": (lambda b=b, u=u: _quantize(b, 64, 5, method="words", unit=u,
                                                                           load2d=False))
        for b, u in ((4, (16, 64)), (5, (64, 64)), (6, (32, 64)), (8, (16, 64)))},
-    # the relay kernel: 3 blocks of 5 row tiles (the last ragged), 20 programs, each waiting on
-    # the min / max the previous block's programs published; numbered by program id or by ticket
+    # the relay kernel: 3 blocks of 5 row tiles (the last ragged), each program waiting on the
+    # min / max the programs of the block before (lag 1) or two before published; and a block of
+    # +-inf values (its min / max word is not the empty word)
     **{f"quantize-{b}bit-d64-t40-relay": (lambda b=b: _quantize(b, 64, 40, 3, method="relay", pack_values=512))
        for b in (4, 5, 6, 8)},
-    "quantize-4bit-d64-t40-relay-ticket": lambda: _quantize(4, 64, 40, 3, method="relay", pack_values=512,
-                                                           ticket=True),
-    "quantize-8bit-d64-t40-relay-lag2-early": lambda: _quantize(8, 64, 40, 3, method="relay", pack_values=512,
-                                                               lag=2, early=True),
-    **{f"quantize-{b}bit-d64-t40-relay-flags": (lambda b=b: _quantize(b, 64, 40, 3, method="relay", pack_values=512,
-                                                                      flags=True, lag=2)) for b in (4, 8)},
+    "quantize-8bit-d64-t40-relay-lag2": lambda: _quantize(8, 64, 40, 3, method="relay", pack_values=512, lag=2),
+    # "auto" on a 32 KB fp32 block at 5 / 6 bits is the relay kernel (4 row tiles, lag 2)
+    **{f"quantize-{b}bit-d64-t128-auto-relay": (lambda b=b: _auto_picks(b, 128, "relay")) for b in (5, 6)},
+    "quantize-relay-infinite-block": _relay_infinite_block,
     # the two-pass kernel: one program per block, 5 row tiles of 8 rows (the last ragged), with and
     # without loading the next tile first
     **{f"quantize-{b}bit-d64-t40-twopass": (lambda b=b: _quantize(b, 64, 40, 3, method="twopass", pack_values=512))
        for b in (4, 5, 6, 8)},
     "quantize-4bit-d64-t40-twopass-no-prefetch": lambda: _quantize(4, 64, 40, 3, method="twopass", pack_values=512,
                                                                   prefetch=False),
-    "quantize-6bit-d64-t40-twopass-2-programs": lambda: _quantize(6, 64, 40, 3, method="twopass", pack_values=512,
-                                                                 programs=2),
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},

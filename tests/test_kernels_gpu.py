@@ -162,7 +162,8 @@ def _poison_bytes(nbytes: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("T,tuning", [
-    (64, {}),                                        # default: fused register tile at 4 bits, split otherwise
+    (64, {}),                                        # default: words at 4/8 bits, twopass at 5/6
+    (512, {}),                                       # default: relay
     (64, {"method": "fused"}),                       # fused, 8192 values: the whole block one register tile
     (512, {"method": "fused", "reg_cap": 65536, "fused_warps": 16}),   # a 512-row block as one register tile
     (64, {"method": "split"}),                       # partial min/max kernel, then the pack kernel
@@ -171,24 +172,16 @@ def _poison_bytes(nbytes: int) -> None:
     (50, {"method": "words"}),                       # ragged block
     (64, {"method": "words", "load2d": False}),
     (64, {"method": "relay"}),                       # one kernel, input read once, min/max relayed
-    (512, {"method": "relay"}),
     (50, {"method": "relay", "pack_values": 1024}),  # ragged last row tile
-    (512, {"method": "relay", "ticket": True}),      # programs numbered by an atomic ticket
-    (512, {"method": "relay", "lag": 3, "early": True, "pack_values": 8192, "pack_warps": 8}),
-    (512, {"method": "relay", "flags": True, "lag": 2}),   # min / max words as their own flags
-    (64, {"method": "relay", "flags": True, "pack_values": 2048, "lag": 256}),
-    (512, {"method": "twopass"}),                    # one program per block, second read from L2
-    (50, {"method": "twopass", "pack_values": 1024}),
+    (512, {"method": "relay", "lag": 1, "pack_values": 8192, "pack_warps": 8}),   # waits on the block before
+    (50, {"method": "twopass"}),                     # one program per block, second read from L2
     (512, {"method": "twopass", "prefetch": False, "pack_values": 8192, "fused_warps": 8}),
-    (512, {"method": "twopass", "programs": 5}),     # 5 programs loop over the 37 blocks
-], ids=["default-t64", "fused-register-t64", "fused-register-t512",
+], ids=["default-t64", "default-t512", "fused-register-t64", "fused-register-t512",
         "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64",
-        "relay-t64", "relay-t512", "relay-t50", "relay-ticket-t512", "relay-lag3-early-t512",
-        "relay-flags-t512", "relay-flags-lag256-t64",
-        "twopass-t512", "twopass-t50", "twopass-no-prefetch-t512", "twopass-5-programs-t512"])
+        "relay-t64", "relay-t50", "relay-lag1-t512", "twopass-t50", "twopass-no-prefetch-t512"])
 def test_quantize_paths(bits, T, tuning):
     """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
-    "auto", is fused at T=64 and split at T=512)."""
+    "auto": _auto_method)."""
     _check_quantize(bits, T, 128, tuning)
 
 
@@ -204,18 +197,14 @@ def test_quantize_word_and_byte_stores(bits, D, T, tuning):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("tuning", [
-    {"method": "relay"}, {"method": "relay", "ticket": True},
-    {"method": "relay", "lag": 4, "early": True, "pack_values": 8192, "pack_warps": 8},
-    {"method": "relay", "flags": True, "lag": 32}, {"method": "relay", "flags": True, "pack_values": 8192,
-                                                    "pack_warps": 8},
-    {"method": "twopass"}, {"method": "twopass", "programs": 264, "pack_values": 8192, "fused_warps": 8},
-    {"method": "auto"},
-], ids=["relay-pid", "relay-ticket", "relay-lag4-early", "relay-flags-lag32", "relay-flags-8192", "twopass", "twopass-264-programs", "auto"])
+    {"method": "relay"}, {"method": "relay", "lag": 1}, {"method": "relay", "pack_values": 8192, "pack_warps": 8},
+    {"method": "twopass"}, {"method": "auto"},
+], ids=["relay", "relay-lag1", "relay-8192", "twopass", "auto"])
 def test_quantize_matches_split_on_a_large_input(bits, tuning):
-    """4096 blocks of 512 rows (the relay kernel: a few hundred thousand programs, many waves, each
-    waiting on min / max others published): every byte, scale and zero point equals the split
-    path's (same min / max, same reciprocal, same codes), so a partial read before it was
-    published shows."""
+    """4096 blocks of 512 rows (the relay kernel: over a hundred thousand programs, many waves, each
+    waiting on min / max others published; lag 1 waits on the programs just before): every byte,
+    scale and zero point equals the split path's (same min / max, same reciprocal, same codes), so
+    a partial read before it was published shows."""
     from hi_sparse.kernels import _quant_triton as Q
     torch.manual_seed(bits)
     x = (torch.randn(4096, 512, 128, device="cuda") * torch.rand(4096, 1, 1, device="cuda") * 10).to(torch.bfloat16)
