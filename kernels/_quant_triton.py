@@ -575,7 +575,7 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         _quantize_relay_kernel[((n + lag) * c,)](
             x, part, packed, scale, zero, n, t, d, p, c, lag, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
             BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, EMPTY=RELAY_EMPTY,
-            num_warps=pack_warps or 2)
+            num_warps=pack_warps or 1)
         return packed, scale, zero
     if d % 8 == 0:
         # split: two streaming passes of small programs (the input is read from HBM twice)
