@@ -498,10 +498,10 @@ def _auto_method(t: int, d: int, bits: int, elem_bytes: int, reg_cap: int = REG_
     """The quantize method measured fastest on the H200 (2026-11-30, benchmarks/diag_quant.py
     --words / --twopass / --relay; % of the HBM copy rate, bf16, d = 128):
     - "words" at 4 and 8 bits where the block is one register tile of whole words per thread
-      (64 tokens: 70 / 76 %);
-    - "twopass" for other blocks of at most TWOPASS_MAX_BYTES (64 tokens, 5 / 6 bits: 64-67 %;
-      larger blocks outgrow L2 between the two reads: 512 tokens 44-47 %, read twice from HBM);
-    - "relay" for larger blocks (512 tokens: 54.7 / 55.9 / 58.5 / 60.5 % at 4 / 5 / 6 / 8 bits,
+      (64 tokens: 70.6 / 76.8 %);
+    - "twopass" for other blocks of at most TWOPASS_MAX_BYTES (64 tokens, 5 / 6 bits: 68.7 /
+      70.4 %; larger blocks outgrow L2 between the two reads: 512 tokens 43-46 %, read twice);
+    - "relay" for larger blocks (512 tokens: 59.0 / 59.9 / 61.5 / 65.8 % at 4 / 5 / 6 / 8 bits,
       against split's 49-54 %, which reads the input twice from HBM).
     Rows of d % 8 != 0 take the general kernel whatever is returned."""
     if bits in (4, 8) and _words_fit(t, d, bits, WORD_UNITS[bits], reg_cap):
