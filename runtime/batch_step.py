@@ -17,9 +17,17 @@ import warnings
 
 import torch
 
-from hi_sparse.kernels import block_scores, sparse_decode_attention, two_level_candidates, two_level_pays
+from hi_sparse.kernels import sparse_decode_attention
 
-from .selection import select_fixed
+from .probe import probe_threshold
+from .selection import bound_scores, select_fixed
+
+
+def push_query(bank, r: slice, q: torch.Tensor) -> None:
+    """Shift this step's queries q (B, Hq, D) into rows r of the bank's recent queries
+    (recalibration re-scores anchors with them)."""
+    qb = bank.t["queries"][r]
+    qb.copy_(torch.cat([qb[:, 1:], q[:, None].float()], 1))
 
 
 class BatchStep:
@@ -147,8 +155,7 @@ class BatchStep:
         eng.v_hot[layer].view(-1, D).index_copy_(0, flat, vf.reshape(-1, D))
         A = cfg.global_tokens
         if A and eng.probes[layer].fitted:
-            ctx = (p0 + 1).double()        # as the host's probe_threshold (float64)
-            thr = (cfg.threshold_base * (ctx / 131072) ** 0.25).clamp(cfg.threshold_min, cfg.threshold_max)
+            thr = probe_threshold(p0 + 1, cfg.threshold_base, cfg.threshold_min, cfg.threshold_max)
             p = eng.probes[layer].predict(kf)                                       # (B, H)
             p = torch.where(p > thr, p, -1.0)[..., None]
             ap, an = bank.t["anchor_p"][r], bank.t["anchors"][r]                   # (B, H, A)
@@ -165,17 +172,9 @@ class BatchStep:
         B, H, G, D, bs, S = self.B, eng.Hkv, eng.G, eng.D, eng.bs, eng.S
         r = slice(self.r0, self.r0 + B)
         n, clock = self.n[layer, 0], self.n[layer, 1]
-        bank, g = eng.banks[layer], cfg.bound_group
-        qh = q.view(B, H, G, D)
-        kmin, kmax = bank.t["kmin"][r, :, :nb], bank.t["kmax"][r, :, :nb]
-        if two_level_pays(nb, g, eng.n_super):
-            ns = -(-nb // g)
-            blocks, sc = two_level_candidates(qh, kmin, kmax, bank.t["smin"][r, :, :ns], bank.t["smax"][r, :, :ns],
-                                              g, eng.n_super, limit=limit)
-            full = torch.full((B, H, nb + 1), float("-inf"), device=sc.device)
-            scores = full.scatter_(2, blocks + 1, sc)[..., 1:]
-        else:
-            scores = block_scores(qh, kmin, kmax)
+        bank = eng.banks[layer]
+        scores = bound_scores(q.view(B, H, G, D), bank.t["kmin"][r, :, :nb], bank.t["kmax"][r, :, :nb],
+                              bank.t["smin"][r], bank.t["smax"][r], cfg.bound_group, eng.n_super, limit)
         sel = select_fixed(scores.reshape(B * H, nb), n, self.first, cfg.window_size, cfg.top_k, bs,
                            bank.t["anchors"][r].reshape(B * H, -1), cfg.prefetch_blocks, n_cand)
         K = sel.tokens.shape[1]
@@ -205,8 +204,7 @@ class BatchStep:
             row_bytes = 2 * D * host.layers[layer]["k"].element_size()
         eng._dev[layer].add(lookups, hits, pf_used, used.sum(), sel.loaded, loaded.sum(),
                             (take * row_bytes).sum())
-        qb = bank.t["queries"][r]
-        qb.copy_(torch.cat([qb[:, 1:], q[:, None].float()], 1))
+        push_query(bank, r, q)
         out = sparse_decode_attention(q.to(eng.dtype), eng.k_hot[layer][r], eng.v_hot[layer][r],
                                       slots.view(B, H, -1), eng.scale).to(q.dtype)
         return out, sel.tokens

@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hi_sparse.kernels import (block_bounds, block_scores, sparse_decode_attention, superblock_bounds,
-                               two_level_candidates, two_level_pays)
+from hi_sparse.kernels import block_bounds, sparse_decode_attention, superblock_bounds, two_level_pays
 
 from . import __version__
 from .audit import audit_hits
-from .batch_step import BatchStep
+from .batch_step import BatchStep, push_query
 from .block_pool import BlockPool
 from .config import HiSparseConfig
 from .host_pool import HostPool
@@ -43,7 +42,7 @@ from .page_table import PageTable, PoolExhausted, SequencePages
 from .probe import ImportanceProbe, probe_threshold
 from .recalibration import RecalibrationController, pick_anchors, score_tokens, training_set
 from .row_bank import RowBank, RowView
-from .selection import select
+from .selection import bound_scores, select
 
 _PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk (CPU: math kernel)
 _PREFILL_MASK_BUDGET = 1 << 29   # bytes of one prefill boolean mask chunk (CUDA: fused kernels)
@@ -494,22 +493,13 @@ class HiSparseEngine:
             bank.grow(name, 1, ns)
 
     def _scores(self, s: _Seq, layer: int, q: torch.Tensor, n: int) -> torch.Tensor:
-        """Quest bounds (Hkv, nb) of the blocks of n tokens for q (Hkv, G, D). At long context only
-        the blocks of the best super-blocks before the window are scored (two-level); the others
-        get -inf (select never takes window blocks from the ranking anyway)."""
+        """Quest bounds (Hkv, nb) of the blocks of n tokens for q (Hkv, G, D): bound_scores."""
         nb = -(-n // self.bs)
-        kmin, kmax = s.kmin[layer][:, :nb], s.kmax[layer][:, :nb]
-        g = self.cfg.bound_group
-        if not two_level_pays(nb, g, self.n_super):
-            return block_scores(q, kmin, kmax)
-        ns = -(-nb // g)
+        if two_level_pays(nb, self.cfg.bound_group, self.n_super):
+            self.two_level_scores += 1
         w0 = max(s.first, n - self.cfg.window_size)      # select's candidates start before w0
-        blocks, sc = two_level_candidates(q, kmin, kmax, s.smin[layer][:, :ns], s.smax[layer][:, :ns], g,
-                                          self.n_super, limit=-(-w0 // self.bs))
-        self.two_level_scores += 1
-        # column 0 collects the -1 padding of the candidate list and is cut off
-        full = torch.full((self.Hkv, nb + 1), float("-inf"), device=sc.device)
-        return full.scatter_(1, blocks + 1, sc)[:, 1:]
+        return bound_scores(q, s.kmin[layer][:, :nb], s.kmax[layer][:, :nb], s.smin[layer], s.smax[layer],
+                            self.cfg.bound_group, self.n_super, -(-w0 // self.bs))
 
     # -- append --------------------------------------------------------------------------------
     def append(self, layer: int, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -540,14 +530,7 @@ class HiSparseEngine:
             s = self._seq(sid)
             p0 = s.n[layer]
             n = p0 + T
-            if n > self.cfg.max_seq_len:
-                raise ValueError(f"sequence {sid} would hold {n} tokens, more than max_seq_len="
-                                 f"{self.cfg.max_seq_len}; raise max_seq_len")
-            have = self.pages.num_tokens(sid)
-            if n > have:
-                need = self.pages.blocks_needed(sid, n - have)
-                self.pages.extend(sid, n - have, self._allocate(s, need) if need else [])
-                self._grow_seq_meta(s, -(-n // self.bs))
+            self._extend_pages([s], n)
             kb, vb = k[b].to(dev, self.dtype), v[b].to(dev, self.dtype)
             self._count_write(*self.host.write(layer, self._block_table(s, cpu=True), s.tail, p0, kb, vb))
             st = self._stats
@@ -609,6 +592,10 @@ class HiSparseEngine:
         return st
 
     def _extend_pages(self, seqs: list[_Seq], n: int) -> None:
+        """Pages (and per-block metadata) for n tokens in each sequence; n within max_seq_len."""
+        if n > self.cfg.max_seq_len:
+            raise ValueError(f"sequence {seqs[0].seq_id} would hold {n} tokens, more than max_seq_len="
+                             f"{self.cfg.max_seq_len}; raise max_seq_len")
         for s in seqs:
             have = self.pages.num_tokens(s.seq_id)
             if n > have:
@@ -622,12 +609,9 @@ class HiSparseEngine:
         up, bounded, made hot, scored as an anchor. When the token fills a quantized pool's block,
         the block is first quantized per sequence (host syncs, once per block_size steps); the
         body then also writes the token to the float tail, which nothing reads again."""
-        cfg, bs, dev = self.cfg, self.bs, self.layer_devices[layer]
+        bs, dev = self.bs, self.layer_devices[layer]
         B, p0 = len(seqs), seqs[0].n[layer]
         n = p0 + 1
-        if n > cfg.max_seq_len:
-            raise ValueError(f"sequence {seqs[0].seq_id} would hold {n} tokens, more than max_seq_len="
-                             f"{cfg.max_seq_len}; raise max_seq_len")
         self._extend_pages(seqs, n)
         fills = self.host.quantized and n % bs == 0
         if fills:
@@ -667,11 +651,16 @@ class HiSparseEngine:
         hot.clock = c0 + 2 * tokens.shape[1] + cfg.prefetch_blocks * bs
         if two_level_pays(nb, cfg.bound_group, self.n_super):
             self.two_level_scores += len(seqs)
-        R = cfg.recalibrate_queries
         for b, s in enumerate(seqs):
             s.last_selection[layer] = tokens[b * H:(b + 1) * H]
-            s.q_count[layer] = min(R, s.q_count[layer] + 1)
+        self._count_query(layer, seqs)
         return out
+
+    def _count_query(self, layer: int, seqs: list[_Seq]) -> None:
+        """One more recent query kept per sequence (push_query put it in the bank)."""
+        R = self.cfg.recalibrate_queries
+        for s in seqs:
+            s.q_count[layer] = min(R, s.q_count[layer] + 1)
 
     def _attend_batch(self, layer: int, seqs: list[_Seq], q: torch.Tensor) -> torch.Tensor:
         """Sparse decode attention of B sequences of one length in consecutive rows, q (B, Hq, D):
@@ -680,17 +669,10 @@ class HiSparseEngine:
         B, r0, n = len(seqs), seqs[0].row, seqs[0].n[layer]
         nb, w0, g = -(-n // bs), n - cfg.window_size, cfg.bound_group
         bank, r = self.banks[layer], slice(r0, r0 + B)
-        qh = q.view(B, H, G, D)
-        kmin, kmax = bank.t["kmin"][r, :, :nb], bank.t["kmax"][r, :, :nb]
         if two_level_pays(nb, g, self.n_super):
-            ns = -(-nb // g)
-            blocks, sc = two_level_candidates(qh, kmin, kmax, bank.t["smin"][r, :, :ns], bank.t["smax"][r, :, :ns],
-                                              g, self.n_super, limit=-(-w0 // bs))
             self.two_level_scores += B
-            full = torch.full((B, H, nb + 1), float("-inf"), device=sc.device)
-            scores = full.scatter_(2, blocks + 1, sc)[..., 1:]
-        else:
-            scores = block_scores(qh, kmin, kmax)
+        scores = bound_scores(q.view(B, H, G, D), bank.t["kmin"][r, :, :nb], bank.t["kmax"][r, :, :nb],
+                              bank.t["smin"][r], bank.t["smax"][r], g, self.n_super, -(-w0 // bs))
         st = self._step_of(seqs, dev)
         tables, tails = st.tables, st.tails
         first = [s.first for s in seqs]
@@ -717,12 +699,8 @@ class HiSparseEngine:
                 empty = toks[:0]
                 nbytes = self.host.load(layer, src, empty, dk, dv, dst, empty)
             self._stats.swap_in_bytes += nbytes
-        # recent queries (recalibration re-scores anchors with them): shift this step's in
-        qb = bank.t["queries"][r]
-        qb.copy_(torch.cat([qb[:, 1:], q[:, None].float()], 1))
-        R = cfg.recalibrate_queries
-        for s in seqs:
-            s.q_count[layer] = min(R, s.q_count[layer] + 1)
+        push_query(bank, r, q)
+        self._count_query(layer, seqs)
         return sparse_decode_attention(q.to(self.dtype), self.k_hot[layer][r], self.v_hot[layer][r],
                                        look.slots.view(B, H, -1), self.scale).to(q.dtype)
 

@@ -16,7 +16,12 @@ from torch import nn
 MAX_PARAMS = 15_000
 
 
-def probe_threshold(context_len: int, base: float, lo: float, hi: float) -> float:
+def probe_threshold(context_len: int | torch.Tensor, base: float, lo: float, hi: float) -> float | torch.Tensor:
+    """Anchor threshold at a context length: base at 128K, growing as its fourth root, within
+    [lo, hi]. A tensor length (the graph-captured decode step's device scalar) gives a float64
+    tensor, computed on the device."""
+    if isinstance(context_len, torch.Tensor):
+        return (base * (context_len.double().clamp_min(1) / 131072) ** 0.25).clamp(lo, hi)
     return float(min(hi, max(lo, base * (max(context_len, 1) / 131072) ** 0.25)))
 
 

@@ -17,6 +17,25 @@ from dataclasses import dataclass
 
 import torch
 
+from hi_sparse.kernels import block_scores, two_level_candidates, two_level_pays
+
+
+def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor,
+                 group: int, n_super: int, limit: int) -> torch.Tensor:
+    """Quest upper bounds (..., Hkv, NB) of the blocks for q (..., Hkv, G, D) against key bounds
+    kmin / kmax (..., Hkv, NB, D). When two-level scoring pays (long context) only the blocks of
+    the best super-blocks (smin / smax (..., Hkv, >= NS, D)) before block ``limit`` are scored;
+    the others get -inf (select never takes window blocks from the ranking anyway)."""
+    nb = kmin.shape[-2]
+    if not two_level_pays(nb, group, n_super):
+        return block_scores(q, kmin, kmax)
+    ns = -(-nb // group)
+    blocks, sc = two_level_candidates(q, kmin, kmax, smin[..., :ns, :], smax[..., :ns, :], group, n_super,
+                                      limit=limit)
+    # column 0 collects the -1 padding of the candidate list and is cut off
+    full = torch.full((*sc.shape[:-1], nb + 1), float("-inf"), device=sc.device)
+    return full.scatter_(-1, blocks + 1, sc)[..., 1:]
+
 
 @dataclass
 class Selection:
