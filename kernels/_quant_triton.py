@@ -350,9 +350,7 @@ def _quantize_fused_kernel(
     o_t = tl.arange(0, BLOCK_T)
     b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, False)
     lo, hi = _tile_min_max(b_x, m)
-    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
-    _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
-                  BLOCK_T, BLOCK_G, WORDS)
+    _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_n, 0, o_t, T, D, P, BITS, WORDS, BLOCK_T, BLOCK_G)
 
 
 @triton.jit
@@ -407,7 +405,8 @@ def _quantize_twopass_kernel(
     on the current one (two tiles in flight per program).
 
     (G programs looping over the blocks, to bound the blocks in flight for large blocks, measured
-    23-48 % of the H200's copy rate: too few loads in flight; docs/BENCHMARKS.md.)"""
+    21-51 % of the H200's copy rate on 512-token blocks: too few loads in flight;
+    docs/BENCHMARKS.md.)"""
     i_n = tl.program_id(0).to(tl.int64)
     p_xn = p_x + i_n * T * D
     o_r = tl.arange(0, BLOCK_T)
@@ -482,6 +481,11 @@ WORD_UNITS = {4: (8, 32), 5: (32, 32), 6: (16, 32), 8: (8, 64)}
 def _word_stores(d: int, bits: int) -> bool:
     """Whether rows of d codes (d % 8 == 0) pack into whole 32-bit words (else 5/6 bits store bytes)."""
     return (d // 8) % _WORD_GROUPS[bits] == 0
+
+
+def _tile_rows(block_t: int, block_g: int, values: int) -> int:
+    """Rows of a (block_t-row) block in a tile of about ``values`` values (groups of 8 per row)."""
+    return max(1, min(block_t, values // (block_g * 8)))
 
 
 def _words_fit(t: int, d: int, bits: int, unit: tuple[int, int], reg_cap: int) -> bool:
@@ -562,13 +566,13 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
                                      BLOCK_G=BLOCK_G, WORDS=words, num_warps=warps)
         return packed, scale, zero
     if d % 8 == 0 and method == "twopass":
-        BLOCK_T = max(1, min(BLOCK_T, (pack_values or 2048) // (BLOCK_G * 8)))
+        BLOCK_T = _tile_rows(BLOCK_T, BLOCK_G, pack_values or 2048)
         _quantize_twopass_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
                                        BLOCK_G=BLOCK_G, LOAD2D=pack_load2d, PREFETCH=prefetch,
                                        num_warps=fused_warps or 2)
         return packed, scale, zero
     if d % 8 == 0 and method == "relay":
-        BLOCK_T = max(1, min(BLOCK_T, (pack_values or 2048) // (BLOCK_G * 8)))
+        BLOCK_T = _tile_rows(BLOCK_T, BLOCK_G, pack_values or 2048)
         c = triton.cdiv(t, BLOCK_T)
         lag = max(1, min(n, lag or triton.cdiv(RELAY_LAG_PROGRAMS, c)))
         part = torch.full((n, c), RELAY_EMPTY, device=x.device, dtype=torch.int64)
@@ -586,12 +590,10 @@ def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = RE
         # H200 sweep (2026-11-30, diag_quant.py --words --split-only): 2 warps per pack program of
         # 2048 values (1024 at 8 bits): 5/6 bits 50-53 % of the HBM copy rate, 512-token blocks at
         # 4 / 8 bits 49 / 53 % (4 or 8 warps: 41-49 %)
-        pack_values = pack_values or (1024 if bits == 8 else 2048)
-        pack_warps = pack_warps or 2
-        BLOCK_T = max(1, min(BLOCK_T, pack_values // (BLOCK_G * 8)))
+        BLOCK_T = _tile_rows(BLOCK_T, BLOCK_G, pack_values or (1024 if bits == 8 else 2048))
         _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
             x, part, packed, scale, zero, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
-            BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, num_warps=pack_warps)
+            BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, num_warps=pack_warps or 2)
         return packed, scale, zero
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
     BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
