@@ -48,13 +48,16 @@ def pinned_pool(nbytes: int = 1 << 30) -> torch.Tensor:
     return pool
 
 
-def ceilings(pool: torch.Tensor) -> dict:
-    n = 1 << 30                                             # 2 GiB of bf16
-    a = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+def hbm_copy_rate(nbytes: int = 1 << 30) -> float:
+    """GB/s of a device copy of nbytes of bf16 (bytes read + written)."""
+    a = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a))
-    hbm = 2 * a.numel() * 2 / ms / 1e6
-    del a, b
+    return 2 * nbytes / bench(lambda: b.copy_(a)) / 1e6
+
+
+def ceilings(pool: torch.Tensor) -> dict:
+    n = 1 << 30
+    hbm = hbm_copy_rate(n)
     dev = torch.empty(pool.shape, device="cuda", dtype=torch.uint8)
     ms_h2d = bench(lambda: dev.copy_(pool, non_blocking=True), warmup=5, rep=50)
     h2d = pool.numel() / ms_h2d / 1e6
@@ -241,61 +244,10 @@ def bench_attention(hbm: float, quick: bool) -> None:
 
 
 def bench_quant(hbm: float) -> None:
+    """The default quantize / dequantize path on two block shapes (the variant sweeps of the
+    quantize kernels are benchmarks/diag_quant.py's)."""
     for shape in ((2048, 512, 128), (16384, 64, 128)):
         bench_quant_shape(hbm, shape)
-    if SWEEP:
-        sweep_quant(hbm)
-
-
-def sweep_quant(hbm: float) -> None:
-    """Quantizer variants, bf16, 4/5/6/8 bits, both benchmark shapes: the fused register-tile kernel
-    (warps, register cap) against the split two-kernel path.
-
-    The first variant of each shape is the default path of quantize(); `diff` is the fraction of
-    packed bytes that differ from the split path's (ties may round either way: tiny but not 0).
-    """
-    from hi_sparse.kernels import _quant_triton as Q
-    variants = {
-        (2048, 512, 128): [
-            ("default (auto)", {}),
-            ("register cap 65536 warps16", {"method": "fused", "reg_cap": 65536, "fused_warps": 16}),
-        ],
-        (16384, 64, 128): [
-            ("default (auto)", {}),
-            ("fused register", {"method": "fused"}),
-            ("split", {"method": "split"}),
-            ("register warps8", {"method": "fused", "fused_warps": 8}),
-        ],
-    }
-    rows = []
-    t_start = time.perf_counter()
-    for shape, configs in variants.items():
-        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-        for bits in (4, 5, 6, 8):
-            ref_packed, ref_scale, ref_zero = Q.quantize(x, bits, method="split")
-            moved = x.numel() * 2 + ref_packed.numel()
-            print(f"    quantize sweep {shape[0]} x {shape[1]} x {shape[2]} bf16, {bits}b "
-                  f"(floor {moved / hbm / 1e6:.4f} ms at the HBM copy rate)", flush=True)
-            for name, kw in configs:
-                try:
-                    packed, scale, zero = Q.quantize(x, bits, **kw)
-                    diff = float((packed != ref_packed).float().mean())
-                    same_params = bool(torch.equal(zero, ref_zero) and torch.allclose(scale, ref_scale, rtol=1e-6))
-                    del packed, scale, zero
-                    ms = bench(lambda: Q.quantize(x, bits, **kw), warmup=10, rep=40)
-                except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported
-                    print(f"      {name:32s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    rows.append({"shape": list(shape), "bits": bits, "variant": name, "kw": kw, "error": str(e)[:300]})
-                    continue
-                gbps = moved / ms / 1e6
-                rows.append({"shape": list(shape), "bits": bits, "variant": name, "kw": kw, "ms": ms, "GBps": gbps,
-                             "pct_hbm": 100 * gbps / hbm, "diff_vs_split": diff, "scale_zero_match": same_params})
-                print(f"      {name:32s} {ms:7.4f} ms {gbps:7.1f} GB/s {100 * gbps / hbm:5.1f}% HBM  "
-                      f"diff {diff:.1e}{'' if same_params else '  SCALE/ZERO DIFFER'}", flush=True)
-        del x
-        torch.cuda.empty_cache()
-    print(f"    quantize sweep took {time.perf_counter() - t_start:.1f} s (compiles included)", flush=True)
-    RESULTS["quant_sweep"] = rows
 
 
 def sweep_scores(hbm: float) -> None:

@@ -24,8 +24,8 @@ import json
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
+from bench_kernels import bench, hbm_copy_rate   # run as `python benchmarks/diag_quant.py`
 from hi_sparse.kernels import _quant_triton as Q
 
 
@@ -84,12 +84,6 @@ def run(name: str, x: torch.Tensor, warps: int = 4):
                           BLOCK_G=d // 8, num_warps=warps)
         return out, scale, zero
     return fn, bits, 2 if name == "store4x2" else 1
-
-
-def hbm_copy_rate() -> float:
-    a = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    return 4 * a.numel() / triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") / 1e6
 
 
 WORDS_SWEEP = {   # bits: (unit codes, word bits) options of method="words"
@@ -154,8 +148,7 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
             for name, kw in variants:
                 try:
                     same = bool(torch.equal(Q.quantize(x, bits, **kw)[0], ref))
-                    ms = triton.testing.do_bench(lambda x=x, kw=kw: Q.quantize(x, bits, **kw), warmup=10, rep=40,
-                                                 return_mode="median")
+                    ms = bench(lambda x=x, kw=kw: Q.quantize(x, bits, **kw), warmup=10, rep=40)
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported
                     print(f"  {shape[1]}t {bits}b {name:28s} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
@@ -233,7 +226,7 @@ def main() -> None:
             same = None
             if bits == 8 and name != "nostore8":
                 same = bool(torch.equal(res[0], ref))
-            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+            ms = bench(fn, warmup=10, rep=50)
             written = 0 if name == "nostore8" else outs * x.numel() * bits // 8
             moved = x.numel() * 2 + written
             pct = 100 * moved / ms / 1e6 / hbm
