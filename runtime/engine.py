@@ -624,11 +624,9 @@ class HiSparseEngine:
         c0 = hot.clock
         st.run(layer, "append", st.key(layer), p0, c0, st.append_body, k, v)
         hot.clock = c0 + 1
-        if dev.type == "cuda" and self.host.pin:
-            self.host._device_wrote = True
+        nbytes = self.host.backed_up(layer, k, tail=self.host.quantized)   # the body's backup_rows
         if not fills:
-            store = self.host.layers[layer]
-            self._stats.backup_bytes += 2 * k.numel() * store["k_tail" if self.host.quantized else "k"].element_size()
+            self._stats.backup_bytes += nbytes
         for b, s in enumerate(seqs):
             s.n[layer] = n
             self._last_kv[layer][s.seq_id] = (k[b], v[b])

@@ -207,9 +207,15 @@ class HostPool:
         idx = torch.arange(rows.numel(), device=k.device)
         for name, x in zip(names, (k, v)):
             swap_in(x.to(self.dtype), idx, store[name], rows)
+        return self.backed_up(layer, k, tail)
+
+    def backed_up(self, layer: int, k: torch.Tensor, tail: bool) -> int:
+        """The bookkeeping of a backup_rows of k's rows, also for a caller that replays it from a
+        CUDA graph (where its Python does not run): device writes into the pinned pool are noted;
+        returns the bytes written."""
         if k.is_cuda and self.pin:
             self._device_wrote = True
-        return 2 * k.numel() * store[names[0]].element_size()
+        return 2 * k.numel() * self.layers[layer]["k_tail" if tail else "k"].element_size()
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (every layer, head and token; packed rows with their scale, zero and
