@@ -52,7 +52,10 @@ class BatchStep:
         self.graphs: dict[tuple[int, str], tuple[tuple, torch.cuda.CUDAGraph]] = {}   # slot -> (key, graph)
         self.inputs: dict[tuple[int, str], list] = {}
         self.outputs: dict[tuple[int, str], tuple] = {}
-        self.no_graphs = False
+        # graphs on CUDA with decode_graphs, when every layer is on one GPU (graphs per layer and
+        # device have not been run on the hardware yet: a split decodes through the same bodies
+        # without them); a failed capture turns them off too
+        self.no_graphs = not (eng.cfg.decode_graphs and device.type == "cuda") or len(set(eng.layer_devices)) > 1
         self.warm: dict[tuple[int, str], tuple] = {}    # slot -> the key last run eagerly
         self.pool = None
 
@@ -74,11 +77,7 @@ class BatchStep:
         Tensor arguments are copied into buffers the graph reads. Returns the body's output."""
         self.n[layer, 0].fill_(n)
         self.n[layer, 1].fill_(clock)
-        if not (self.eng.cfg.decode_graphs and self.dev.type == "cuda") or self.no_graphs:
-            return body(layer, *args)
-        if len(set(self.eng.layer_devices)) > 1:
-            # layers split over GPUs: graphs per layer and device have not been run on the
-            # hardware yet, so the split decodes through the same bodies without them
+        if self.no_graphs:
             return body(layer, *args)
         slot = (layer, kind)
         bufs = self.inputs.get(slot)
