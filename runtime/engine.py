@@ -42,7 +42,7 @@ from .page_table import PageTable, PoolExhausted, SequencePages
 from .probe import ImportanceProbe, probe_threshold
 from .recalibration import RecalibrationController, pick_anchors, score_tokens, training_set
 from .row_bank import RowBank, RowView
-from .selection import bound_scores, select
+from .selection import bound_scores, candidate_blocks, select
 
 _PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk (CPU: math kernel)
 _PREFILL_MASK_BUDGET = 1 << 29   # bytes of one prefill boolean mask chunk (CUDA: fused kernels)
@@ -641,7 +641,7 @@ class HiSparseEngine:
         nb = -(-n // bs)
         limit = -(-(n - cfg.window_size) // bs)
         st = self._step_of(seqs, self.layer_devices[layer])
-        n_cand = max(0, min(nb, limit) - st.first_lo // bs)
+        n_cand = candidate_blocks(nb, n - cfg.window_size, st.first_lo, bs)
         hot = self.hot_banks[layer]
         c0 = hot.clock
         out, tokens = st.run(layer, "attend", st.key(layer, nb, limit, n_cand), n, c0, st.attend_body, q, nb,

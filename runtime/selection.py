@@ -95,13 +95,19 @@ def select(scores: torch.Tensor | None, n_tokens: int, first: int | torch.Tensor
                           holes, prefetch_blocks, H)
 
 
+def candidate_blocks(nb: int, w0: int, first_lo: int, bs: int) -> int:
+    """Upper bound, on the host, on the blocks that hold candidates: those of the nb before the
+    window (start w0) from the block of first_lo (<= every sequence's first position) on."""
+    return max(0, min(nb, -(-w0 // bs)) - first_lo // bs)
+
+
 def _select_ranked(scores: torch.Tensor, n_tokens: int, first, first_lo: int, w0: int, top_k: int, bs: int,
                    anchors: torch.Tensor, holes: torch.Tensor | None, prefetch_blocks: int, H: int) -> Selection:
     """Window, anchors and ranked blocks. first: an int or (H, 1) per head; first_lo <= every
     first (host); w0: the window start (host, the same for every head)."""
     nb = -(-n_tokens // bs)
     if holes is None:  # candidate blocks counted on the host (at most): no device sync
-        n_cand = max(0, min(nb, -(-w0 // bs)) - first_lo // bs)
+        n_cand = candidate_blocks(nb, w0, first_lo, bs)
     else:
         blk = torch.arange(nb, device=anchors.device)
         n_cand = int(((blk * bs < w0) & ((blk + 1) * bs > first) & ~holes).sum())
