@@ -1006,9 +1006,9 @@ class HiSparseEngine:
             counters.flush_into(st)
         st.sequences = len(self.seqs)
         st.context_tokens = sum(max(s.n) for s in self.seqs.values())
-        # one reduction per layer bank and one read-back per device, not one per sequence and layer
-        # (freed rows are reset, so whole banks count only live sequences)
-        # and the memory walk (tensor sizes of every layer's pool, bank and buffer: ~1 ms of
+        # gauges: anchors and hot-buffer residency by one reduction per layer bank and one read-back
+        # per device, not one per sequence and layer (freed rows are reset, so whole banks count
+        # only live sequences); memory by a walk over every layer's pool, bank and buffer (~1 ms of
         # Python at 32 layers, more than the rest of a publish)
         if gauges:
             st.anchors = _device_sum([(b.t["anchors"] >= 0).sum() for b in self.banks])
