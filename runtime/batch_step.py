@@ -120,14 +120,16 @@ class BatchStep:
         return self.outputs.get(slot)
 
     def key(self, layer: int, *shape) -> tuple:
-        """What a captured body depends on beyond its device scalars: host-side shapes and the
-        addresses of every buffer it touches (a bank or pool that grew moved them)."""
+        """What a captured body depends on beyond its device scalars: host-side shapes, whether
+        the layer's probe is fitted (the append scores new tokens as anchors only then; a refit
+        updates the weights in place) and the addresses of every buffer it touches (a bank or
+        pool that grew moved them)."""
         eng = self.eng
         ts = list(eng.banks[layer].t.values()) + [eng.k_hot[layer], eng.v_hot[layer]]
         hb = eng.hot_banks[layer]
         ts += [hb.slot_token, hb.slot_stamp, hb.prefetched, hb.token_slot]
         ts += list(eng.host.layers[layer].values())
-        return shape + tuple(t.data_ptr() for t in ts)
+        return shape + (eng.probes[layer].fitted,) + tuple(t.data_ptr() for t in ts)
 
     # -- bodies ----------------------------------------------------------------------------------
     def append_body(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -57,6 +57,50 @@ def test_batched_decode_through_cuda_graphs_equals_one_by_one(bits):
     assert any(st.graphs for st in batched._steps.values())
 
 
+@pytest.mark.gpu
+def test_graphs_captured_before_the_probe_is_fitted_score_anchors_after():
+    """A short prompt (context <= top_k): the append is batched and graph-captured before the first
+    calibration fits the probe (it waits for context > top_k); from then on new tokens must be
+    scored as anchors as one by one does, not skipped by replays of the unfitted capture."""
+    torch.manual_seed(11)
+    B, P, steps = 3, 12, 40
+    N = P + steps
+    K, V, Q = (torch.randn(L, B, h, N, D).to("cuda", torch.bfloat16) for h in (HKV, HKV, HQ))
+    batched, each = _engines(None, 1, "cuda", torch.bfloat16, decode_graphs=True, threshold_min=0.01,
+                             threshold_base=0.01, threshold_max=0.01)
+    ids = [e.add_sequences(B) for e in (batched, each)]
+    for e, i in zip((batched, each), ids):
+        _run(e, i, K, V, Q, 0, P)
+    changes = 0
+    for t in range(P, N):
+        fitted = each.probes[0].fitted          # before this step: its anchor changes are the decode's
+        outs = [_run(e, i, K, V, Q, t, t + 1) for e, i in zip((batched, each), ids)]
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        anchors = [torch.stack([e.seqs[s].anchors[layer] for s in i]) for layer in range(L) for e, i in
+                   zip((batched, each), ids)]
+        for x, y in zip(anchors[::2], anchors[1::2]):
+            assert torch.equal(x, y), t
+        if fitted:
+            changes += not all(torch.equal(x, y) for x, y in zip(anchors[1::2], previous))
+        previous = anchors[1::2]
+    assert any(st.graphs for st in batched._steps.values())
+    assert changes > 0             # decode tokens did become anchors after the fit
+
+
+def test_a_graph_key_names_whether_the_probe_is_fitted():
+    """What a captured step depends on includes the probe's fitted state (CPU: the key alone)."""
+    from hi_sparse.batch_step import BatchStep
+
+    eng, _ = _engines(None, 1)
+    ids = eng.add_sequences(2)
+    st = BatchStep(eng, [eng.seqs[i] for i in ids], torch.device("cpu"))
+    before = [st.key(layer) for layer in range(L)]
+    assert [st.key(layer) for layer in range(L)] == before and not eng.probes[0].fitted
+    eng.probes[0].fit(torch.randn(16, D), torch.rand(16), steps=2)     # weights change in place
+    assert st.key(0) != before[0] and st.key(1) == before[1]
+
+
 def _compare(bits, group, device, dtype, tol, **kw):
     torch.manual_seed(7)
     B, P, steps = 3, 400 if group > 1 else 150, 20   # two-level pays from 4 x n_super x group blocks
