@@ -13,10 +13,14 @@ counters that live on the host) stays outside the bodies and runs every step.
 
 from __future__ import annotations
 
+import gc
+import os
+import traceback
 import warnings
 
 import torch
 
+from hi_sparse import kernels
 from hi_sparse.kernels import sparse_decode_attention
 
 from .probe import probe_threshold
@@ -28,6 +32,42 @@ def push_query(bank, r: slice, q: torch.Tensor) -> None:
     (recalibration re-scores anchors with them)."""
     qb = bank.t["queries"][r]
     qb.copy_(torch.cat([qb[:, 1:], q[:, None].float()], 1))
+
+
+def _cause(exc: BaseException) -> str:
+    """What broke a capture, first: when an op of the body raised, ending the capture raises too
+    ("operation failed due to a previous error during capture") with the op's error as context."""
+    first = exc.__context__ if exc.__context__ is not None else exc
+    own = (os.path.dirname(__file__), os.path.dirname(kernels.__file__))
+    where = [f for f in traceback.extract_tb(first.__traceback__) if f.filename.startswith(own)][-1:]
+    at = f" at {os.path.basename(where[0].filename)}:{where[0].lineno} ({where[0].name})" if where else ""
+    text = f"{type(first).__name__}: {_line(first)}{at}"
+    return text if first is exc else f"{text}; then ending the capture: {_line(exc)}"
+
+
+def _line(exc: BaseException) -> str:
+    """An error's first line (torch's CUDA errors go on with generic debugging advice)."""
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _after_failed_capture(stream: torch.cuda.Stream, pool) -> None:
+    """Undo what torch.cuda.graph leaves behind when ending a capture raises: its capture stream
+    stays current (later work would run unordered with the caller's stream), the memory pool
+    stays registered for allocations, and the CUDA random generator stays in capture mode (every
+    later random op on the GPU, sampling included, would raise "Offset increment outside graph
+    capture"). Only a capture that ends resets the generator: one tiny capture, in a new pool (the
+    failed one cannot take another)."""
+    torch.cuda.set_stream(stream)
+    try:
+        torch._C._cuda_endAllocateToPool(stream.device_index, pool)
+    except (AttributeError, RuntimeError):     # a torch without it, or the pool already closed
+        pass
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.zeros(1, device=stream.device).add_(1)
+    except RuntimeError:
+        pass
+    torch.cuda.set_stream(stream)
 
 
 class BatchStep:
@@ -103,18 +143,28 @@ class BatchStep:
         # The graphs share one memory pool, which is safe for what lives only during a replay;
         # outputs outlive it (the caller reads them after later layers' replays), so the graph
         # copies them into buffers allocated outside the pool.
+        stream = torch.cuda.current_stream()
+        collecting = gc.isenabled()
+        # A collection during the capture would run CUDA calls a capture forbids (unregistering a
+        # dropped pool's pinned pages, destroying an old engine's graphs) and break it; other
+        # threads' CUDA calls (thread_local) may go on.
+        gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = body(layer, *args)
                 if out is not None:
                     for o, b in zip(out, self.outputs[slot]):
                         b.copy_(o)
         except RuntimeError as exc:   # decode on without graphs rather than stop serving
-            warnings.warn(f"HiSparse: CUDA graph capture of the batched decode step failed ({exc}); this batch "
-                          "decodes without graphs (set decode_graphs=False to silence this)", RuntimeWarning,
-                          stacklevel=2)
+            _after_failed_capture(stream, self.pool)
+            warnings.warn(f"HiSparse: CUDA graph capture of the batched decode step failed ({_cause(exc)}); "
+                          "this batch decodes without graphs (set decode_graphs=False to silence this)",
+                          RuntimeWarning, stacklevel=2)
             self.no_graphs = True
             return body(layer, *args)
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[slot] = (key, graph)
         graph.replay()                            # capture records, it does not run
         return self.outputs.get(slot)

@@ -15,6 +15,7 @@ Host memory is pinned when the compute device is CUDA (the swap-in kernel reads 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,19 @@ def _pin(t: torch.Tensor) -> None:
         raise RuntimeError(f"could not page-lock {size / 2**30:.1f} GiB of host memory for the KV pool "
                            f"(cudaHostRegister error {int(err)}): lower host_pool_blocks or host_kv_bits, "
                            "or raise the locked-memory limit (ulimit -l)")
-    weakref.finalize(t, cudart.cudaHostUnregister, ptr)   # the pool holds the base tensor until it grows
+    weakref.finalize(t, _unpin, ptr, size)   # the pool holds the base tensor until it grows
+
+
+def _unpin(ptr: int, size: int) -> None:
+    """Unregister pages _pin locked (the tensor is being freed). This fails inside a CUDA graph
+    capture of this thread (the batched decode captures with the collector off for that reason)
+    or of another thread in global mode: then say so, as the pages stay locked."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err:
+        warnings.warn(f"HiSparse: could not unlock {size / 2**20:.1f} MiB of freed KV pool memory "
+                      f"(cudaHostUnregister error {err}; a CUDA graph capture in global mode was underway "
+                      "in another thread?): the pages stay page-locked until the process exits",
+                      RuntimeWarning, stacklevel=2)
 
 
 class HostPool:
