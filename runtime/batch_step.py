@@ -65,9 +65,8 @@ def _after_failed_capture(stream: torch.cuda.Stream, pool) -> None:
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             torch.zeros(1, device=stream.device).add_(1)
-    except RuntimeError:
-        pass
-    torch.cuda.set_stream(stream)
+    except RuntimeError:                       # if this fails too, the stream at least comes back
+        torch.cuda.set_stream(stream)
 
 
 class BatchStep:

@@ -90,16 +90,22 @@ def test_graphs_captured_before_the_probe_is_fitted_score_anchors_after():
     assert changes > 0             # decode tokens did become anchors after the fit
 
 
+def _steps_of_two(device, dtype):
+    """A function giving a new BatchStep (graphs on) of one engine's two sequences."""
+    from hi_sparse.batch_step import BatchStep
+
+    eng, _ = _engines(None, 1, device, dtype, decode_graphs=True)
+    seqs = [eng.seqs[i] for i in eng.add_sequences(2)]
+    return lambda: BatchStep(eng, seqs, torch.device(device))
+
+
 @pytest.mark.gpu
 def test_a_failed_capture_warns_with_its_cause_and_restores_the_stream():
     """A body that cannot be captured (a host read): the warning names the op's own error, the
     batch decodes on eagerly, and later work runs on the caller's stream again, not on the capture
     stream torch.cuda.graph leaves current when ending the capture raises."""
-    from hi_sparse.batch_step import BatchStep
-
-    eng, _ = _engines(None, 1, "cuda", torch.bfloat16, decode_graphs=True)
-    ids = eng.add_sequences(2)
-    st = BatchStep(eng, [eng.seqs[i] for i in ids], torch.device("cuda"))
+    new_step = _steps_of_two("cuda", torch.bfloat16)
+    st = new_step()
     x = torch.arange(6.0, device="cuda")
 
     def body(layer, x):
@@ -118,7 +124,7 @@ def test_a_failed_capture_warns_with_its_cause_and_restores_the_stream():
     # nothing else in the process is left in capture mode: the GPU's random generator works (it
     # raises "Offset increment outside graph capture" otherwise) and a new capture replays
     assert torch.randn(4, device="cuda").isfinite().all()
-    again = BatchStep(eng, [eng.seqs[i] for i in ids], torch.device("cuda"))
+    again = new_step()
     for step in range(3):
         y = again.run(0, "attend", ("k",), 5, 1, lambda layer, x: (x * 3,), x + step)
         assert torch.equal(y[0], (x + step) * 3)
@@ -134,12 +140,9 @@ def test_garbage_collected_during_a_capture_cannot_break_it():
     import gc
     import weakref
 
-    from hi_sparse.batch_step import BatchStep
     from hi_sparse.host_pool import HostPool
 
-    eng, _ = _engines(None, 1, "cuda", torch.bfloat16, decode_graphs=True)
-    ids = eng.add_sequences(2)
-    st = BatchStep(eng, [eng.seqs[i] for i in ids], torch.device("cuda"))
+    st = _steps_of_two("cuda", torch.bfloat16)()
     x = torch.arange(6.0, device="cuda")
     gc.collect()
     pool = HostPool(1, 1, D, 8, torch.float32, pin=True)
@@ -167,11 +170,8 @@ def test_garbage_collected_during_a_capture_cannot_break_it():
 
 def test_a_graph_key_names_whether_the_probe_is_fitted():
     """What a captured step depends on includes the probe's fitted state (CPU: the key alone)."""
-    from hi_sparse.batch_step import BatchStep
-
-    eng, _ = _engines(None, 1)
-    ids = eng.add_sequences(2)
-    st = BatchStep(eng, [eng.seqs[i] for i in ids], torch.device("cpu"))
+    st = _steps_of_two("cpu", torch.float32)()
+    eng = st.eng
     before = [st.key(layer) for layer in range(L)]
     assert [st.key(layer) for layer in range(L)] == before and not eng.probes[0].fitted
     eng.probes[0].fit(torch.randn(16, D), torch.rand(16), steps=2)     # weights change in place
