@@ -167,8 +167,7 @@ class Stack:
 
 def grafana_expr(expr: str) -> str:
     """A dashboard query as Grafana sends it with every variable at "All"."""
-    return (expr.replace("$__rate_interval", RATE_INTERVAL).replace("$job", ".*")
-            .replace("$instance", ".*").replace("$target", ".*"))
+    return dashboards.with_all_variables(expr, RATE_INTERVAL)
 
 
 def dashboard_queries_without_data(stack: Stack, start: float) -> tuple[list[str], list[str]]:
