@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from easymats import cardinality, catalogue  # noqa: E402
+from helpers_prometheus import stop  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
 
 # The budget per runtime target with the default catalogue on one GPU (docs/scaling.md): the
@@ -85,17 +86,6 @@ def _scrape_until(port: int, targets: set[str], procs: list[subprocess.Popen], t
     raise AssertionError(f"no stable /metrics with targets {sorted(targets)} within {timeout:g} s")
 
 
-def _stop(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def test_a_full_target_exports_exactly_what_the_catalogue_allows(tmp_path):
     """The reference writer publishing every runtime series: the count the catalogue predicts
     (no GPU here, and the per-target webhook counter only after a request)."""
@@ -105,7 +95,7 @@ def test_a_full_target_exports_exactly_what_the_catalogue_allows(tmp_path):
     try:
         text = _scrape_until(port, {"decode-0"}, [target, agent])
     finally:
-        _stop(agent, target)
+        stop([agent, target])
     counts = cardinality.count_by_target(text)
     expected = cardinality.series_per_target(gpus_per_target=0) - cardinality.series_of(
         catalogue.get("easymats_recalibration_requests_total"))
@@ -125,7 +115,7 @@ def test_the_real_runtime_stays_within_the_budget(tmp_path):
     try:
         text = _scrape_until(port, {"demo-generate", "demo-longctx"}, [runtime, agent], timeout=90)
     finally:
-        _stop(agent, runtime)
+        stop([agent, runtime])
     counts = cardinality.count_by_target(text)
     bound = cardinality.series_per_target(gpus_per_target=0)
     for name in ("demo-generate", "demo-longctx"):

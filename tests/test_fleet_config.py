@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,19 +13,13 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from alerts import build as rules  # noqa: E402
 from alerts import fleet  # noqa: E402
+from helpers_prometheus import binary  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "alerts", "fleet.example.yml")
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not installed: apt-get install -y --no-install-recommends "
-                    "prometheus prometheus-alertmanager")
-    return path
 
 
 def _inventory(**over) -> dict:
@@ -59,11 +52,11 @@ def test_cli_writes_configs_that_prometheus_and_alertmanager_accept(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "alerts", "fleet.py"), EXAMPLE, "--out", str(out),
                            "--cluster", "east"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    check = subprocess.run([_tool("amtool"), "check-config", str(out / "alertmanager.yml")],
+    check = subprocess.run([binary("amtool"), "check-config", str(out / "alertmanager.yml")],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     for name in ("prometheus-edge.yml", "prometheus-global.yml"):
-        check = subprocess.run([_tool("promtool"), "check", "config", str(out / name)],
+        check = subprocess.run([binary("promtool"), "check", "config", str(out / name)],
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
     edge = yaml.safe_load((out / "prometheus-edge.yml").read_text())
@@ -90,7 +83,7 @@ def test_each_nodes_recalibration_reaches_that_node_only(tmp_path, route_label):
     inv = fleet.parse_inventory(_inventory(route_label=route_label))
     path = tmp_path / "alertmanager.yml"
     path.write_text(yaml.safe_dump(fleet.alertmanager_config(inv)))
-    amtool = _tool("amtool")
+    amtool = binary("amtool")
 
     def route(*labels: str) -> str:
         out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={path}", *labels],
