@@ -52,9 +52,16 @@ def series_per_target(gpus_per_target: int = 1) -> int:
     per-target metrics (process and per-process GPU series on ``gpus_per_target`` devices)."""
     total = 0
     for spec in catalogue.CATALOGUE.values():
+        if spec.detail:
+            continue  # opt-in (HiSparseConfig.layer_metrics): see detail_series_per_target
         if spec.source == catalogue.RUNTIME or "target" in spec.labels:
             total += series_of(spec, gpus_per_target)
     return total
+
+
+def detail_series_per_target(layers: int) -> int:
+    """What the opt-in per-layer detail adds to one target of a ``layers``-layer model."""
+    return layers * sum(1 for spec in catalogue.CATALOGUE.values() if spec.detail)
 
 
 def series_per_agent(gpus: int) -> int:

@@ -24,7 +24,8 @@ from helpers_targets import free_port, start_target  # noqa: E402
 
 # The budget per runtime target with the default catalogue on one GPU (docs/scaling.md): the
 # catalogue allows 82 today. A per-layer label on one counter of a 32-layer model alone would
-# add 31 series and fail; per-layer or per-head detail belongs behind an option, not in here.
+# add 31 series and fail: per-layer detail is behind an option (HiSparseConfig.layer_metrics,
+# catalogue entries marked `detail`) and outside this budget.
 SERIES_PER_TARGET_BUDGET = 90
 # An agent's own series on an 8-GPU node (health, lag histogram, per-GPU NVML, webhook codes).
 SERIES_PER_AGENT_BUDGET = 50
@@ -41,9 +42,53 @@ def test_catalogue_series_per_target_are_within_budget():
 
 def test_every_runtime_label_is_bounded_and_none_is_per_layer():
     for spec in catalogue.CATALOGUE.values():
+        if spec.detail:  # opt-in per-layer detail, outside the default budget
+            assert spec.labels == ("layer",) and spec.source == catalogue.RUNTIME, spec.name
+            continue
         assert not set(spec.labels) & UNBOUNDED_LABELS, spec.name
         if spec.source == catalogue.RUNTIME and spec.type != catalogue.INFO:
             assert set(spec.labels) <= set(spec.label_values), (spec.name, "label without its values")
+    assert catalogue.runtime_metrics() == [s for s in catalogue.runtime_metrics(detail=True) if not s.detail]
+
+
+@pytest.mark.parametrize("layer_metrics", [False, True])
+def test_per_layer_detail_only_behind_the_option(segment_dir, layer_metrics):
+    """A real engine publishes per-layer audit series only with layer_metrics=True: 2 per layer,
+    adding up to the layer-wide counters; by default not one series has a layer label."""
+    import torch
+
+    from easymats import telemetry
+    from easymats.segment import SegmentReader
+    from hi_sparse.config import HiSparseConfig
+    from hi_sparse.engine import HiSparseEngine
+    from hi_sparse.workloads import PlantedWorkload, run_decode, run_prefill
+
+    torch.set_num_threads(1)
+    layers, hq, hkv, d = 3, 4, 2, 32
+    seg = telemetry.open_segment("detail-test")
+    cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=48,
+                         audit_every=1, audit_top_m=8, publish_interval_s=0.0, layer_metrics=layer_metrics)
+    eng = HiSparseEngine(cfg, layers, hq, hkv, d, segment=seg, model_name="planted")
+    wl = PlantedWorkload(hkv, hq, d, seed=3)
+    ids = eng.add_sequences(1)
+    s = wl.segment(256, topic="A", anchors=4, margin=32)
+    run_prefill(eng, ids, s.k[None], s.v[None])
+    for _ in range(6):
+        k, v = wl.noise(1)
+        run_decode(eng, ids, wl.topic_query("A")[None, :, None], k[None], v[None])
+    snap = SegmentReader(seg.path).read()
+    eng.close()
+    seg.close()
+    per_layer = {(x.name, x.labels["layer"]): x.value for x in snap.series if "layer" in x.labels}
+    totals = {x.name: x.value for x in snap.series if x.name in ("hisparse_anchor_lookups_total",
+                                                                  "hisparse_anchor_hits_total")}
+    if not layer_metrics:
+        assert per_layer == {}
+        return
+    assert len(per_layer) == 2 * layers == cardinality.detail_series_per_target(layers)
+    for name, total in (("hisparse_audit_lookups_total", "hisparse_anchor_lookups_total"),
+                        ("hisparse_audit_hits_total", "hisparse_anchor_hits_total")):
+        assert sum(v for (n, _), v in per_layer.items() if n == name) == totals[total] > 0
 
 
 def test_an_unbounded_label_is_refused():
