@@ -9,7 +9,9 @@ PIP_INSTALL = $(PY) -m pip install -q -c constraints-dev.txt
 
 .PHONY: venv demo test test-gpu system-deps clean
 
-# The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages.
+# The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages;
+# the Kubernetes tests render deploy/kubernetes with `kubectl kustomize` (Debian's kubernetes-client
+# when no kubectl is installed).
 SYSTEM_TOOLS = prometheus promtool prometheus-alertmanager
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -31,6 +33,12 @@ system-deps:
 	  $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus prometheus-alertmanager \
 	  || { echo "could not install them: apt-get install prometheus prometheus-alertmanager, then make test"; exit 1; }; \
+	fi
+	@if ! command -v kubectl >/dev/null; then \
+	  echo "installing Debian package kubernetes-client (kubectl, for kubectl kustomize)"; \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends kubernetes-client \
+	  || { echo "could not install kubectl: apt-get install kubernetes-client (or any kubectl >= 1.14), then make test"; exit 1; }; \
 	fi
 
 test: venv system-deps

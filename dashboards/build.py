@@ -1,12 +1,17 @@
-"""Generate dashboards/hisparse.json, the HiSparse health dashboard, with grafana-foundation-sdk.
+"""Generate the Grafana dashboards with grafana-foundation-sdk: dashboards/hisparse.json (one
+node's HiSparse health in detail), dashboards/fleet.json (a fleet overview, worst targets first)
+and both as a ConfigMap for Grafana's dashboard sidecar in deploy/kubernetes/.
 
-    python dashboards/build.py            # rewrite dashboards/hisparse.json
-    python dashboards/build.py --check    # exit 1 if the JSON is stale or a query names a metric
+    python dashboards/build.py            # rewrite the three files
+    python dashboards/build.py --check    # exit 1 if one is stale or a query names a metric
                                           # that the catalogue or the recording rules lack
 
 Threshold lines come from :mod:`easymats.thresholds` (the same numbers the alert rules use) and
 the ratio panels query the recording rules of ``alerts/build.py``, so a panel and the alert on it
-show the same number. Every query filters on the ``job``, ``instance`` and ``target`` variables.
+show the same number. Every detail query filters on the ``job``, ``node``, ``instance`` and
+``target`` variables; the fleet board reads only what a global Prometheus federates (the node and
+target level rules, alerts/build.py FEDERATE_MATCH) and filters on cluster, namespace, node and
+instance. Its node table links each node to the detail board.
 Needs the ``dashboards`` extra: grafana-foundation-sdk==1769699379!11.6.0 (schemaVersion 41).
 """
 
@@ -28,10 +33,14 @@ from alerts import promql  # noqa: E402
 from easymats import catalogue, thresholds as T  # noqa: E402
 
 DASHBOARD_PATH = os.path.join(ROOT, "dashboards", "hisparse.json")
+FLEET_PATH = os.path.join(ROOT, "dashboards", "fleet.json")
+CONFIGMAP_PATH = os.path.join(ROOT, "deploy", "kubernetes", "grafana-dashboards.yaml")
 UID = "hisparse-health"
+FLEET_UID = "hisparse-fleet"
 DS = "${datasource}"
-# Label filters of every query: agent-level series (no target label) use AGENT_SEL.
-AGENT_SEL = 'job=~"$job", instance=~"$instance"'
+# Label filters of every query: agent-level series (no target label) use AGENT_SEL. A series
+# without a node label (one box, no fleet) matches node=~".*" too.
+AGENT_SEL = 'job=~"$job", node=~"$node", instance=~"$instance"'
 SEL = AGENT_SEL + ', target=~"$target"'
 RI = "$__rate_interval"
 
@@ -64,6 +73,10 @@ class PanelSpec:
     ratio: bool = False  # 0..1 axis
     kind: str = "timeseries"  # or "table"
     width: int = 8
+    # Tables: the column to sort by and whether descending (worst first), and per-column links
+    # (column, title, url with Grafana's ${__data.fields.<column>}).
+    sort: tuple[str, bool] | None = None
+    links: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,6 +252,78 @@ ROWS: tuple[Row, ...] = (
 )
 
 
+# -- the fleet board: what a global Prometheus federates ---------------------------------------------
+FLEET_NODE_SEL = 'cluster=~"$cluster", node=~"$node"'
+FLEET_SEL = FLEET_NODE_SEL + ', namespace=~"$namespace", instance=~"$instance"'
+CLUSTER_SEL = 'cluster=~"$cluster"'
+WORST = 10
+# A node's row links to the detail board for that node, over the same time range.
+NODE_LINK = ("node", "Open this node in HiSparse health",
+             f"/d/{UID}/hisparse-health?var-node=${{__data.fields.node}}&${{__url_time_range}}")
+
+
+def _worst(title: str, description: str, unit: str, expr: str, desc: bool) -> PanelSpec:
+    return PanelSpec(title, description, unit, (Query(expr, "", instant=True),), kind="table",
+                     sort=("Value", desc), links=(NODE_LINK,))
+
+
+FLEET_ROWS: tuple[Row, ...] = (
+    Row("Fleet", (
+        PanelSpec("Anchor hit rate by cluster",
+                  "Audited anchor hits over lookups, summed over every node of the cluster before "
+                  "dividing (a fleet-wide rule on the global Prometheus).",
+                  "percentunit", (_q(f"{rules.cluster_ratio(rules.ANCHOR_HIT_RATIO)}{{{CLUSTER_SEL}}}",
+                                     "{{cluster}}"),),
+                  line=Line(T.ANCHOR_HIT_RATE_MIN, "min"), ratio=True),
+        PanelSpec("Targets up",
+                  "Runtime targets whose segment the agents read, all targets, and nodes reporting.",
+                  "short", (_q(f"{rules.CLUSTER_TARGETS_UP}{{{CLUSTER_SEL}}}", "{{cluster}} up"),
+                            _q(f"{rules.CLUSTER_TARGETS}{{{CLUSTER_SEL}}}", "{{cluster}} targets"),
+                            _q(f"{rules.CLUSTER_NODES}{{{CLUSTER_SEL}}}", "{{cluster}} nodes"))),
+        PanelSpec("Tokens per second",
+                  "Prefill and decode tokens processed per second over the cluster.",
+                  "short", (_q(f"{rules.CLUSTER_TOKENS}{{{CLUSTER_SEL}}}", "{{cluster}}"),)),
+    )),
+    Row("Worst targets first", (
+        _worst("Lowest anchor hit rate",
+               f"The {WORST} targets whose selection holds the fewest audited true top-m tokens.",
+               "percentunit", f"bottomk({WORST}, {rules.ANCHOR_HIT_RATIO}{{{FLEET_SEL}}})", desc=False),
+        _worst("Highest sampling lag",
+               f"The {WORST} agents whose sampling ticks run latest (p99): they miss peaks.",
+               "s", f'topk({WORST}, {rules.LAG_QUANTILE}{{quantile="0.99", {FLEET_SEL}}})', desc=True),
+        _worst("Recently restarted",
+               f"Counter resets of each target's token counter over {rules.RESTART_WINDOW}: runtimes "
+               "that restarted, most restarts first.",
+               "short", f"topk({WORST}, {rules.RESTARTS}{{{FLEET_SEL}}})", desc=True),
+        _worst("Targets down",
+               "Targets whose segment the agent cannot read (0) first: the runtime exited, hung or "
+               "broke its segment.",
+               "short", f"bottomk({WORST}, easymats_target_up{{{FLEET_SEL}}})", desc=False),
+    )),
+    Row("Nodes", (
+        PanelSpec("Nodes, lowest anchor hit rate first",
+                  "One row per node: anchor and hot buffer hit rates over its targets, targets up of "
+                  "all, tokens per second. The node name opens the node in HiSparse health.",
+                  "short", (Query(f"{rules.node_ratio(rules.ANCHOR_HIT_RATIO)}{{{FLEET_NODE_SEL}}}", "", instant=True),
+                            Query(f"{rules.node_ratio(rules.HOT_BUFFER_RATIO)}{{{FLEET_NODE_SEL}}}", "", instant=True),
+                            Query(f"{rules.NODE_TARGETS_UP}{{{FLEET_NODE_SEL}}}", "", instant=True),
+                            Query(f"{rules.NODE_TARGETS}{{{FLEET_NODE_SEL}}}", "", instant=True),
+                            Query(f"{rules.NODE_TOKENS}{{{FLEET_NODE_SEL}}}", "", instant=True)),
+                  kind="table", width=24, sort=("Value #A", False), links=(NODE_LINK,)),
+        PanelSpec("Anchor hit rate by node",
+                  "Each node's anchor hit rate over its targets (a node-level rule at the edge).",
+                  "percentunit", (_q(f"{rules.node_ratio(rules.ANCHOR_HIT_RATIO)}{{{FLEET_NODE_SEL}}}",
+                                     "{{cluster}} {{node}}"),),
+                  line=Line(T.ANCHOR_HIT_RATE_MIN, "min"), ratio=True, width=12),
+        PanelSpec("Targets up by node",
+                  "Targets read per node, against the targets the node's agent knows.",
+                  "short", (_q(f"{rules.NODE_TARGETS_UP}{{{FLEET_NODE_SEL}}}", "{{cluster}} {{node}} up"),
+                            _q(f"{rules.NODE_TARGETS}{{{FLEET_NODE_SEL}}}", "{{cluster}} {{node}} targets")),
+                  width=12),
+    )),
+)
+
+
 def _threshold_steps(line: Line) -> list:
     from grafana_foundation_sdk.models.dashboard import Threshold
 
@@ -272,6 +357,8 @@ def _panel(spec: PanelSpec, panel_id: int):
             p = p.min(0).max(1)
     p = (p.id(panel_id).title(spec.title).description(spec.description).datasource(ds)
          .unit(spec.unit).height(8).span(spec.width))
+    if spec.kind == "table":
+        p = _table_options(p, spec)
     for i, q in enumerate(spec.queries):
         target = prometheus.Dataquery().expr(q.expr).ref_id(chr(ord("A") + i)).datasource(ds)
         if q.instant:
@@ -286,6 +373,23 @@ def _panel(spec: PanelSpec, panel_id: int):
                 DynamicConfigValue(id_val="custom.lineWidth", value=2),
                 DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
             ])
+    return p
+
+
+def _table_options(p, spec: PanelSpec):
+    """Merge several instant queries into one row per label set, hide the time column, sort
+    worst first and link columns."""
+    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.models.dashboard import DataTransformerConfig, DynamicConfigValue
+
+    if len(spec.queries) > 1:
+        p = p.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+    p = p.with_transformation(DataTransformerConfig(id_val="organize", options={
+        "excludeByName": {"Time": True, "__name__": True}}))
+    if spec.sort is not None:
+        p = p.sort_by([cb.TableSortByFieldState().display_name(spec.sort[0]).desc(spec.sort[1])])
+    for column, title, url in spec.links:
+        p = p.override_by_name(column, [DynamicConfigValue(id_val="links", value=[{"title": title, "url": url}])])
     return p
 
 
@@ -307,34 +411,45 @@ def _variable(name: str, label: str, query: str):
 
 VARIABLE_QUERIES = {
     "job": "label_values(easymats_build_info, job)",
-    "instance": 'label_values(easymats_build_info{job=~"$job"}, instance)',
+    "node": 'label_values(easymats_build_info{job=~"$job"}, node)',
+    "instance": 'label_values(easymats_build_info{job=~"$job", node=~"$node"}, instance)',
     "target": f"label_values(easymats_target_up{{{AGENT_SEL}}}, target)",
+}
+FLEET_VARIABLE_QUERIES = {
+    "cluster": f"label_values({rules.NODE_TARGETS}, cluster)",
+    "namespace": 'label_values(easymats_target_up{cluster=~"$cluster"}, namespace)',
+    "node": f"label_values({rules.NODE_TARGETS}{{cluster=~\"$cluster\"}}, node)",
+    "instance": (f'label_values(up{{job="{rules.AGENT_JOB}", cluster=~"$cluster", namespace=~"$namespace", '
+                 'node=~"$node"}, instance)'),
 }
 
 
-def build_dashboard() -> dict:
-    """The dashboard as a JSON-ready dict."""
+def _board(title: str, uid: str, description: str, variables: dict[str, str], rows: tuple[Row, ...],
+           annotation: str | None = None, link_to: tuple[str, str] | None = None) -> dict:
     from grafana_foundation_sdk.builders import dashboard
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef
+    from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DashboardLinkType, DataSourceRef
 
-    d = (dashboard.Dashboard("HiSparse health").uid(UID)
-         .description("HiSparse KV-cache runtime health as seen by easymats: selection, hot buffer, "
-                      "blocks, quantization, memory, latency, GPU and the agent itself. Generated by "
-                      "dashboards/build.py; do not edit by hand.")
+    d = (dashboard.Dashboard(title).uid(uid).description(description + " Generated by "
+                                                          "dashboards/build.py; do not edit by hand.")
          .tags(["hisparse", "easymats"]).time("now-1h", "now").refresh("30s")
          .tooltip(DashboardCursorSync.CROSSHAIR).readonly())
     d = d.with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
-    for name, query in VARIABLE_QUERIES.items():
+    for name, query in variables.items():
         d = d.with_variable(_variable(name, name.capitalize(), query))
     d = d.annotation(dashboard.AnnotationQuery().name("Annotations & Alerts").built_in(1).type("dashboard")
                      .datasource(DataSourceRef(type_val="grafana", uid="-- Grafana --"))
                      .enable(True).hide(True).icon_color("rgba(0, 211, 255, 1)"))
-    d = d.annotation(dashboard.AnnotationQuery().name("Recalibrations")
-                     .datasource(DataSourceRef(type_val="prometheus", uid=DS))
-                     .enable(True).icon_color("purple").expr(RECALIBRATION_ANNOTATION))
+    if annotation:
+        d = d.annotation(dashboard.AnnotationQuery().name("Recalibrations")
+                         .datasource(DataSourceRef(type_val="prometheus", uid=DS))
+                         .enable(True).icon_color("purple").expr(annotation))
+    if link_to:
+        d = d.link(dashboard.DashboardLink(link_to[0]).type(DashboardLinkType.LINK).url(link_to[1])
+                   .keep_time(True).include_vars(False).target_blank(False).as_dropdown(False)
+                   .icon("dashboard").tooltip(link_to[0]))
     panel_id = 1
-    for row in ROWS:
+    for row in rows:
         d = d.with_row(dashboard.Row(row.title).id(panel_id))
         panel_id += 1
         for spec in row.panels:
@@ -343,8 +458,49 @@ def build_dashboard() -> dict:
     return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(d.build()))
 
 
+def build_dashboard() -> dict:
+    """The detail dashboard (one node or box) as a JSON-ready dict."""
+    return _board("HiSparse health", UID,
+                  "HiSparse KV-cache runtime health as seen by easymats: selection, hot buffer, "
+                  "blocks, quantization, memory, latency, GPU and the agent itself.",
+                  VARIABLE_QUERIES, ROWS, annotation=RECALIBRATION_ANNOTATION,
+                  link_to=("HiSparse fleet", f"/d/{FLEET_UID}/hisparse-fleet"))
+
+
+def build_fleet_dashboard() -> dict:
+    """The fleet overview (on a global Prometheus) as a JSON-ready dict."""
+    return _board("HiSparse fleet", FLEET_UID,
+                  "Every cluster, node and target from the federated node- and target-level rules: "
+                  "fleet-wide rates, the worst targets first, one row per node linking to its detail.",
+                  FLEET_VARIABLE_QUERIES, FLEET_ROWS,
+                  link_to=("HiSparse health", f"/d/{UID}/hisparse-health"))
+
+
+def configmap(boards: dict[str, dict]) -> dict:
+    """The dashboards as one ConfigMap that Grafana's dashboard sidecar loads (label grafana_dashboard)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "hisparse-grafana-dashboards",
+                         "labels": {"grafana_dashboard": "1", "app.kubernetes.io/name": "easymats",
+                                    "app.kubernetes.io/part-of": "hisparse"}},
+            "data": {name: render(board) for name, board in boards.items()}}
+
+
 def render(board: dict) -> str:
     return json.dumps(board, indent=2, sort_keys=True) + "\n"
+
+
+def render_configmap(cm: dict) -> str:
+    import yaml
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def _str(dumper: yaml.SafeDumper, value: str):  # the JSON as a readable block, not one line
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+    _Dumper.add_representer(str, _str)
+    return ("# GENERATED by dashboards/build.py: do not edit by hand.\n"
+            + yaml.dump(cm, Dumper=_Dumper, sort_keys=False, width=10000, allow_unicode=True))
 
 
 def queries(board: dict) -> Iterator[tuple[str, str]]:
@@ -358,6 +514,15 @@ def queries(board: dict) -> Iterator[tuple[str, str]]:
     for v in board.get("templating", {}).get("list", []):
         if v.get("type") == "query":
             yield f"variable {v['name']}", _label_values_selector(v["query"])
+
+
+def with_all_variables(expr: str, rate_interval: str = "1m") -> str:
+    """A query as Grafana sends it with every variable at "All" (``.*``): for tests and checks."""
+    expr = expr.replace("$__rate_interval", rate_interval)
+    names = set(VARIABLE_QUERIES) | set(FLEET_VARIABLE_QUERIES)
+    for name in sorted(names, key=len, reverse=True):  # $namespace before $name-prefixes of it
+        expr = expr.replace(f"${name}", ".*")
+    return expr
 
 
 def _label_values_selector(query) -> str:
@@ -382,16 +547,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the JSON is stale or names an unknown metric")
     parser.add_argument("--output", default=DASHBOARD_PATH)
+    parser.add_argument("--fleet-output", default=FLEET_PATH)
+    parser.add_argument("--configmap-output", default=CONFIGMAP_PATH)
     args = parser.parse_args(argv)
     try:
-        board = build_dashboard()
+        board, fleet = build_dashboard(), build_fleet_dashboard()
     except ImportError as exc:
         print(f"dashboards/build.py: needs grafana-foundation-sdk (pip install -e '.[dashboards]'): {exc}",
               file=sys.stderr)
         return 2
-    text = render(board)
-    issues = problems(board)
-    return rules.write_or_check(args.output, text, issues, check=args.check, tool="dashboards/build.py")
+    cm = configmap({os.path.basename(DASHBOARD_PATH): board, os.path.basename(FLEET_PATH): fleet})
+    outputs = ((args.output, render(board), problems(board)),
+               (args.fleet_output, render(fleet), problems(fleet)),
+               (args.configmap_output, render_configmap(cm), []))
+    return max(rules.write_or_check(path, text, issues, check=args.check, tool="dashboards/build.py")
+               for path, text, issues in outputs)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,13 +35,18 @@ class MetricSpec:
     label_values: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     buckets: tuple[float, ...] = ()  # upper bounds of a histogram, ascending, without +Inf
     source: str = RUNTIME
+    # Detail metrics scale with the model (one series per layer): a runtime publishes them only
+    # when asked (HiSparseConfig.layer_metrics); the default catalogue and its series budget
+    # (easymats/cardinality.py) leave them out.
+    detail: bool = False
 
 
 def _m(name: str, type_: str, help_: str, unit: str = "", labels: Iterable[str] = (),
        label_values: Mapping[str, tuple[str, ...]] | None = None,
-       buckets: tuple[float, ...] = (), source: str = RUNTIME) -> MetricSpec:
+       buckets: tuple[float, ...] = (), source: str = RUNTIME, detail: bool = False) -> MetricSpec:
     return MetricSpec(name=name, type=type_, unit=unit, help=help_, labels=tuple(labels),
-                      label_values=dict(label_values or {}), buckets=buckets, source=source)
+                      label_values=dict(label_values or {}), buckets=buckets, source=source,
+                      detail=detail)
 
 
 QUANT_ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -98,6 +103,12 @@ _RUNTIME_METRICS = (
        "Relative error ||x - q(x)|| / ||x|| of each quantized block.", buckets=QUANT_ERROR_BUCKETS),
     _m("hisparse_step_duration_seconds", HISTOGRAM, "Decode step latency inside the runtime.",
        unit="seconds", buckets=STEP_DURATION_BUCKETS),
+    _m("hisparse_audit_lookups_total", COUNTER,
+       "Audited true top-m tokens, by layer (detail: only with layer_metrics=True).",
+       labels=("layer",), detail=True),
+    _m("hisparse_audit_hits_total", COUNTER,
+       "Audited true top-m tokens that the selection held, by layer (detail: only with "
+       "layer_metrics=True).", labels=("layer",), detail=True),
     _m("hisparse_runtime_info", INFO, "Runtime version, model and compute device.",
        labels=("version", "model", "device")),
     _m("hisparse_config_info", INFO, "HiSparse configuration.",
@@ -190,8 +201,9 @@ def check_labels(spec: MetricSpec, labels: Mapping[str, str]) -> None:
             )
 
 
-def runtime_metrics() -> list[MetricSpec]:
-    return [m for m in CATALOGUE.values() if m.source == RUNTIME]
+def runtime_metrics(detail: bool = False) -> list[MetricSpec]:
+    """The runtime metrics of the default catalogue; with ``detail`` also the opt-in detail ones."""
+    return [m for m in CATALOGUE.values() if m.source == RUNTIME and (detail or not m.detail)]
 
 
 def agent_metrics() -> list[MetricSpec]:

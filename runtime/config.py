@@ -50,6 +50,8 @@ class HiSparseConfig:
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True
     publish_interval_s: float = 0.005    # publish at most this often
+    layer_metrics: bool = False          # also publish the audit per layer (2 series per layer and
+                                         # target; off: the default series budget, docs/scaling.md)
     name: str | None = None              # telemetry target name; None -> "hisparse"
     seed: int = 0                        # audit sampling and probe init
 

@@ -206,7 +206,7 @@ class HiSparseEngine:
             self._owned_segment = True
         self.publisher = Publisher(segment, cfg.publish_interval_s,
                                    {"version": __version__, "model": model_name, "device": str(self.device)},
-                                   cfg.as_labels())
+                                   cfg.as_labels(), detail_layers=num_layers if cfg.layer_metrics else 0)
         self._publish(force=True)
 
     # -- sequences -----------------------------------------------------------------------------
@@ -909,6 +909,9 @@ class HiSparseEngine:
                                     s.last_selection[layer][h], self.cfg.audit_top_m, self.scale)
             self._stats.anchor_lookups += look
             self._stats.anchor_hits += hits
+            by_layer = self._stats.layer_anchor_lookups, self._stats.layer_anchor_hits
+            by_layer[0][layer] = by_layer[0].get(layer, 0) + look
+            by_layer[1][layer] = by_layer[1].get(layer, 0) + hits
             self.recal.on_audit(look, hits)
             self.audits.append((self.decode_steps, layer, head, look, hits))
 

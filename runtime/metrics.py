@@ -33,6 +33,8 @@ class RuntimeStats:
     context_tokens: int = 0
     anchor_lookups: int = 0
     anchor_hits: int = 0
+    layer_anchor_lookups: dict[int, int] = field(default_factory=dict)  # by layer index
+    layer_anchor_hits: dict[int, int] = field(default_factory=dict)
     anchors: int = 0
     anchor_threshold: float = 0.0
     recalibrations: dict[str, int] = field(default_factory=lambda: {"schedule": 0, "request": 0, "drift": 0})
@@ -115,7 +117,7 @@ class Publisher:
     """Mirrors RuntimeStats into a telemetry segment, rate-limited."""
 
     def __init__(self, segment: telemetry.Segment | None, interval_s: float, runtime_labels: dict[str, str],
-                 config_labels: dict[str, str]) -> None:
+                 config_labels: dict[str, str], detail_layers: int = 0) -> None:
         self.seg = segment
         self.interval_s = interval_s
         self.paused = False        # True: nothing is published until unpaused (the segment stays)
@@ -139,6 +141,10 @@ class Publisher:
             for kind in ("data", "metadata"):
                 self._bound.append(("g", segment.gauge("hisparse_kv_memory_bytes", tier=tier, kind=kind),
                                     "memory", (tier, kind)))
+        for layer in range(detail_layers):  # opt-in detail: one pair of series per layer
+            for name, attr in (("hisparse_audit_lookups_total", "layer_anchor_lookups"),
+                               ("hisparse_audit_hits_total", "layer_anchor_hits")):
+                self._bound.append(("c", segment.counter(name, layer=str(layer)), attr, layer))
         self._qerr = segment.histogram("hisparse_quant_block_relative_error")
         self._step = segment.histogram("hisparse_step_duration_seconds")
 

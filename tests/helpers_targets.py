@@ -7,6 +7,9 @@ agent, the exporter, the report and the alerts can run against a real process wi
 Counters only go up; gauges move; a few metric relationships hold (hits <= lookups, used <=
 issued) so derived ratios are meaningful. ``--anchor-hit`` sets the audited hit rate, and a
 recalibration request on the control file is acknowledged and counted, like the runtime does.
+``--full`` publishes every runtime metric and label value of the catalogue (the dashboards' and
+the cardinality budget's view of a runtime); with ``--shift-hit R``, SIGUSR1 drops the audited
+hit rate to R (a topic shift) until the next recalibration request restores ``--anchor-hit``.
 With ``--fork-child NAME`` it also starts a child process that opens its own segment after
 ``--child-delay`` seconds (a launcher with a tensor-parallel worker).
 
@@ -30,7 +33,7 @@ from easymats import telemetry  # noqa: E402
 
 
 def publish_loop(name: str, rate: float, duration: float, anchor_hit: float, seed: int,
-                 extra_unknown: bool) -> None:
+                 extra_unknown: bool, full: bool = False, shift_hit: float | None = None) -> None:
     rng = random.Random(seed)
     seg = telemetry.open_segment(name=name, labels={"model": "tiny-random", "role": "test"})
     seg.info("hisparse_runtime_info", version="0.1.0", model="tiny-random", device="cpu")
@@ -59,11 +62,16 @@ def publish_loop(name: str, rate: float, duration: float, anchor_hit: float, see
     quant = seg.counter("hisparse_quant_blocks_total", bits="5")
     total_blocks = 1024
     n_active = 64.0
+    extra = _full_catalogue(seg, total_blocks) if full else None
     seg.publish()
     print(f"ready {os.getpid()} {seg.path}", flush=True)
 
-    stop = []
+    stop: list[int] = []
+    shifted: list[int] = []
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    if shift_hit is not None:
+        signal.signal(signal.SIGUSR1, lambda *a: shifted.append(1))
+    hit_now = anchor_hit
     period = 1.0 / rate
     start = time.monotonic()
     k = 0
@@ -72,7 +80,10 @@ def publish_loop(name: str, rate: float, duration: float, anchor_hit: float, see
         tokens.inc(1)
         ctx.set(512 + k)
         lookups.inc(32)
-        hits.inc(sum(rng.random() < anchor_hit for _ in range(32)))
+        if shifted:
+            shifted.clear()
+            hit_now = shift_hit if shift_hit is not None else anchor_hit
+        hits.inc(sum(rng.random() < hit_now for _ in range(32)))
         hb_lookups.inc(128)
         hb_hits.inc(rng.randint(90, 128))
         issued.inc(16)
@@ -98,10 +109,42 @@ def publish_loop(name: str, rate: float, duration: float, anchor_hit: float, see
         req = seg.poll_control(min_interval_s=0.05)
         if req is not None:
             recal["request"].inc()
+            hit_now = anchor_hit  # the recalibration re-pins the anchors the shift lost
             seg.ack(req)
+        if extra is not None:
+            extra(rng, k, n_active)
         seg.publish()
         time.sleep(max(0.0, start + k * period - time.monotonic()))
     seg.close()
+
+
+def _full_catalogue(seg: telemetry.Segment, total_blocks: int):
+    """Create the runtime series the basic loop leaves out; returns the per-step update."""
+    anchors, threshold = seg.gauge("hisparse_anchors"), seg.gauge("hisparse_anchor_threshold_ratio")
+    seg.gauge("hisparse_kv_blocks_limit").set(total_blocks)
+    reclaims = seg.counter("hisparse_kv_block_reclaims_total")
+    evictions = seg.counter("hisparse_kv_block_evictions_total")
+    loaded, used = seg.counter("hisparse_kv_tokens_loaded_total"), seg.counter("hisparse_kv_tokens_used_total")
+    swap_in, backup = seg.counter("hisparse_swap_in_bytes_total"), seg.counter("hisparse_backup_bytes_total")
+    quant = [seg.counter("hisparse_quant_blocks_total", bits=b) for b in ("4", "6", "8")]
+    host_meta = seg.gauge("hisparse_kv_memory_bytes", tier="host", kind="metadata")
+
+    def step(rng: random.Random, k: int, n_active: float) -> None:
+        anchors.set(8 + k % 9)
+        threshold.set(0.05 + 0.01 * (k % 5))
+        loaded.inc(128)
+        used.inc(rng.randint(40, 128))
+        swap_in.inc(rng.randint(0, 32) * 256)
+        backup.inc(256)
+        host_meta.set(n_active * 64)
+        if k % 7 == 0:
+            reclaims.inc()
+        if k % 11 == 0:
+            evictions.inc()
+        if k % 10 == 0:
+            quant[k % 3].inc()
+
+    return step
 
 
 def main() -> None:
@@ -115,6 +158,9 @@ def main() -> None:
     ap.add_argument("--fork-child", default=None, help="also start a child publishing as this name")
     ap.add_argument("--child-delay", type=float, default=0.5)
     ap.add_argument("--extra-unknown", action="store_true")
+    ap.add_argument("--full", action="store_true", help="publish every runtime metric of the catalogue")
+    ap.add_argument("--shift-hit", type=float, default=None,
+                    help="on SIGUSR1 the anchor hit rate drops to this until a recalibration request")
     args = ap.parse_args()
     child = None
     if args.fork_child:
@@ -125,7 +171,8 @@ def main() -> None:
     if args.start_delay:
         print(f"started {os.getpid()}", flush=True)
         time.sleep(args.start_delay)
-    publish_loop(args.name, args.rate, args.duration, args.anchor_hit, args.seed, args.extra_unknown)
+    publish_loop(args.name, args.rate, args.duration, args.anchor_hit, args.seed, args.extra_unknown,
+                 full=args.full, shift_hit=args.shift_hit)
     if child is not None:
         child.wait()
 

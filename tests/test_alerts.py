@@ -7,6 +7,7 @@ installs them); without them these tests fail with the command that installs the
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -136,10 +137,45 @@ def test_promtool_check_rules():
     assert "SUCCESS" in proc.stdout
 
 
-def test_promtool_unit_tests_pass():
-    proc = subprocess.run([_tool("promtool"), "test", "rules", "tests.yml"], cwd=ALERTS_DIR,
+@pytest.mark.parametrize("tests_file", ["tests.yml", "fleet_tests.yml"])
+def test_promtool_unit_tests_pass(tests_file):
+    proc = subprocess.run([_tool("promtool"), "test", "rules", tests_file], cwd=ALERTS_DIR,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _value_tested_exprs(tests_file: str) -> list[str]:
+    with open(os.path.join(ALERTS_DIR, tests_file), encoding="utf-8") as f:
+        tests = yaml.safe_load(f)
+    return [p["expr"] for t in tests["tests"] for p in t.get("promql_expr_test", [])]
+
+
+def test_every_fleet_rule_has_a_value_test():
+    with open(build.FLEET_RULES_PATH, encoding="utf-8") as f:
+        fleet = yaml.safe_load(f)
+    exprs = _value_tested_exprs("fleet_tests.yml")
+    names = build.recording_rule_names(fleet)
+    assert len(names) >= 8
+    for record in names:
+        assert any(record in e for e in exprs), f"fleet recording rule {record} has no value test"
+
+
+def test_fleet_rules_use_only_what_the_global_prometheus_federates():
+    """Every series a fleet rule reads is a node-level rule that FEDERATE_MATCH selects."""
+    fleet = build.build_fleet_rules()
+    edge_records = build.recording_rule_names(build.build_rules())
+    federated = [m.split('"')[1] for m in build.FEDERATE_MATCH if m.startswith('{__name__=~')]
+    for rule in fleet["groups"][0]["rules"]:
+        for name in promql.metric_names(rule["expr"]):
+            assert name in edge_records and name.startswith("node:"), (rule["record"], name)
+            assert any(re.fullmatch(f, name) for f in federated), (rule["record"], name)
+
+
+def test_prometheus_rule_carries_the_same_groups_as_rules_yml():
+    with open(build.PROMETHEUS_RULE_PATH, encoding="utf-8") as f:
+        obj = yaml.safe_load(f)
+    assert (obj["apiVersion"], obj["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert obj["spec"]["groups"] == _rules()["groups"]
 
 
 def test_unit_tests_cover_both_sides_of_every_for_and_every_recording_rule():
@@ -149,12 +185,11 @@ def test_unit_tests_cover_both_sides_of_every_for_and_every_recording_rule():
     assert tests["evaluation_interval"] == "1m"
     silent: dict[str, list[int]] = {}
     firing: dict[str, list[int]] = {}
-    exprs = []
     for t in tests["tests"]:
         for a in t.get("alert_rule_test", []):
             minutes = int(a["eval_time"].rstrip("m")) * 60
             (firing if a.get("exp_alerts") else silent).setdefault(a["alertname"], []).append(minutes)
-        exprs += [p["expr"] for p in t.get("promql_expr_test", [])]
+    exprs = _value_tested_exprs("tests.yml")
     for a in _alerts(_rules()):
         name = a["alert"]
         assert name in firing and name in silent, f"{name} needs a firing and a silent test"

@@ -210,7 +210,7 @@ def test_check_labels_names_the_allowed_values():
 
 
 def test_runtime_and_agent_partition_the_catalogue():
-    runtime = {s.name for s in catalogue.runtime_metrics()}
+    runtime = {s.name for s in catalogue.runtime_metrics(detail=True)}
     agent = {s.name for s in catalogue.agent_metrics()}
     assert runtime and agent and not runtime & agent
     assert runtime | agent == set(catalogue.CATALOGUE)

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from alerts import build as rules  # noqa: E402
+from alerts import promql  # noqa: E402
 from dashboards import build  # noqa: E402
 from easymats import thresholds  # noqa: E402
 
@@ -26,10 +27,15 @@ def board() -> dict:
         return json.load(f)
 
 
+@pytest.fixture(scope="module")
+def fleet() -> dict:
+    with open(build.FLEET_PATH, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def concrete(expr: str, rate_interval: str = "1m") -> str:
     """A dashboard query with Grafana's variables replaced the way Grafana does for "All"."""
-    return (expr.replace("$__rate_interval", rate_interval).replace("$job", ".*")
-            .replace("$instance", ".*").replace("$target", ".*"))
+    return build.with_all_variables(expr, rate_interval)
 
 
 def test_dashboard_json_is_generated_and_current():
@@ -74,11 +80,11 @@ def test_schema_panels_and_layout(board):
 
 def test_variables_and_every_query_filters_on_them(board):
     names = [v["name"] for v in board["templating"]["list"]]
-    assert names == ["datasource", "job", "instance", "target"]
+    assert names == ["datasource", "job", "node", "instance", "target"]
     for where, expr in build.queries(board):
         if where.startswith("variable"):
             continue
-        assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr, where
+        assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr and 'node=~"$node"' in expr, where
     for p in board["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}"
@@ -127,13 +133,14 @@ def test_recalibrations_are_annotations(board):
     assert notes["Recalibrations"]["enable"] is True
 
 
-def test_every_query_is_valid_promql(tmp_path, board):
+@pytest.mark.parametrize("which", ["board", "fleet"])
+def test_every_query_is_valid_promql(tmp_path, which, request):
     """promtool parses each query (variables substituted) as a recording rule: no server needed."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool is not installed: apt-get install -y --no-install-recommends prometheus")
     group = [{"record": f"dashboard:query_{i}:check", "expr": concrete(expr)}
-             for i, (_, expr) in enumerate(build.queries(board))]
+             for i, (_, expr) in enumerate(build.queries(request.getfixturevalue(which)))]
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": group}]}))
     proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
@@ -167,3 +174,50 @@ def test_runbook_points_at_panels_that_exist(board):
         assert not row or row in rows, f"runbook names row {row!r}, which the dashboard lacks"
         checked += 1
     assert checked >= 15
+
+
+def test_fleet_board_variables_filters_and_worst_first_tables(fleet):
+    assert fleet["schemaVersion"] == 41 and fleet["uid"] == build.FLEET_UID
+    assert [v["name"] for v in fleet["templating"]["list"]] == ["datasource", "cluster", "namespace",
+                                                                 "node", "instance"]
+    for where, expr in build.queries(fleet):
+        if not where.startswith("variable"):
+            assert 'cluster=~"$cluster"' in expr, where
+    tables = {p["title"]: p for p in fleet["panels"] if p["type"] == "table"}
+    worst = {"Lowest anchor hit rate": ("bottomk(", False), "Highest sampling lag": ("topk(", True),
+             "Recently restarted": ("topk(", True), "Targets down": ("bottomk(", False)}
+    for title, (fn, desc) in worst.items():
+        panel = tables[title]
+        assert panel["targets"][0]["expr"].startswith(fn) and panel["targets"][0]["instant"], title
+        assert panel["options"]["sortBy"] == [{"desc": desc, "displayName": "Value"}], title
+
+
+def test_a_node_row_links_to_its_detail_view(fleet, board):
+    nodes = next(p for p in fleet["panels"] if p["title"].startswith("Nodes,"))
+    links = next(o["properties"][0]["value"] for o in nodes["fieldConfig"]["overrides"]
+                 if o["matcher"] == {"id": "byName", "options": "node"})
+    url = links[0]["url"]
+    assert url.startswith(f"/d/{board['uid']}/") and "var-node=${__data.fields.node}" in url
+    # The detail board has the variable the link sets, and every query filters on it.
+    assert "node" in [v["name"] for v in board["templating"]["list"]]
+    assert {t["refId"] for t in nodes["targets"]} == set("ABCDE")
+    assert [t["id"] for t in nodes["transformations"]][0] == "merge"
+
+
+def test_fleet_board_reads_only_what_the_global_prometheus_has(fleet):
+    """A global Prometheus holds the federated series and its own fleet rules, nothing raw."""
+    fleet_rules = rules.recording_rule_names(rules.build_fleet_rules())
+    federated = [m.split('"')[1] for m in rules.FEDERATE_MATCH if m.startswith("{__name__=~")]
+    plain = {m.split("{")[0] for m in rules.FEDERATE_MATCH if not m.startswith("{")}
+    for where, expr in build.queries(fleet):
+        for name in promql.metric_names(expr):
+            assert (name in fleet_rules or name in plain
+                    or any(re.fullmatch(f, name) for f in federated)), (where, name)
+
+
+def test_configmap_carries_both_boards_as_generated(board, fleet):
+    with open(build.CONFIGMAP_PATH, encoding="utf-8") as f:
+        cm = yaml.safe_load(f)
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["hisparse.json"]) == board
+    assert json.loads(cm["data"]["fleet.json"]) == fleet

@@ -13,27 +13,25 @@ Debian packages prometheus and prometheus-alertmanager (.ci/run installs them).
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
 
-import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from alerts import build as rules  # noqa: E402
 from dashboards import build as dashboards  # noqa: E402
 from easymats import thresholds  # noqa: E402
 from easymats.segment import read_segment  # noqa: E402
+from helpers_prometheus import binary, free_port, http_json, poll, queries_without_data  # noqa: E402
 
 SCRAPE_S = 1
 RATE_WINDOW = "6s"  # the rules' 5m window, compressed: at least four scrapes
@@ -44,44 +42,6 @@ TOKEN = "e2e-token"
 # per-process ones also need the target to use the GPU, and this workload runs on the CPU.
 GPU_METRICS = ("easymats_gpu_", "easymats_process_gpu_")
 PROCESS_GPU_METRICS = ("easymats_process_gpu_",)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def binary(*names: str) -> str:
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail(f"{names[0]} is not installed: apt-get install -y --no-install-recommends "
-                "prometheus prometheus-alertmanager")
-
-
-def http_json(url: str, data: bytes | None = None, timeout: float = 5.0):
-    with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def poll(what: str, pred, timeout: float, step: float = 0.25, procs: dict | None = None):
-    """pred() until truthy; on timeout say what did not happen and what the components said."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = pred()
-        except OSError:
-            got = None
-        if got:
-            return got
-        for name, p in (procs or {}).items():
-            if p.poll() is not None:
-                raise AssertionError(f"{name} exited with {p.returncode} while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(step)
 
 
 class Stack:
@@ -165,33 +125,9 @@ class Stack:
         return "\n".join(out)
 
 
-def grafana_expr(expr: str) -> str:
-    """A dashboard query as Grafana sends it with every variable at "All"."""
-    return (expr.replace("$__rate_interval", RATE_INTERVAL).replace("$job", ".*")
-            .replace("$instance", ".*").replace("$target", ".*"))
-
-
 def dashboard_queries_without_data(stack: Stack, start: float) -> tuple[list[str], list[str]]:
     """(queries that returned nothing, those of them that only a GPU can answer)."""
-    with open(dashboards.DASHBOARD_PATH, encoding="utf-8") as f:
-        board = json.load(f)
-    instant_refs = {(p.get("title"), t.get("refId")) for p in board["panels"]
-                    for t in p.get("targets", []) or [] if t.get("instant")}
-    empty, gpu_only = [], []
-    end = time.time()
-    for where, expr in dashboards.queries(board):
-        concrete = grafana_expr(expr)
-        if where.startswith("variable"):
-            got = stack.series(concrete, start)
-        elif any(where == f"panel {t!r} {r}" for t, r in instant_refs):
-            got = stack.query(concrete)
-        else:
-            got = stack.query_range(concrete, start, end)
-        if not got:
-            empty.append(f"{where}: {concrete}")
-            if any(m in expr for m in GPU_METRICS):
-                gpu_only.append(f"{where}: {concrete}")
-    return empty, gpu_only
+    return queries_without_data(stack, dashboards.DASHBOARD_PATH, start, RATE_INTERVAL, GPU_METRICS)
 
 
 def start_agent(pid: int, agent_port: int, webhook_port: int, token_file: str, log_path) -> subprocess.Popen:
