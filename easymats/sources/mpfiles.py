@@ -23,9 +23,9 @@ value and timestamp together in one 16-byte slice assignment. There is no lock a
 The file starts at 64 KiB and doubles (truncate, remap) when full.
 
 **Reading.** A file is read with ``pread`` (never mapped: a file shrunk under a mapping would kill
-the reader with SIGBUS) up to ``used``, twice; the two reads must be equal, or it is read again
-(a bounded number of times), so a value is never taken half-written. Keys are parsed once per file
-and offset. **Merging** follows prometheus_client's ``MultiProcessCollector``: counters, summaries
+the reader with SIGBUS) up to ``used``, twice. A value whose 16 bytes differ between the two reads
+was being written: it is read again until two reads in a row agree (a bounded number of times),
+so a value is never taken half-written. Keys are parsed once per file and offset. **Merging** follows prometheus_client's ``MultiProcessCollector``: counters, summaries
 and histogram buckets are summed over files (buckets are stored per bucket and made cumulative
 here, with ``_count``), gauges by their mode (``mostrecent``: the value with the latest timestamp;
 ``all``/``liveall``: one series per process with a ``pid`` label, as SGLang's own /metrics shows).
@@ -104,13 +104,40 @@ class DbFile:
                 raise SourceError(f"{self.path}: used size {used} is out of range: not a prometheus_client "
                                   "multiprocess file, or a corrupt one")
             a = os.pread(fd, used, 0)
-            b = os.pread(fd, used, 0)
-            if a == b and len(a) == used and _U32.unpack_from(a)[0] == used:
-                return self._values(a, used)
-            self.retries += 1
-        raise SourceError(f"{self.path}: changed on each of {READ_ATTEMPTS} reads; skipped this sample")
+            if len(a) == used and _U32.unpack_from(a)[0] == used:
+                break
+            if len(a) < used and os.fstat(fd).st_size < used:
+                # prometheus_client grows the file before it raises `used`: never smaller than it.
+                raise SourceError(f"{self.path}: used size {used} is beyond the file's end: corrupt")
+            self.retries += 1  # grew between the two reads: read again
+        else:
+            raise SourceError(f"{self.path}: changed size on each of {READ_ATTEMPTS} reads; skipped this sample")
+        self._parse_keys(a, used)
+        b = os.pread(fd, used, 0)
+        unpack = _DD.unpack_from
+        if a == b:
+            return [(key, *unpack(a, at)) for key, at in self._entries]
+        # Some values changed between the two reads: a value read while its writer copied it could
+        # mix two writes. Such a value is read again until two reads in a row agree.
+        out = []
+        for key, at in self._entries:
+            value = a[at:at + 16]
+            if value != b[at:at + 16]:
+                value = self._settled(fd, at, b[at:at + 16])
+            out.append((key, *unpack(value)))
+        return out
 
-    def _values(self, data: bytes, used: int) -> list[tuple[tuple, float, float]]:
+    def _settled(self, fd: int, at: int, last: bytes) -> bytes:
+        for _ in range(READ_ATTEMPTS):
+            self.retries += 1
+            now = os.pread(fd, 16, at)
+            if now == last:
+                return now
+            last = now
+        raise SourceError(f"{self.path}: a value changed on each of {READ_ATTEMPTS} reads; skipped this sample")
+
+    def _parse_keys(self, data: bytes, used: int) -> None:
+        """Parse the entries appended since the last read (keys never change once written)."""
         if used < self._parsed_to:  # shrank: another file now (the old one was replaced)
             self._entries, self._parsed_to = [], 8
         pos = self._parsed_to
@@ -132,8 +159,6 @@ class DbFile:
             entries.append((key, value_at))
             pos = value_at + 16
         self._parsed_to = pos
-        unpack = _DD.unpack_from
-        return [(key, *unpack(data, at)) for key, at in entries]
 
 
 def _le_value(le: str) -> float:
