@@ -152,10 +152,10 @@ _AGENT_METRICS = (
        "Recalibration requests written to a target's control file.", labels=("target",), source=AGENT),
     _m("easymats_build_info", INFO, "easymats version.", labels=("version",), source=AGENT),
     # Engine targets (vLLM, SGLang; easymats/sources): what the target is, and what it cannot give.
-    _m("easymats_target_engine_info", INFO,
-       "Engine behind a target: engine, naming revision, how it is read (scrape, pid, log) and its "
+    _m("easymats_target_source_info", INFO,
+       "What a target is read from: engine, naming revision, how (via: scrape, pid, log) and its "
        "control channel (none: recalibration alerts page instead of calling the webhook).",
-       labels=("target", "engine", "revision", "source", "control"), source=AGENT),
+       labels=("target", "engine", "revision", "via", "control"), source=AGENT),
     _m("easymats_target_not_provided_info", INFO,
        "A runtime catalogue metric the target's engine cannot provide (docs/engines.md).",
        labels=("target", "engine", "metric"), source=AGENT),

@@ -112,7 +112,7 @@ class EngineMap:
     """One engine at one naming revision."""
 
     engine: str  # vllm | sglang
-    revision: str  # short id, shown in easymats_target_engine_info and `easymats ls --engines`
+    revision: str  # short id, shown in easymats_target_source_info and `easymats ls --engines`
     title: str
     source: str  # where the names were read: repository, file and commit or release
     rules: tuple[Rule, ...]

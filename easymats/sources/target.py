@@ -5,7 +5,7 @@ An :class:`EngineTarget` is a :class:`easymats.targets.Target` whose reader is a
 treat it exactly like a segment target. What differs:
 
 - it has no control file (``path`` is None): the webhook cannot ask it to recalibrate, and its
-  ``easymats_target_engine_info`` says ``control="none"`` so Alertmanager pages instead;
+  ``easymats_target_source_info`` says ``control="none"`` so Alertmanager pages instead;
 - a scrape target has no local process (``pid`` 0): no process or GPU readings;
 - its unmapped series pass through to /metrics (:attr:`passthrough`), and the engine's HiSparse
   series among them are logged beside the catalogue ones;
@@ -66,6 +66,16 @@ class EngineTarget(Target):
         if self.pid:
             super().read_process()
 
+    def sample(self, t: float) -> tuple[bool, str | None]:
+        # A segment's heartbeat moves only while its writer lives, so Target.sample skips the
+        # /proc check when it moved. An engine snapshot's heartbeat is the time of the read, and
+        # an exited engine's files stay readable: check the process at every sample.
+        if self.pid and not self.gone and not self.alive():
+            self.gone, self.up, self.sample_t = True, False, t
+            self.error = f"process {self.pid} exited"
+            return True, self.error
+        return super().sample(t)
+
     @property
     def engine_map(self) -> EngineMap | None:
         cur = self.reader.current
@@ -94,9 +104,9 @@ class EngineTarget(Target):
         """The agent series that describe this engine target (for the exporter)."""
         emap = self.engine_map
         engine = emap.engine if emap else "unknown"
-        yield ("easymats_target_engine_info",
+        yield ("easymats_target_source_info",
                {"target": self.name, "engine": engine, "revision": emap.revision if emap else "unknown",
-                "source": self.kind, "control": "none"}, 1.0)
+                "via": self.kind, "control": "none"}, 1.0)
         if emap is not None:
             for metric in emap.not_provided():
                 yield "easymats_target_not_provided_info", {"target": self.name, "engine": engine,
