@@ -188,3 +188,20 @@ def test_an_engine_family_never_shadows_a_catalogue_one():
     fams = parse_exposition("# TYPE hisparse_sequences gauge\nhisparse_sequences 9\nvllm:x 1\n")
     tr = translate(maps.VLLM_BASE, fams)
     assert [f.name for f in tr.passthrough] == ["vllm:x"]
+
+
+def test_ls_engines_says_what_each_engine_provides_and_cannot_provide():
+    from click.testing import CliRunner
+
+    from easymats.cli import main
+
+    res = CliRunner().invoke(main, ["ls", "--engines"])
+    assert res.exit_code == 0, res.output
+    blocks = res.output.split("\n\n")
+    for emap in maps.ENGINE_MAPS:
+        block = next(b for b in blocks if b.startswith(emap.key + ":"))
+        for series in emap.provided():
+            assert f"provides {series} = " in block
+        for metric in emap.not_provided():
+            assert f"NOT PROVIDED {metric}: {maps.why_not(emap, metric)}" in block
+        assert maps.DEFAULT_WHY not in block  # every gap has its own reason

@@ -180,6 +180,11 @@ _VLLM_WHY = {
     "hisparse_anchor_threshold_ratio": "vLLM HiSparse has no importance probe",
     "hisparse_recalibrations_total": "no probe to recalibrate and no control channel",
     "hisparse_context_tokens": "vLLM exports pool usage ratios, not tokens held",
+    "hisparse_kv_tokens_loaded_total": "vLLM exports no block density counters",
+    "hisparse_kv_tokens_used_total": "vLLM exports no block density counters",
+    "hisparse_hot_buffer_resident_tokens": "vLLM exports no hot-buffer occupancy",
+    "hisparse_hot_buffer_capacity_tokens": "vLLM exports no hot-buffer size (2 x top-K rows per request by "
+                                           "default)",
     "hisparse_prefetch_issued_total": "vLLM exports no prefetch counters",
     "hisparse_prefetch_used_total": "vLLM exports no prefetch counters",
     "hisparse_backup_bytes_total": "vLLM exports no device-to-host byte counter",
@@ -310,6 +315,13 @@ SGLANG = EngineMap(
         "hisparse_quant_blocks_total": "SGLang does not quantize the host KV per block",
         "hisparse_quant_block_relative_error": "SGLang does not quantize the host KV per block",
         "hisparse_step_duration_seconds": "SGLang's latency histograms are per request, not per step",
+        "hisparse_kv_block_allocations_total": "SGLang exports host pool levels, not block events",
+        "hisparse_kv_block_recycles_total": "SGLang exports host pool levels, not block events",
+        "hisparse_kv_block_reclaims_total": "SGLang exports host pool levels, not block events",
+        "hisparse_kv_block_evictions_total": "SGLang exports host pool levels, not block events "
+                                             "(sglang:hicache_dropped_tokens_total is passed through)",
+        "hisparse_runtime_info": "SGLang's own labels (model_name, engine_type) are on its series",
+        "hisparse_config_info": "SGLang exports no HiSparse configuration",
     },
 )
 
