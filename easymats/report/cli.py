@@ -39,6 +39,26 @@ def format_findings(findings: list[Finding]) -> str:
     return "\n".join(out)
 
 
+def unjudged_lines(targets: dict) -> list[str]:
+    """Per target, the judged quantities the log holds no value of (a serving engine that does not
+    provide them, or no traffic): "no findings" says nothing about those."""
+    from easymats import thresholds
+
+    from .derive import SPECS
+
+    out = []
+    for name in sorted(targets):
+        run = targets[name]
+        missing = [SPECS[t.name].title.lower() for t in thresholds.THRESHOLDS
+                   if t.name in SPECS and not run.sketches[t.name].count
+                   # a pool that grows on demand has blocks but no limit: no ratio, by design
+                   and not (t.name == "kv_free_blocks_ratio" and run.sketches["active_blocks"].count)]
+        if missing:
+            out.append(f"{name}: not judged (no values in the log: not provided by its engine, or no "
+                       f"traffic): {', '.join(missing)}")
+    return out
+
+
 def most_urgent(findings: list[Finding]) -> str | None:
     """One line for the live view: the most urgent finding, or None."""
     if not findings:
@@ -144,6 +164,8 @@ def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_f
     click.echo(f"{stats.samples} samples of {len(analysis.targets)} target(s) over {fmt_s(span)} "
                f"from {len(files)} file(s){outside}; {stats.skipped} unreadable line(s) skipped.")
     click.echo(format_findings(findings))
+    for line in unjudged_lines(analysis.targets):  # e.g. an engine target: see `easymats ls --engines`
+        click.echo(line)
     click.echo(f"wrote {out_path}" + (f" and {len(rendered)} PNG(s) in {png_dir}" if png_dir else ""))
 
 
