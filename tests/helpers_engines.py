@@ -9,7 +9,10 @@ revision (``a``: host_blocks_used/_total/_usage and pending_spills; ``b``: host_
 and pending_page_transfers), with vLLM's ``model_name``/``engine`` labels and ``--engines``
 data-parallel engines. A workload thread moves the counters: ``--hit-rate`` of the hot-buffer
 lookups hit, tokens are generated, the host pool fills and drains. ``--kv-cache-metrics`` adds the
-host-block residency histograms. Each new TCP connection is counted on stderr ("connection N").
+host-block residency histograms. ``--full`` adds the rest of a vLLM v1 server's exposition (its
+request latency and size histograms, finish reasons, prefix cache, preemptions: about 1,000 lines
+per engine, the size of a real vLLM /metrics), for the cost benchmark. Each new TCP connection is
+counted on stderr ("connection N").
 
 **sglang**: a process that, like SGLang, sets PROMETHEUS_MULTIPROC_DIR itself after start-up (so
 its start-up environment does not show it), writes real prometheus_client multiprocess files
@@ -94,6 +97,10 @@ def run_vllm(args: argparse.Namespace) -> None:
                 f"vllm:hisparse_host_block_{name}_seconds", f"Histogram of HiSparse host KV block {name}.",
                 VLLM_LABELS, buckets=[0.1, 1.0, 10.0, 60.0], registry=reg)))
 
+    full: list = []
+    if args.full:
+        full = _vllm_full(reg, engines)
+
     lock = threading.Lock()
     block_total = args.host_blocks
     state = {"used": [block_total * args.pool_fill] * len(engines)}
@@ -128,6 +135,11 @@ def run_vllm(args: argparse.Namespace) -> None:
                         used[i].set(state["used"][i])
                     for hist in residency:
                         hist[i].observe(rng.uniform(0.05, 30.0))
+                    for kind, metric in full:
+                        if kind == "histogram":
+                            metric[i].observe(rng.expovariate(1.0))
+                        elif rng.random() < 0.1:
+                            metric[i].inc()
 
     connections = [0]
 
@@ -160,6 +172,45 @@ def run_vllm(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *a: threading.Thread(target=server.shutdown).start())
     print(f"ready {server.server_address[1]}", flush=True)
     server.serve_forever()
+
+
+def _vllm_full(reg, engines: list[str]) -> list:
+    """The rest of a vLLM v1 exposition (names and bucket counts of vllm/v1/metrics/loggers.py)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    lab = VLLM_LABELS
+    latency = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+    tokens = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000, 500000,
+              1000000]
+    ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0, 160.0, 640.0, 2560.0]
+    itl = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+    out = []
+    for name, buckets in (("e2e_request_latency_seconds", latency), ("request_queue_time_seconds", latency),
+                          ("request_inference_time_seconds", latency), ("request_prefill_time_seconds", latency),
+                          ("request_decode_time_seconds", latency), ("time_per_output_token_seconds", itl),
+                          ("inter_token_latency_seconds", itl), ("request_time_per_output_token_seconds", itl),
+                          ("request_prompt_tokens", tokens), ("request_generation_tokens", tokens),
+                          ("iteration_tokens_total", tokens), ("request_max_num_generation_tokens", tokens),
+                          ("request_params_max_tokens", tokens), ("request_params_n", [1, 2, 5, 10, 20])):
+        h = Histogram(f"vllm:{name}", f"Histogram of {name}.", lab, buckets=buckets, registry=reg)
+        out.append(("histogram", [h.labels(MODEL, e) for e in engines]))
+    out.append(("histogram", [Histogram("vllm:time_to_first_token_seconds_full", "TTFT.", lab, buckets=ttft,
+                                        registry=reg).labels(MODEL, e) for e in engines]))
+    fin = Counter("vllm:request_success", "Count of successfully processed requests.", lab + ["finished_reason"],
+                  registry=reg)
+    for reason in ("stop", "length", "abort", "error"):
+        out.append(("counter", [fin.labels(MODEL, e, reason) for e in engines]))
+    for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_cached",
+                 "external_prefix_cache_queries", "external_prefix_cache_hits"):
+        c = Counter(f"vllm:{name}", f"{name}.", lab, registry=reg)
+        out.append(("counter", [c.labels(MODEL, e) for e in engines]))
+    g = Gauge("vllm:num_requests_waiting_by_reason", "Waiting requests by reason.", lab + ["reason"], registry=reg)
+    for reason in ("capacity", "deferred"):
+        for e in engines:
+            g.labels(MODEL, e, reason).set(0)
+    return out
 
 
 def sglang_labels(tp_rank: int) -> dict[str, str]:
@@ -273,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--host-blocks", type=int, default=8192)
     v.add_argument("--pool-fill", type=float, default=0.5)
     v.add_argument("--kv-cache-metrics", action="store_true")
+    v.add_argument("--full", action="store_true")
     v.add_argument("--seed", type=int, default=1)
     for name in ("sglang", "sglang-scheduler"):
         s = sub.add_parser(name)

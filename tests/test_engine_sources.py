@@ -20,7 +20,7 @@ from easymats.sources import mpfiles
 from easymats.sources.base import SourceError
 from easymats.sources.decodelog import DecodeLog, parse_line
 from easymats.sources.httpget import KeepAliveGet, parse_url
-from easymats.sources.scrape import ScrapeSource
+from easymats.sources.scrape import ScrapeSource, split_exposition
 from easymats.sources.worker import EngineReader
 from easymats.segment import SegmentError
 
@@ -109,7 +109,7 @@ def test_chunked_answers_are_read_whole():
         src = ScrapeSource(f"http://127.0.0.1:{server.server_address[1]}/metrics")
         for _ in range(3):  # and the connection stays usable after each
             fams = src.fetch(time.monotonic() + 2.0)
-            assert [s.value for f in fams for s in f.samples if f.name == "vllm:kv"] == [5.0]
+            assert [s.value for f in fams for s in f.samples if f.name == "vllm:num_requests_running"] == [5.0]
         assert src.connections == 1
     finally:
         server.shutdown()
@@ -118,8 +118,21 @@ def test_chunked_answers_are_read_whole():
 
 def _registry_with(v: float) -> CollectorRegistry:
     reg = CollectorRegistry()
-    Gauge("vllm:kv", "k", registry=reg).set(v)
+    Gauge("vllm:num_requests_running", "r", registry=reg).set(v)
+    Gauge("vllm:kv_cache_usage_perc", "k", registry=reg).set(0.5)
     return reg
+
+
+def test_a_read_parses_only_what_the_tables_use_and_the_rest_when_metrics_is_served():
+    text = generate_latest(_registry_with(5)).decode() + "vllm:other{a=\"x y\"} 3\n"
+    wanted, rest, samples = split_exposition(text.encode(), frozenset({b"vllm:num_requests_running"}))
+    assert samples == 3
+    assert b"vllm:num_requests_running 5.0" in wanted and b"kv_cache_usage_perc" not in wanted
+    assert b"# TYPE vllm:num_requests_running gauge" in wanted
+    assert b"vllm:kv_cache_usage_perc 0.5" in rest and b"vllm:other" in rest
+    for bad in (b"<html>\n", b"vllm:x\n", b"\x00\x01 2\n", b"# TYPE a gauge\n9a 1\n"):
+        with pytest.raises(SourceError, match="not a Prometheus text exposition"):
+            split_exposition(bad, frozenset())
 
 
 @pytest.mark.parametrize("mode, expect", [

@@ -349,6 +349,15 @@ def choose(sample_names: Iterable[str]) -> EngineMap | None:
     return VLLM_BASE
 
 
+def wanted_samples(maps_: Iterable[EngineMap] = ENGINE_MAPS) -> frozenset[str]:
+    """Every engine sample name a table reads, detects a revision by, or logs: what a 10 Hz read
+    must parse. The rest of an exposition only passes through to /metrics (read at scrape time)."""
+    out: set[str] = set()
+    for m in maps_:
+        out |= m.hisparse_samples() | m.detect
+    return frozenset(out)
+
+
 def why_not(emap: EngineMap, metric: str) -> str:
     return emap.why_not.get(metric, DEFAULT_WHY)
 

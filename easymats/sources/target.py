@@ -83,8 +83,13 @@ class EngineTarget(Target):
 
     @property
     def passthrough(self) -> list[Family]:
+        """Unmapped families for /metrics: those of the last read, and the ones a scrape does not
+        parse at every read (:meth:`ScrapeSource.rest`, parsed here, at /metrics time)."""
         cur = self.reader.current
-        return cur.translation.passthrough if cur is not None and cur.translation is not None else []
+        if cur is None or cur.translation is None:
+            return []
+        rest = getattr(self.source, "rest", None)
+        return cur.translation.passthrough + rest() if rest is not None else cur.translation.passthrough
 
     def log_line(self, t: float, lag_s: float, with_metrics: bool = True) -> dict[str, Any]:
         line = super().log_line(t, lag_s, with_metrics)
