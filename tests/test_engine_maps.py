@@ -205,3 +205,18 @@ def test_ls_engines_says_what_each_engine_provides_and_cannot_provide():
         for metric in emap.not_provided():
             assert f"NOT PROVIDED {metric}: {maps.why_not(emap, metric)}" in block
         assert maps.DEFAULT_WHY not in block  # every gap has its own reason
+
+
+def test_docs_engines_states_every_mapping_of_the_tables():
+    import os
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "engines.md"),
+              encoding="utf-8") as f:
+        doc = f.read()
+    for emap in maps.ENGINE_MAPS:
+        assert f"`{emap.revision}`" in doc or emap.engine == "sglang", emap.key
+        for r in emap.rules:
+            assert f"`{r.series}`" in doc, r.series
+            for term in (t for way in r.ways for t in way):
+                if not term.sample.startswith(maps.LOG_PREFIX):
+                    assert term.sample in doc, (r.series, term.sample)
