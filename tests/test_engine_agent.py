@@ -227,3 +227,25 @@ def test_no_target_at_all_is_still_a_usage_error_that_mentions_scrape():
     out = subprocess.run([sys.executable, "-c", "from easymats.cli import main; main()"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "--scrape" in out.stderr
+
+
+def test_doctor_on_an_endpoint_and_on_an_sglang_pid(tmp_path):
+    cli = [sys.executable, "-c", "from easymats.cli import main; main()", "doctor"]
+    vllm, (port,) = start_standin("vllm", "--revision", "a", "--hit-rate", "0.3")
+    try:
+        out = subprocess.run([*cli, "--scrape", f"http://127.0.0.1:{port}/metrics", "--window", "4"],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        stop(vllm)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Hot buffer thrashes" in out.stdout and "not judged" in out.stdout and "anchor hit rate" in out.stdout
+    sglang, (spid, _) = start_standin("sglang", "--tp", "1")
+    try:
+        time.sleep(0.5)  # its first metric update creates the files
+        out = subprocess.run([*cli, "--pid", spid, "--window", "2"], capture_output=True, text=True, timeout=60)
+    finally:
+        stop(sglang)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"sglang-{spid}" in out.stderr and "samples over" in out.stdout
+    out = subprocess.run([*cli, "--window", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "give one of --pid PID and --scrape URL" in out.stderr

@@ -223,3 +223,23 @@ def log_target(path: str, *, peak_window_s: float, timeout_s: float) -> EngineTa
     base = os.path.basename(path) or path
     return EngineTarget(f"log-{base}", 0, DecodeLog(path), kind="log", peak_window_s=peak_window_s,
                         timeout_s=timeout_s, labels={"log": os.path.abspath(path)}, emap=SGLANG)
+
+
+class LiveReader:
+    """An engine target as ``easymats doctor`` samples it (the interface of a SegmentReader)."""
+
+    def __init__(self, target: EngineTarget):
+        self.target = target
+        self.path = target.where
+
+    def read(self):
+        return self.target.reader.read()
+
+    def check_writer(self) -> None:
+        if self.target.pid and not self.target.alive():
+            from ..segment import SegmentError
+
+            raise SegmentError("dead_pid", self.path, f"process {self.target.pid} exited")
+
+    def close(self) -> None:
+        self.target.close()

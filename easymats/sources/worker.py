@@ -64,8 +64,8 @@ class EngineReader:
     def read(self) -> Snapshot:
         """The snapshot of the read asked for at the previous call; asks for the next one.
 
-        SegmentError (kind "io") when that read failed or has not finished: the message is the
-        reason, shown as the target's error, ``easymats_target_up`` 0.
+        SegmentError when that read failed (kind "io") or has not finished ("busy"): the message is
+        the reason, shown as the target's error, ``easymats_target_up`` 0.
         """
         with self._lock:
             result = self._result
@@ -77,8 +77,8 @@ class EngineReader:
                 self._go.set()
         if result is None:
             raise SegmentError("busy", self.source.where, "waiting for the first answer")
-        if not fresh:
-            raise SegmentError("io", self.source.where,
+        if not fresh:  # "busy": the next tick may well have it (doctor keeps sampling on busy)
+            raise SegmentError("busy", self.source.where,
                                f"no answer within the {self.timeout_s * 1000:.0f} ms timeout (the read "
                                "is still running)" if in_flight else "no new answer since the last sample")
         if result.error is not None or result.snapshot is None:
