@@ -244,7 +244,7 @@ class AgentCollector:
             parts.append(_HEADERS[name])
             parts.extend(lines)
         # Engine series no table maps, under the engine's own names (easymats/sources/passthrough).
-        parts.append(passthrough.render(targets))
+        parts.append(passthrough.render(targets, _fv))
         self.last_render_s = time.perf_counter() - t0
         return "".join(parts)
 

@@ -24,7 +24,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from test_e2e_alerting import (GPU_METRICS, Stack, firing, free_port, grafana_expr, poll)  # noqa: E402
+from test_e2e_alerting import GPU_METRICS, Stack, firing, free_port, grafana_expr, poll  # noqa: E402
 from test_engine_sources import start_standin, stop  # noqa: E402
 
 from alerts import build as rules  # noqa: E402

@@ -16,13 +16,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_http_server
 
+from easymats.segment import SegmentError
 from easymats.sources import mpfiles
 from easymats.sources.base import SourceError
 from easymats.sources.decodelog import DecodeLog, parse_line
 from easymats.sources.httpget import KeepAliveGet, parse_url
 from easymats.sources.scrape import ScrapeSource, split_exposition
 from easymats.sources.worker import EngineReader
-from easymats.segment import SegmentError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -87,7 +87,8 @@ def sample(readers: list[tuple[str, segment.SegmentReader]], window_s: float,
                 pids[name] = snap.pid
                 yield snapshot_record(snap, name, t, lag)
                 if k % 10 == 9:
-                    if isinstance(r, segment.SegmentReader) and not os.path.exists(r.path):  # a clean exit removes the segment; our fd still reads it
+                    # A clean exit removes the segment; our fd still reads it. (An engine has none.)
+                    if isinstance(r, segment.SegmentReader) and not os.path.exists(r.path):
                         raise SegmentError("not_found", r.path, "the segment was removed: the process closed "
                                            "its telemetry (it exited)")
                     r.check_writer()  # a crash leaves the segment behind: notice it

@@ -190,7 +190,8 @@ class KeepAliveGet:
 
     def _body(self, headers: dict[str, str], deadline: float, keep: bool) -> bytes:
         if "chunked" in headers.get("transfer-encoding", "").lower():
-            parts, size = [], 0
+            parts: list[bytes] = []
+            size = 0
             while True:
                 word = self._line(deadline).split(b";", 1)[0].strip()
                 try:

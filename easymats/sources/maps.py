@@ -58,7 +58,8 @@ def _labels(text: str | None, where: str) -> tuple[tuple[str, str], ...]:
 
 def parse_way(text: str) -> tuple[Term, ...]:
     """``"a + b{x=\\"y\\"} - c"`` -> its terms. ValueError naming the problem."""
-    terms, pos = [], 0
+    terms: list[Term] = []
+    pos = 0
     while pos < len(text):
         m = _TERM.match(text, pos)
         if m is None or m.end() == pos:
@@ -194,6 +195,8 @@ _VLLM_WHY = {
                                       "not per decode step inside the cache",
     "hisparse_runtime_info": "passed through as vLLM's own info series",
     "hisparse_config_info": "passed through as vllm:cache_config_info",
+    **{f"hisparse_kv_block_{event}_total": "vLLM exports host pool levels, not block events"
+       for event in ("allocations", "recycles", "reclaims", "evictions")},
 }
 
 VLLM_A = EngineMap(
@@ -212,12 +215,7 @@ VLLM_A = EngineMap(
                       "vllm:hisparse_host_blocks_usage", "vllm:hisparse_pending_spills"}),
     hisparse_passthrough=frozenset({"vllm:hisparse_host_blocks_usage", "vllm:hisparse_pending_spills"})
     | _VLLM_HISTOGRAMS,
-    why_not={**_VLLM_WHY,
-             "hisparse_kv_memory_bytes": "vLLM exports host blocks, not bytes per tier",
-             "hisparse_kv_block_allocations_total": "vLLM exports host pool levels, not block events",
-             "hisparse_kv_block_recycles_total": "vLLM exports host pool levels, not block events",
-             "hisparse_kv_block_reclaims_total": "vLLM exports host pool levels, not block events",
-             "hisparse_kv_block_evictions_total": "vLLM exports host pool levels, not block events"},
+    why_not={**_VLLM_WHY, "hisparse_kv_memory_bytes": "vLLM exports host blocks, not bytes per tier"},
 )
 
 VLLM_B = EngineMap(
@@ -233,11 +231,7 @@ VLLM_B = EngineMap(
              "hisparse_kv_blocks": "this revision exports only a usage ratio "
                                    "(vllm:hisparse_host_cache_usage_perc, passed through)",
              "hisparse_kv_blocks_limit": "this revision exports only a usage ratio",
-             "hisparse_kv_memory_bytes": "vLLM exports host pool usage, not bytes per tier",
-             "hisparse_kv_block_allocations_total": "vLLM exports host pool levels, not block events",
-             "hisparse_kv_block_recycles_total": "vLLM exports host pool levels, not block events",
-             "hisparse_kv_block_reclaims_total": "vLLM exports host pool levels, not block events",
-             "hisparse_kv_block_evictions_total": "vLLM exports host pool levels, not block events"},
+             "hisparse_kv_memory_bytes": "vLLM exports host pool usage, not bytes per tier"},
 )
 
 # A vLLM without the HiSparse connector's host-tier gauges (HiSparse off, or not reported yet).

@@ -25,9 +25,11 @@ The file starts at 64 KiB and doubles (truncate, remap) when full.
 **Reading.** A file is read with ``pread`` (never mapped: a file shrunk under a mapping would kill
 the reader with SIGBUS) up to ``used``, twice. A value whose 16 bytes differ between the two reads
 was being written: it is read again until two reads in a row agree (a bounded number of times),
-so a value is never taken half-written. Keys are parsed once per file and offset. **Merging** follows prometheus_client's ``MultiProcessCollector``: counters, summaries
-and histogram buckets are summed over files (buckets are stored per bucket and made cumulative
-here, with ``_count``), gauges by their mode (``mostrecent``: the value with the latest timestamp;
+so a value is never taken half-written. Keys are parsed once per file and offset.
+
+**Merging** follows prometheus_client's ``MultiProcessCollector``: counters, summaries and
+histogram buckets are summed over files (buckets are stored per bucket and made cumulative here,
+with ``_count``), gauges by their mode (``mostrecent``: the value with the latest timestamp;
 ``all``/``liveall``: one series per process with a ``pid`` label, as SGLang's own /metrics shows).
 """
 
@@ -349,9 +351,9 @@ def find_directory(pid: int, proc_root: str = procinfo.PROC_ROOT) -> tuple[str |
         best = max(counts, key=lambda d: counts[d])
         return best, f"mapped *.db files of pid {pid} and its children"
     for p in pids:
-        d = _environ_dir(p, proc_root)
-        if d:
-            where = _reachable(p, d, None, proc_root)
+        env_dir = _environ_dir(p, proc_root)
+        if env_dir:
+            where = _reachable(p, env_dir, None, proc_root)
             if where is not None and glob.glob(os.path.join(glob.escape(where), "*.db")):
                 return where, f"PROMETHEUS_MULTIPROC_DIR of pid {p}"
     if denied:

@@ -9,29 +9,13 @@ family has another type than the first target's is left out of that family, with
 from __future__ import annotations
 
 import logging
-import math
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator
 
 from ..logwriter import escape_label_value
 from .translate import Family
 
 log = logging.getLogger("easymats.exporter")
 _warned: set[str] = set()
-
-
-class HasPassthrough(Protocol):
-    name: str
-
-    @property
-    def passthrough(self) -> list[Family]: ...
-
-
-def _fv(v: float) -> str:
-    if v != v:
-        return "NaN"
-    if v in (math.inf, -math.inf):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
 
 
 def _labels(labels: dict[str, str], target: str) -> str:
@@ -72,14 +56,15 @@ def grouped(targets: Iterable[object]) -> dict[str, tuple[str, str, str, list[tu
     return out
 
 
-def render(targets: Iterable[object]) -> str:
-    """The pass-through families of ``targets`` in the text format 0.0.4."""
+def render(targets: Iterable[object], fv: Callable[[float], str]) -> str:
+    """The pass-through families of ``targets`` in the text format 0.0.4, each value written by
+    ``fv`` (the exporter's number format)."""
     parts = []
     for type_name, typ, help_text, members in grouped(targets).values():
         doc = help_text.replace("\\", "\\\\").replace("\n", "\\n")
         parts.append(f"# HELP {type_name} {doc}\n# TYPE {type_name} {typ}\n")
         for target, fam in members:
-            parts.extend(f"{s.name}{_labels(s.labels, target)} {_fv(s.value)}\n" for s in fam.samples)
+            parts.extend(f"{s.name}{_labels(s.labels, target)} {fv(s.value)}\n" for s in fam.samples)
     return "".join(parts)
 
 

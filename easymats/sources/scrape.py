@@ -58,7 +58,8 @@ def split_exposition(body: bytes, wanted: frozenset[bytes]) -> tuple[bytes, byte
     Every sample line must start with a metric name followed by ``{`` or a blank: anything else
     (HTML, binary, a truncated answer) fails here, as the full parse would.
     """
-    keep, rest = [], []
+    keep: list[bytes] = []
+    rest: list[bytes] = []
     samples = 0
     for line in body.split(b"\n"):
         line = line.rstrip(b"\r")
