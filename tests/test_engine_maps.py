@@ -102,12 +102,17 @@ def _series(tr) -> dict[str, float]:
     return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items())): s.value for s in tr.series}
 
 
-def test_vllm_revision_a_maps_hits_lookups_swap_in_and_the_host_pool():
-    fams = _vllm_exposition("a")
+def _mapped(revision: str):
+    """(chosen map, translation, {series: value}) of a vLLM stand-in exposition."""
+    fams = _vllm_exposition(revision)
     emap = maps.choose(s.name for f in fams for s in f.samples)
-    assert emap is maps.VLLM_A
     tr = translate(emap, fams)
-    got = _series(tr)
+    return emap, tr, _series(tr)
+
+
+def test_vllm_revision_a_maps_hits_lookups_swap_in_and_the_host_pool():
+    emap, tr, got = _mapped("a")
+    assert emap is maps.VLLM_A
     # Summed over vLLM's data-parallel engines (the `engine` label): 2 x 60 hits of 2 x 100 rows.
     assert got["hisparse_hot_buffer_hits_total"] == 120
     assert got["hisparse_hot_buffer_lookups_total"] == 200
@@ -127,11 +132,8 @@ def test_vllm_revision_a_maps_hits_lookups_swap_in_and_the_host_pool():
 
 
 def test_vllm_revision_b_maps_the_counters_and_passes_the_usage_ratio_through():
-    fams = _vllm_exposition("b")
-    emap = maps.choose(s.name for f in fams for s in f.samples)
+    emap, tr, got = _mapped("b")
     assert emap is maps.VLLM_B
-    tr = translate(emap, fams)
-    got = _series(tr)
     assert got["hisparse_hot_buffer_hits_total"] == 120 and got["hisparse_hot_buffer_lookups_total"] == 200
     assert not any(k.startswith("hisparse_kv_blocks") for k in got)
     assert {"vllm:hisparse_host_cache_usage_perc", "vllm:hisparse_pending_page_transfers"} <= {
