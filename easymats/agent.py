@@ -243,7 +243,7 @@ class Agent:
     def _attach_engines(self) -> None:
         """Scrape and stand-alone decode-log targets (engine PIDs attach in _discover)."""
         try:
-            engines = self.engines.start()
+            engines = self.engines.start(taken={tg.name for tg in self._targets})
         except ValueError as exc:
             self._close_log()
             raise AgentError(str(exc)) from None

@@ -249,3 +249,15 @@ def test_doctor_on_an_endpoint_and_on_an_sglang_pid(tmp_path):
     assert f"sglang-{spid}" in out.stderr and "samples over" in out.stdout
     out = subprocess.run([*cli, "--window", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "give one of --pid PID and --scrape URL" in out.stderr
+
+
+def test_an_endpoint_named_like_a_segment_target_is_named_apart():
+    from easymats.sources.attach import EngineAttach
+
+    engines = EngineAttach(["decode-0=http://127.0.0.1:9/metrics", "decode-0.2=http://127.0.0.1:9/x"],
+                           interval=0.1).start(taken={"decode-0"})
+    try:
+        assert [tg.name for tg in engines] == ["decode-0.2", "decode-0.2.2"]
+    finally:
+        for tg in engines:
+            tg.close()

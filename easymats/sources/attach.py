@@ -56,10 +56,11 @@ class EngineAttach:
         """Whether engine sources were asked for (then no segment is attached implicitly)."""
         return bool(self.scrapes or self.follow_logs)
 
-    def start(self) -> list[EngineTarget]:
-        """The scrape and stand-alone log targets; each has made (or timed out) its first read."""
+    def start(self, taken: Iterable[str] = ()) -> list[EngineTarget]:
+        """The scrape and stand-alone log targets, named apart from the ``taken`` names of targets
+        already attached; each has made (or timed out) its first read."""
         out: list[EngineTarget] = []
-        taken: set[str] = set()
+        taken = set(taken)
         for name, url in self.scrapes:
             tg = scrape_target(url, name=name, peak_window_s=self.peak_window_s, timeout_s=self.timeout_s)
             tg.name = _unique(tg.name, taken)
