@@ -114,6 +114,10 @@ def recording_rules(window: str = RATE_WINDOW) -> list[Recording]:
     return rules
 
 
+def _pct(x: float) -> str:
+    return f"{x * 100:g}%"
+
+
 def with_control(series: str, condition: str) -> str:
     """``series <condition>``, carrying ``control="none"`` for targets with no control channel.
 
@@ -125,10 +129,6 @@ def with_control(series: str, condition: str) -> str:
     return (f"{series}\n* on ({BY}) group_left (control)\n"
             f"easymats_target_source_info{{control=\"none\"}}\n{condition}\n"
             f"or on ({BY})\n{series} {condition}\n")
-
-
-def _pct(x: float) -> str:
-    return f"{x * 100:g}%"
 
 
 def alert_rules() -> list[Alert]:

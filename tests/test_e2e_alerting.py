@@ -180,8 +180,6 @@ def dashboard_queries_without_data(stack: Stack, start: float) -> tuple[list[str
     empty, gpu_only = [], []
     end = time.time()
     for where, expr in dashboards.queries(board):
-        if where.endswith(f" {dashboards.NOT_PROVIDED_REF}"):
-            continue  # "not provided by <engine>": only engine targets (tests/test_e2e_engines.py) have it
         concrete = grafana_expr(expr)
         if where.startswith("variable"):
             got = stack.series(concrete, start)
