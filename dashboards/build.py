@@ -419,14 +419,12 @@ def render(board: dict) -> str:
     return json.dumps(board, indent=2, sort_keys=True) + "\n"
 
 
-def queries(board: dict, not_provided: bool = False) -> Iterator[tuple[str, str]]:
-    """(where, PromQL) for every query in the dashboard: panels, annotations, variables. The
-    panels' "not provided" queries (refId NOT_PROVIDED_REF) only with ``not_provided``: they
-    answer for engine targets only, never for a native runtime."""
+def queries(board: dict) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) for every query in the dashboard: panels, annotations, variables."""
     for panel in board.get("panels", []):
         for t in panel.get("targets", []) or []:
-            if t.get("refId") == NOT_PROVIDED_REF and not not_provided:
-                continue
+            if t.get("refId") == NOT_PROVIDED_REF:
+                continue  # answers for engine targets only: not_provided_queries()
             yield f"panel {panel.get('title')!r} {t.get('refId')}", t["expr"]
     for a in board.get("annotations", {}).get("list", []):
         if a.get("expr"):
@@ -443,10 +441,19 @@ def _label_values_selector(query) -> str:
     return inner.strip()
 
 
+def not_provided_queries(board: dict) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) of the panels' "not provided" queries, which name, per engine target, the
+    metrics its engine cannot provide (and answer nothing for a native runtime)."""
+    for panel in board.get("panels", []):
+        for t in panel.get("targets", []) or []:
+            if t.get("refId") == NOT_PROVIDED_REF:
+                yield f"panel {panel.get('title')!r} {t.get('refId')}", t["expr"]
+
+
 def problems(board: dict) -> list[str]:
     records = rules.recording_rule_names()
     out = []
-    for where, expr in queries(board, not_provided=True):
+    for where, expr in [*queries(board), *not_provided_queries(board)]:
         for name in promql.undefined_names(expr, catalogue.CATALOGUE, records):
             out.append(f"{where}: {name!r} is neither in easymats/catalogue.py nor a recording rule "
                        "in alerts/rules.yml")

@@ -84,3 +84,12 @@ def test_recalibration_alerts_of_engines_page_and_native_ones_call_the_webhook()
         "easymats-recalibrate"
     assert route("alertname=HiSparseHotBufferThrashing", "control=none", "target=vllm-0") == "default"
 
+
+
+def test_the_check_reads_the_not_provided_queries_too(board):
+    bad = json.loads(json.dumps(board))
+    panel = next(p for p in bad["panels"] if p.get("title") == "Hot buffer hit rate")
+    np = next(t for t in panel["targets"] if t["refId"] == dashboards.NOT_PROVIDED_REF)
+    np["expr"] = np["expr"].replace("easymats_target_not_provided_info", "easymats_target_unprovided_info")
+    assert any("easymats_target_unprovided_info" in p for p in dashboards.problems(bad))
+    assert not any(where.endswith(dashboards.NOT_PROVIDED_REF) for where, _ in dashboards.queries(board))
