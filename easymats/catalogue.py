@@ -163,6 +163,10 @@ _AGENT_METRICS = (
 
 CATALOGUE: dict[str, MetricSpec] = {m.name: m for m in _RUNTIME_METRICS + _AGENT_METRICS}
 
+# Per-target agent series that only engine targets (vLLM, SGLang: easymats/sources) have; a native
+# HiSparse target never exports them (series counts per runtime target leave them out).
+ENGINE_TARGET_ONLY = frozenset({"easymats_target_source_info", "easymats_target_not_provided_info"})
+
 
 class UnknownMetricError(KeyError):
     """A metric name or label set that the catalogue does not define."""

@@ -222,3 +222,16 @@ def test_docs_engines_states_every_mapping_of_the_tables():
             for term in (t for way in r.ways for t in way):
                 if not term.sample.startswith(maps.LOG_PREFIX):
                     assert term.sample in doc, (r.series, term.sample)
+
+
+def test_engine_only_agent_series_are_exactly_what_an_engine_target_adds(tmp_path):
+    from easymats.sources.target import log_target
+    from easymats.targets import Target
+
+    (tmp_path / "x.log").write_text("")
+    tg = log_target(str(tmp_path / "x.log"), peak_window_s=15.0, timeout_s=0.08)
+    try:
+        assert {name for name, _, _ in tg.engine_series()} == catalogue.ENGINE_TARGET_ONLY
+    finally:
+        tg.close()
+    assert not hasattr(Target, "engine_series")  # a native target never exports them
