@@ -235,3 +235,17 @@ def test_engine_only_agent_series_are_exactly_what_an_engine_target_adds(tmp_pat
     finally:
         tg.close()
     assert not hasattr(Target, "engine_series")  # a native target never exports them
+
+
+def test_every_easymats_package_is_in_the_distribution():
+    """A package missing from pyproject's list works in the editable install and is absent from a
+    real one (`pip install easymats`): easymats.sources is imported by the agent itself."""
+    import os
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {os.path.relpath(d, root).replace(os.sep, ".") for d, _, files in os.walk(os.path.join(root, "easymats"))
+             if "__init__.py" in files}
+    assert found <= listed, sorted(found - listed)
