@@ -204,14 +204,29 @@ def _pct(x: float) -> str:
     return f"{x * 100:g}%"
 
 
+def with_control(series: str, condition: str) -> str:
+    """``series <condition>``, carrying ``control="none"`` for targets with no control channel.
+
+    A serving engine read by easymats (vLLM, SGLang: easymats_target_source_info) cannot be asked
+    to recalibrate; Alertmanager routes its recalibration alerts to a page on this label. Targets
+    without that info series (native HiSparse) keep the alert exactly as before, through ``or``.
+    The info series is 1, so the joined value is the series' own.
+    """
+    return (f"{series}\n* on ({BY}) group_left (control)\n"
+            f"easymats_target_source_info{{control=\"none\"}}\n{condition}\n"
+            f"or on ({BY})\n{series} {condition}\n")
+
+
 def alert_rules() -> list[Alert]:
     return [
-        Alert("HiSparseAnchorHitRateLow", f"{ANCHOR_HIT_RATIO} < {T.ANCHOR_HIT_RATE_MIN:g}",
+        Alert("HiSparseAnchorHitRateLow", with_control(ANCHOR_HIT_RATIO, f"< {T.ANCHOR_HIT_RATE_MIN:g}"),
               T.ANCHOR_HIT_RATE_FOR_S, "warning",
               f"Anchor hit rate of {{{{ $labels.target }}}} is below {_pct(T.ANCHOR_HIT_RATE_MIN)}",
               "Of the audited true top-m tokens, only {{ $value | humanizePercentage }} were "
               "selected on {{ $labels.target }} ({{ $labels.instance }}): the anchors and probe no "
-              "longer match the context (e.g. a topic shift). easymats asks the runtime to recalibrate.",
+              "longer match the context (e.g. a topic shift). {{ if eq $labels.control \"none\" }}This "
+              "engine has no control channel: recalibrate it by hand (docs/runbook.md).{{ else }}easymats "
+              "asks the runtime to recalibrate.{{ end }}",
               {"action": "recalibrate"}),
         Alert("HiSparsePrefetchEfficiencyLow", f"{PREFETCH_RATIO} < {T.PREFETCH_EFFICIENCY_MIN:g}",
               T.PREFETCH_EFFICIENCY_FOR_S, "warning",

@@ -373,6 +373,16 @@ def _panel(spec: PanelSpec, panel_id: int):
                 DynamicConfigValue(id_val="custom.lineWidth", value=2),
                 DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
             ])
+    marker = not_provided_query(spec) if any("$target" in q.expr for q in spec.queries) else None
+    if marker is not None:
+        p = p.description(spec.description + _not_provided_note(spec))
+        target = prometheus.Dataquery().expr(marker.expr).ref_id(NOT_PROVIDED_REF).datasource(ds)
+        if marker.instant:  # a table lists the missing metrics as rows
+            p = p.with_target(target.instant().format(_table_format()))
+        else:  # a legend entry says it; no line is drawn for it
+            p = p.with_target(target.legend_format(marker.legend))
+            p = p.override_by_query(NOT_PROVIDED_REF, [DynamicConfigValue(
+                id_val="custom.hideFrom", value={"legend": False, "tooltip": False, "viz": True})])
     return p
 
 
@@ -397,6 +407,68 @@ def _table_format():
     from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
     return PromQueryFormat.TABLE
+
+
+# -- "not provided": engine targets (vLLM, SGLang; docs/engines.md) lack some catalogue metrics ----
+# A panel that draws runtime metrics per target also asks which of them a target's serving engine
+# cannot provide: such a target appears in the legend as "<metric> not provided by vllm" instead
+# of leaving the panel silently empty, and the description names the engine revisions that lack
+# them. Only per-target panels (their queries filter on $target) get it.
+
+# refId of the query that names, per target, the metrics its engine cannot provide.
+NOT_PROVIDED_REF = "NP"
+
+
+def _derived() -> dict[str, str]:
+    """Agent series that exist only when a runtime metric does (peaks of a gauge; recalibration
+    requests need the control channel that the recalibrations counter stands for)."""
+    from easymats.targets import PEAK_SOURCES
+
+    return {**{peak: src for peak, (src, _) in PEAK_SOURCES.items()},
+            "easymats_recalibration_requests_total": "hisparse_recalibrations_total"}
+
+
+def runtime_metrics_of(expr: str) -> list[str]:
+    """The runtime catalogue metrics a query draws, through recording rules and peak gauges."""
+    records = {r.record: r.expr for r in rules.recording_rules()}
+    derived = _derived()
+    out: list[str] = []
+    todo = promql.metric_names(expr)
+    while todo:
+        name = todo.pop(0)
+        if name in records:
+            todo.extend(promql.metric_names(records.pop(name)))
+            continue
+        name = derived.get(name, name)
+        for suffix in ("_bucket", "_sum", "_count"):  # a histogram's parts name the histogram
+            base = name[:-len(suffix)] if name.endswith(suffix) else None
+            if base and getattr(catalogue.CATALOGUE.get(base), "type", None) == catalogue.HISTOGRAM:
+                name = base
+        spec = catalogue.CATALOGUE.get(name)
+        if spec is not None and spec.source == catalogue.RUNTIME and name not in out:
+            out.append(name)
+    return out
+
+
+def not_provided_query(spec: PanelSpec) -> Query | None:
+    """The panel's "not provided" query: its runtime metrics that a target's engine lacks."""
+    metrics = [m for q in spec.queries for m in runtime_metrics_of(q.expr)]
+    if not metrics:
+        return None
+    pattern = "|".join(dict.fromkeys(metrics))
+    return Query(f'max by (target, engine, metric) (easymats_target_not_provided_info{{{SEL}, metric=~"{pattern}"}})',
+                 "{{target}}: {{metric}} not provided by {{engine}}", instant=spec.kind == "table")
+
+
+def _not_provided_note(spec: PanelSpec) -> str:
+    from easymats.sources import maps as engine_maps
+
+    metrics = {m for q in spec.queries for m in runtime_metrics_of(q.expr)}
+    lacking = [m.key for m in engine_maps.ENGINE_MAPS if metrics & set(m.not_provided())]
+    if not lacking:
+        return ""
+    return (f" Not provided by {', '.join(lacking)}: those targets are listed as \"not provided\" "
+            "(docs/engines.md).")
 
 
 def _variable(name: str, label: str, query: str):
@@ -507,6 +579,8 @@ def queries(board: dict) -> Iterator[tuple[str, str]]:
     """(where, PromQL) for every query in the dashboard: panels, annotations, variables."""
     for panel in board.get("panels", []):
         for t in panel.get("targets", []) or []:
+            if t.get("refId") == NOT_PROVIDED_REF:
+                continue  # answers for engine targets only: not_provided_queries()
             yield f"panel {panel.get('title')!r} {t.get('refId')}", t["expr"]
     for a in board.get("annotations", {}).get("list", []):
         if a.get("expr"):
@@ -532,10 +606,19 @@ def _label_values_selector(query) -> str:
     return inner.strip()
 
 
+def not_provided_queries(board: dict) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) of the panels' "not provided" queries, which name, per engine target, the
+    metrics its engine cannot provide (and answer nothing for a native runtime)."""
+    for panel in board.get("panels", []):
+        for t in panel.get("targets", []) or []:
+            if t.get("refId") == NOT_PROVIDED_REF:
+                yield f"panel {panel.get('title')!r} {t.get('refId')}", t["expr"]
+
+
 def problems(board: dict) -> list[str]:
     records = rules.recording_rule_names()
     out = []
-    for where, expr in queries(board):
+    for where, expr in [*queries(board), *not_provided_queries(board)]:
         for name in promql.undefined_names(expr, catalogue.CATALOGUE, records):
             out.append(f"{where}: {name!r} is neither in easymats/catalogue.py nor a recording rule "
                        "in alerts/rules.yml")

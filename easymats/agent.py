@@ -35,6 +35,7 @@ from .logwriter import LogWriter
 from .nvml import Nvml, NvmlSnapshot
 from .procmetrics import descendants, owner_of
 from .segment import SegmentError, control_path, pid_of_path, segment_dir, segment_paths
+from .sources.attach import EngineAttach, is_engine
 from .targets import Target
 
 DISCOVERY_INTERVAL_S = 1.0
@@ -60,8 +61,15 @@ class Agent:
                  duration: float | None = None, keep_serving: bool = False, view: str = "auto",
                  peak_window: float = 15.0, directory: str | None = None,
                  argv: Iterable[str] = (), out: TextIO | None = None, err: TextIO | None = None,
-                 nvml: Nvml | None = None):
+                 nvml: Nvml | None = None, scrapes: Iterable[str] = (), follow_logs: Iterable[str] = (),
+                 scrape_timeout: float | None = None):
         self.pids = list(dict.fromkeys(int(p) for p in pids))
+        # Engine sources (vLLM/SGLang endpoints, SGLang PIDs, decode logs): easymats/sources/.
+        try:
+            self.engines = EngineAttach(scrapes, follow_logs, self.pids, interval=interval,
+                                        timeout=scrape_timeout, peak_window_s=peak_window)
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
         self.children = children
         self.interval = interval
         self.output = output
@@ -135,6 +143,7 @@ class Agent:
         self._event("agent_start", detail=f"pids={','.join(map(str, self.pids))} "
                     f"interval={self.interval:g} dir={self.directory}")
         self._discover(initial=True)
+        self._attach_engines()
         if self.listen is not None:
             host, port = self.listen
             try:
@@ -231,6 +240,17 @@ class Agent:
             raise AgentError(f"permission denied for PID {pid}: it belongs to {owner_of(pid)}; run "
                              f"easymats as that user (segments are readable only by their owner)") from None
 
+    def _attach_engines(self) -> None:
+        """Scrape and stand-alone decode-log targets (engine PIDs attach in _discover)."""
+        try:
+            engines = self.engines.start(taken={tg.name for tg in self._targets})
+        except ValueError as exc:
+            self._close_log()
+            raise AgentError(str(exc)) from None
+        for tg in engines:
+            self._event("attach", tg, detail=f"{tg.kind} {tg.where}")
+        self._targets = self._targets + engines
+
     def _warn(self, key: str, message: str) -> None:
         if key in self._warned:
             return
@@ -265,7 +285,8 @@ class Agent:
                 continue
             if (path, ino) in self._rejected:
                 continue
-            watch_all = not self.pids  # --keep-serving without --pid: a sidecar for every runtime
+            # --keep-serving without --pid (and without engine sources): a sidecar for every runtime
+            watch_all = not self.pids and not self.engines.active
             if not watch_all and pid not in watched and not (self.keep_serving and down_names):
                 continue
             try:
@@ -299,15 +320,20 @@ class Agent:
                            f"process already uses; exporting it as {tg.name!r} (give each process its "
                            "own name in open_segment(name=...))")
             new.append(tg)
-        # Watched pids with no segment: sample their process (and GPU) only, and say so once.
-        have_pid = {tg.pid for tg in current + new if not tg.gone and tg.path}
+        # Watched pids with no segment: an engine process (SGLang's metric files) if it shows one,
+        # else sample their process (and GPU) only, and say so once.
+        have_pid = {tg.pid for tg in current + new if not tg.gone and (tg.path or is_engine(tg))}
         placeholders = {tg.pid for tg in current if not tg.gone and not tg.path}
         for pid in self.pids:
-            if pid not in have_pid and pid not in placeholders and procinfo.pid_exists(pid):
-                if not any(tg.pid == pid for tg in current):
+            if pid not in have_pid and procinfo.pid_exists(pid):
+                engine = self.engines.pid_target(pid, current)
+                if engine is not None:
+                    new.append(engine)
+                elif pid not in placeholders and not any(tg.pid == pid for tg in current):
                     self._warn(f"noseg-{pid}", f"PID {pid} has no telemetry segment in {self.directory} "
                                "(is it a HiSparse process with telemetry on, and EASYMATS_SEGMENT_DIR "
-                               "the same for both?); sampling its process and GPU metrics only")
+                               "the same for both?) and no prometheus_client metric files (an SGLang "
+                               "server with --enable-metrics?); sampling its process and GPU metrics only")
                     new.append(Target(pid, None, peak_window_s=self.peak_window))
         now = time.time()
         expired = [tg for tg in current if tg.gone and (tg.sample_t or now) < now - self.down_retention_s]
@@ -320,9 +346,9 @@ class Agent:
             return
         keep = []
         new_names = {tg.name for tg in new if tg.path}
-        new_pids = {tg.pid for tg in new if tg.path}
+        new_pids = {tg.pid for tg in new if tg.path or is_engine(tg)}
         for tg in current:
-            if not tg.path and tg.pid in new_pids:
+            if not tg.path and not is_engine(tg) and tg.pid in new_pids:
                 continue  # the placeholder's process opened its segment: the real target replaces it
             if tg.gone and tg.name in new_names:
                 tg.close()
@@ -332,7 +358,8 @@ class Agent:
             if tg.path and tg.name in down_names:
                 self._event("restart", tg, detail=f"{tg.name} is back as pid {tg.pid} ({tg.path})")
             else:
-                self._event("attach", tg, detail=tg.path or "no segment")
+                self._event("attach", tg, detail=tg.path or (f"{tg.kind} {tg.where}" if is_engine(tg)
+                                                             else "no segment"))
         self._targets = keep + new
 
     def _segment_paths(self) -> list[str]:

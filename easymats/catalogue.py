@@ -162,9 +162,21 @@ _AGENT_METRICS = (
     _m("easymats_recalibration_requests_total", COUNTER,
        "Recalibration requests written to a target's control file.", labels=("target",), source=AGENT),
     _m("easymats_build_info", INFO, "easymats version.", labels=("version",), source=AGENT),
+    # Engine targets (vLLM, SGLang; easymats/sources): what the target is, and what it cannot give.
+    _m("easymats_target_source_info", INFO,
+       "What a target is read from: engine, naming revision, how (via: scrape, pid, log) and its "
+       "control channel (none: recalibration alerts page instead of calling the webhook).",
+       labels=("target", "engine", "revision", "via", "control"), source=AGENT),
+    _m("easymats_target_not_provided_info", INFO,
+       "A runtime catalogue metric the target's engine cannot provide (docs/engines.md).",
+       labels=("target", "engine", "metric"), source=AGENT),
 )
 
 CATALOGUE: dict[str, MetricSpec] = {m.name: m for m in _RUNTIME_METRICS + _AGENT_METRICS}
+
+# Per-target agent series that only engine targets (vLLM, SGLang: easymats/sources) have; a native
+# HiSparse target never exports them (series counts per runtime target leave them out).
+ENGINE_TARGET_ONLY = frozenset({"easymats_target_source_info", "easymats_target_not_provided_info"})
 
 
 class UnknownMetricError(KeyError):

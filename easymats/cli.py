@@ -149,6 +149,15 @@ def check_interval(value: float, option: str = "--interval") -> float:
               help="Process to attach to (repeatable; also what pgrep prints: PIDs separated by "
                    "newlines, spaces or commas).")
 @click.option("--children", is_flag=True, help="Also follow descendants that open segments later.")
+@click.option("--scrape", "scrapes", multiple=True, metavar="[NAME=]URL",
+              help="An engine's Prometheus endpoint to read at every --interval (vLLM, SGLang: "
+                   "http://HOST:PORT/metrics); repeatable, mixes with --pid (docs/engines.md).")
+@click.option("--scrape-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds a --scrape read (or an engine PID's files) may take; below --interval "
+                   "[default: 0.8 x --interval].")
+@click.option("--follow-log", "follow_logs", multiple=True, type=click.Path(dir_okay=False), metavar="FILE",
+              help="SGLang's log file: read its HiSparse decode line (#gpu token, #cpu token); with "
+                   "one --pid it joins that PID's target.")
 @click.option("--interval", type=float, default=0.1, show_default=True,
               help="Seconds between samples (0.01..60).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
@@ -175,17 +184,20 @@ def check_interval(value: float, option: str = "--interval") -> float:
               help="File holding the bearer token the webhook requires.")
 @click.version_option(package_name="easymats", prog_name="easymats")
 @click.pass_context
-def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, interval: float,
+def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, scrapes: tuple[str, ...],
+         scrape_timeout: float | None, follow_logs: tuple[str, ...], interval: float,
          output: str | None, max_bytes: int, backups: int, listen: str, nvml_interval: float,
          duration: float | None, keep_serving: bool, quiet: bool, peak_window: float,
          webhook_listen: str | None, webhook_token_file: str | None) -> None:
-    """Attach to HiSparse processes by PID: sample their telemetry every --interval, log it,
-    show it live and serve it to Prometheus."""
+    """Attach to HiSparse processes by PID (or to vLLM/SGLang with --scrape, an SGLang PID,
+    --follow-log): sample their telemetry every --interval, log it, show it live and serve it to
+    Prometheus."""
     if ctx.invoked_subcommand is not None:
         return
     pids = parse_pids(pid_values)
-    if not pids and not keep_serving:
-        raise UsageFailure("no PID given: easymats --pid PID (e.g. --pid $(pgrep -f 'python infer.py')); "
+    if not pids and not keep_serving and not scrapes and not follow_logs:
+        raise UsageFailure("no PID given: easymats --pid PID (e.g. --pid $(pgrep -f 'python infer.py')), "
+                           "or --scrape http://HOST:PORT/metrics for a vLLM or SGLang server; "
                            "'easymats ls' lists processes that publish telemetry")
     check_interval(interval)
     check_interval(nvml_interval, "--nvml-interval")
@@ -201,7 +213,7 @@ def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, interv
                       max_bytes=max_bytes, backups=backups, listen=listen_addr,
                       nvml_interval=nvml_interval, duration=duration, keep_serving=keep_serving,
                       view="none" if quiet else "auto", peak_window=peak_window,
-                      argv=sys.argv)
+                      argv=sys.argv, scrapes=scrapes, follow_logs=follow_logs, scrape_timeout=scrape_timeout)
         agent.open()
         if webhook_addr:
             try:

@@ -19,6 +19,7 @@ from . import __version__, catalogue
 from .nvml import NvmlSnapshot
 from .logwriter import escape_label_value
 from .segment import Histogram, Series, Snapshot
+from .sources import passthrough
 from .targets import Target
 
 if TYPE_CHECKING:
@@ -124,6 +125,9 @@ class AgentCollector:
             yield "easymats_samples_total", tl, float(tg.samples)
             yield "easymats_sample_errors_total", tl, float(tg.errors)
             yield "easymats_segment_read_retries_total", tl, float(tg.retries)
+            engine_series = getattr(tg, "engine_series", None)  # engine targets (easymats/sources)
+            if engine_series is not None:
+                yield from engine_series()
             snap = tg.snapshot
             if snap is not None:
                 yield "easymats_target_heartbeat_timestamp_seconds", tl, snap.heartbeat_unix_ns / 1e9
@@ -184,7 +188,8 @@ class AgentCollector:
                 if self._exportable(tg, s):
                     emit(s.name, {**s.labels, "target": tg.name}, s.value)
         self.last_render_s = time.perf_counter() - t0
-        return iter(fams.values())
+        # Engine series no table maps, under the engine's own names (easymats/sources/passthrough).
+        return iter([*fams.values(), *passthrough.families(targets)])
 
     # -- the fast text path ------------------------------------------------------------------------
     def _runtime_lines(self, tg: Target, snap: Snapshot) -> list[tuple[int, str, tuple[str, ...]]]:
@@ -238,6 +243,8 @@ class AgentCollector:
         for name, lines in groups.items():
             parts.append(_HEADERS[name])
             parts.extend(lines)
+        # Engine series no table maps, under the engine's own names (easymats/sources/passthrough).
+        parts.append(passthrough.render(targets, _fv))
         self.last_render_s = time.perf_counter() - t0
         return "".join(parts)
 

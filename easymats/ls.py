@@ -1,4 +1,5 @@
-"""``easymats ls``: the telemetry segments on this machine, live and stale."""
+"""``easymats ls``: the telemetry segments on this machine, live and stale; with ``--engines``,
+what easymats maps from each serving engine and what that engine cannot provide."""
 
 from __future__ import annotations
 
@@ -52,12 +53,38 @@ def _age(s: float | None) -> str:
     return f"{s / 3600:.1f}h"
 
 
+def engines_text() -> str:
+    """Per engine and naming revision: the catalogue series it maps, and those it cannot provide."""
+    from .sources import maps
+
+    out = []
+    for m in maps.ENGINE_MAPS:
+        out.append(f"{m.key}: {m.title}")
+        out.append(f"  names from {m.source}")
+        for r in m.rules:
+            ways = " | ".join(" ".join(("+ " if t.sign > 0 else "- ") + t.sample + (
+                "{" + ",".join(f'{k}="{v}"' for k, v in t.match) + "}" if t.match else "") for t in way)[2:]
+                for way in r.ways)
+            out.append(f"  provides {r.series} = {ways}" + (f"  ({r.note})" if r.note else ""))
+        for metric in m.not_provided():
+            out.append(f"  NOT PROVIDED {metric}: {maps.why_not(m, metric)}")
+        out.append("")
+    out.append("Unmapped engine series pass through under the engine's names; see docs/engines.md.")
+    return "\n".join(out)
+
+
 @click.command("ls")
 @click.option("--clean", is_flag=True, help="Remove stale segments (dead or reused pid) and their control files.")
 @click.option("--dir", "directory", default=None, help="Segment directory (default: $EASYMATS_SEGMENT_DIR "
               "or /dev/shm/easymats-<uid>).")
-def ls(clean: bool, directory: str | None) -> None:
-    """List live and stale telemetry segments on this machine."""
+@click.option("--engines", is_flag=True, help="Show what easymats maps from vLLM and SGLang (per naming "
+              "revision) and which catalogue metrics each cannot provide.")
+def ls(clean: bool, directory: str | None, engines: bool) -> None:
+    """List live and stale telemetry segments on this machine (--engines: what each serving
+    engine provides)."""
+    if engines:
+        click.echo(engines_text())
+        return
     d = directory or segment_dir()
     if not os.path.isdir(d):
         click.echo(f"no segment directory {d}: no process has published telemetry as this user")

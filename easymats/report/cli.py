@@ -39,6 +39,26 @@ def format_findings(findings: list[Finding]) -> str:
     return "\n".join(out)
 
 
+def unjudged_lines(targets: dict) -> list[str]:
+    """Per target, the judged quantities the log holds no value of (a serving engine that does not
+    provide them, or no traffic): "no findings" says nothing about those."""
+    from easymats import thresholds
+
+    from .derive import SPECS
+
+    out = []
+    for name in sorted(targets):
+        run = targets[name]
+        missing = [SPECS[t.name].title.lower() for t in thresholds.THRESHOLDS
+                   if t.name in SPECS and not run.sketches[t.name].count
+                   # a pool that grows on demand has blocks but no limit: no ratio, by design
+                   and not (t.name == "kv_free_blocks_ratio" and run.sketches["active_blocks"].count)]
+        if missing:
+            out.append(f"{name}: not judged (no values in the log: not provided by its engine, or no "
+                       f"traffic): {', '.join(missing)}")
+    return out
+
+
 def most_urgent(findings: list[Finding]) -> str | None:
     """One line for the live view: the most urgent finding, or None."""
     if not findings:
@@ -144,24 +164,41 @@ def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_f
     click.echo(f"{stats.samples} samples of {len(analysis.targets)} target(s) over {fmt_s(span)} "
                f"from {len(files)} file(s){outside}; {stats.skipped} unreadable line(s) skipped.")
     click.echo(format_findings(findings))
+    for line in unjudged_lines(analysis.targets):  # e.g. an engine target: see `easymats ls --engines`
+        click.echo(line)
     click.echo(f"wrote {out_path}" + (f" and {len(rendered)} PNG(s) in {png_dir}" if png_dir else ""))
 
 
 @click.command("doctor")
-@click.option("--pid", type=int, required=True, help="The HiSparse process to check.")
+@click.option("--pid", type=int, default=None, help="The HiSparse process (or SGLang server) to check.")
+@click.option("--scrape", "scrape_url", default=None, metavar="URL",
+              help="Instead of --pid: a vLLM or SGLang metrics endpoint (docs/engines.md).")
 @click.option("--window", "window_s", type=click.FloatRange(min=1, max=600), default=10.0, show_default=True,
               help="Seconds to sample before judging.")
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.01, max=5), default=0.1,
               show_default=True, help="Seconds between samples.")
-def doctor(pid: int, window_s: float, interval_s: float) -> None:
+def doctor(pid: int | None, scrape_url: str | None, window_s: float, interval_s: float) -> None:
     """Sample a live HiSparse process for a short window and print findings (exit 1 if any)."""
     from . import live
+    if (pid is None) == (scrape_url is None):
+        raise Usage("give one of --pid PID and --scrape URL")
     try:
-        readers = live.open_readers(pid)
+        if scrape_url is not None:
+            from easymats.sources.target import LiveReader, scrape_target
+
+            try:
+                tg = scrape_target(scrape_url, name=None, peak_window_s=15.0, timeout_s=0.8 * interval_s)
+            except ValueError as exc:
+                raise Usage(str(exc)) from None
+            tg.reader.wait_first(0.8 * interval_s)
+            readers = [(tg.name, LiveReader(tg))]
+        else:
+            readers = live.open_readers(pid)
     except live.LiveError as exc:
         raise Usage(str(exc)) from None
     names = ", ".join(n for n, _ in readers)
-    click.echo(f"sampling pid {pid} ({names}) for {window_s:g} s ...", err=True)
+    what = f"pid {pid}" if pid is not None else scrape_url
+    click.echo(f"sampling {what} ({names}) for {window_s:g} s ...", err=True)
     # Short window: ratios over a quarter of it; a problem must hold for half of it to count.
     analysis = Analysis(window_s=max(1.0, window_s / 4), interval_s=interval_s)
     try:
@@ -177,6 +214,8 @@ def doctor(pid: int, window_s: float, interval_s: float) -> None:
     n = sum(r.samples for r in runs)
     click.echo(f"{n} samples over {fmt_s(max((r.duration_s for r in runs), default=0.0))}")
     click.echo(format_findings(findings))
+    for line in unjudged_lines(analysis.targets):
+        click.echo(line)
     gone = [(r.name, r.downs[0]) for r in runs if r.downs]
     for name, (t, detail) in gone:
         click.echo(f"{name} went down during the window at {fmt_t(t)}: {detail}")

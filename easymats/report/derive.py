@@ -254,6 +254,8 @@ class Deriver:
                            ("context_tokens", _num(metrics.get(K_CONTEXT)))):
             if not math.isnan(value):
                 v[key] = value
+        if math.isnan(pending) and not math.isnan(active) and not math.isnan(free):
+            pending = 0.0  # a serving engine has no recycle grace (docs/engines.md), as the rule sums
         if not any(math.isnan(x) for x in (active, free, pending)) and active + free + pending > 0:
             pool = active + free + pending
             v["pool_blocks"] = pool

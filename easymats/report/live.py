@@ -31,13 +31,21 @@ def snapshot_record(snap: Snapshot, target: str, t: float, lag_s: float) -> dict
             "heartbeat_t": snap.heartbeat_unix_ns / 1e9, "seq": snap.seq, "lag_s": lag_s, "metrics": metrics}
 
 
-def open_readers(pid: int, directory: str | None = None) -> list[tuple[str, segment.SegmentReader]]:
-    """(target name, reader) for every segment of ``pid``; LiveError when there is none."""
+def open_readers(pid: int, directory: str | None = None) -> list[tuple[str, Any]]:
+    """(target name, reader) for every segment of ``pid`` (or, without one, for the serving engine
+    it is: SGLang's metric files, easymats/sources); LiveError when there is neither."""
     if pid <= 0:
         raise LiveError(f"--pid {pid} is not a process id")
     try:
         paths = segment.require_segments(pid, directory)
     except SegmentError as exc:
+        if exc.kind == "not_found":
+            from easymats.sources.target import LiveReader, pid_target
+
+            tg = pid_target(pid, peak_window_s=15.0, timeout_s=0.08)
+            if tg is not None:
+                tg.reader.wait_first(1.0)
+                return [(tg.name, LiveReader(tg))]
         raise LiveError(exc.detail) from None
     readers = []
     for p in paths:
@@ -79,7 +87,8 @@ def sample(readers: list[tuple[str, segment.SegmentReader]], window_s: float,
                 pids[name] = snap.pid
                 yield snapshot_record(snap, name, t, lag)
                 if k % 10 == 9:
-                    if not os.path.exists(r.path):  # a clean exit removes the segment; our fd still reads it
+                    # A clean exit removes the segment; our fd still reads it. (An engine has none.)
+                    if isinstance(r, segment.SegmentReader) and not os.path.exists(r.path):
                         raise SegmentError("not_found", r.path, "the segment was removed: the process closed "
                                            "its telemetry (it exited)")
                     r.check_writer()  # a crash leaves the segment behind: notice it
