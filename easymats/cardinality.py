@@ -54,6 +54,8 @@ def series_per_target(gpus_per_target: int = 1) -> int:
     for spec in catalogue.CATALOGUE.values():
         if spec.detail:
             continue  # opt-in (HiSparseConfig.layer_metrics): see detail_series_per_target
+        if spec.name in catalogue.ENGINE_TARGET_ONLY:
+            continue  # only a vLLM/SGLang target has these, and it has no runtime series
         if spec.source == catalogue.RUNTIME or "target" in spec.labels:
             total += series_of(spec, gpus_per_target)
     return total
