@@ -226,6 +226,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import hi_sparse as hs
+    from hi_sparse.kernels import two_level_pays
 
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -370,8 +371,8 @@ def main() -> int:
                         st = eng.stats
                         lookups, hits = st.hot_buffer_lookups - before[0], st.hot_buffer_hits - before[1]
                         row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
-                        row["two_level_scores"] = eng.two_level_scores
-                        row["batched_decodes"] = eng.batched_decodes
+                        row["two_level_scoring"] = two_level_pays(-(-ctx // eng.cfg.cache_block_size),
+                                                                  eng.cfg.bound_group, eng._decoder.n_super)
                     if row is not first_row:
                         results["runs"].append(row)
                     if args.profile and eng is not None and k == len(inputs) - 1 and repeat > 1:

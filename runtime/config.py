@@ -41,8 +41,6 @@ class HiSparseConfig:
     bound_group: int = 16                # blocks per super-block: at long context selection scores
                                          # super-blocks first, then only the best ones' blocks
                                          # (1 = always score every block)
-    batch_decode: bool = True            # decode sequences of one length in consecutive rows as one
-                                         # batch (False: one by one, the reference path)
     decode_graphs: bool = True           # CUDA: replay each layer's batched decode step from a
                                          # captured CUDA graph (False: launch its kernels each step)
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long

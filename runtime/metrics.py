@@ -79,6 +79,14 @@ class DeviceCounters:
             setattr(stats, name, getattr(stats, name) + int(v))
 
 
+def device_sum(counts: list[torch.Tensor]) -> int:
+    """Sum of 0-dim counts that may live on several devices: one host read per device."""
+    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    for c in counts:
+        by_dev.setdefault(c.device, []).append(c)
+    return sum(int(torch.stack(cs).sum()) for cs in by_dev.values())
+
+
 _COUNTERS = (  # (catalogue name, labels, stats field)
     ("hisparse_anchor_lookups_total", {}, "anchor_lookups"),
     ("hisparse_anchor_hits_total", {}, "anchor_hits"),

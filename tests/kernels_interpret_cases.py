@@ -181,6 +181,26 @@ def _scores_listed() -> None:
     _need(s.shape == (2, 2, 21) and err < 1e-5, f"listed scores differ: {err:.2e}")
 
 
+def _two_level_per_row() -> None:
+    """Rows of a batch with their own limits (NaN bounds past a row's blocks) give each row what a
+    call with that row's limit gives."""
+    q, kmin = torch.randn(3, 2, 3, 60), torch.randn(3, 2, 45, 60)
+    kmax = kmin + torch.rand(3, 2, 45, 60)
+    kmin[2, :, 20:], kmax[2, :, 20:] = float("inf"), float("-inf")       # row 2 holds 20 blocks
+    smin, smax = K.superblock_bounds(kmin, kmax, 4)
+    limits = torch.tensor([38, 45, 17])
+    blocks, sc = K.two_level_candidates(q, kmin, kmax, smin, smax, 4, n_super=3, limit=limits[:, None])
+    for r, lim in enumerate(limits.tolist()):
+        b1, s1 = K.two_level_candidates(q[r:r + 1], kmin[r:r + 1], kmax[r:r + 1], smin[r:r + 1], smax[r:r + 1], 4,
+                                        n_super=3, limit=lim)
+        for h in range(2):
+            got = sorted(zip(blocks[r, h].tolist(), sc[r, h].tolist()))
+            want = sorted(zip(b1[0, h].tolist(), s1[0, h].tolist()))
+            _need([b for b, _ in got] == [b for b, _ in want], f"row {r}: candidate blocks differ")
+            for (b, x), (_, y) in zip(got, want):
+                _need(b < 0 and x == float("-inf") or abs(x - y) <= 1e-4 * max(1.0, abs(y)), f"row {r}: scores")
+
+
 def _two_level() -> None:
     q, kmin = torch.randn(2, 2, 3, 60), torch.randn(2, 2, 45, 60)
     kmax = kmin + torch.rand(2, 2, 45, 60)
@@ -260,6 +280,7 @@ CASES: dict[str, Callable[[], None]] = {
     "block_scores-d60": _scores,
     "block_scores-listed-d60": _scores_listed,
     "two_level_candidates-d60": _two_level,
+    "two_level_candidates-per-row-limit": _two_level_per_row,
 }
 
 
