@@ -58,12 +58,13 @@ class Alert:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-# Recording rule names (fixed whatever the window: see the module docstring).
-ANCHOR_HIT_RATIO = "target:hisparse_anchor_hits_per_lookups:ratio_rate5m"
-PREFETCH_RATIO = "target:hisparse_prefetch_used_per_issued:ratio_rate5m"
-HOT_BUFFER_RATIO = "target:hisparse_hot_buffer_hits_per_lookups:ratio_rate5m"
-DENSITY_RATIO = "target:hisparse_kv_tokens_used_per_loaded:ratio_rate5m"
-RECYCLE_RATIO = "target:hisparse_kv_block_recycles_per_active_block:ratio_rate5m"
+# Recording rule names (fixed whatever the window: see the module docstring); the ratios' own
+# come with their definitions from the catalogue.
+ANCHOR_HIT_RATIO = catalogue.RATIO["anchor_hit_rate"].record
+PREFETCH_RATIO = catalogue.RATIO["prefetch_efficiency"].record
+HOT_BUFFER_RATIO = catalogue.RATIO["hot_buffer_hit_rate"].record
+DENSITY_RATIO = catalogue.RATIO["block_density"].record
+RECYCLE_RATIO = catalogue.RATIO["block_recycle_rate"].record
 # Headroom of the pool against its limit: (limit - active - pending_recycle) / limit.
 # Not free / current size: a pool that grows on demand is briefly "full" before every growth step
 # and has no limit (0), so it gets no sample here and cannot page.
@@ -73,24 +74,18 @@ STEP_QUANTILE = "target_quantile:hisparse_step_duration_seconds:histogram_quanti
 LAG_QUANTILE = "instance_quantile:easymats_sample_lag_seconds:histogram_quantile_rate5m"
 
 
-def _ratio_of_rates(num: str, den: str, window: str) -> str:
-    return (f"sum by ({BY}) (rate({num}[{window}]))\n"
-            f"/\n(sum by ({BY}) (rate({den}[{window}])) > 0)\n")
+def _ratio(r: catalogue.Ratio, window: str) -> str:
+    """A catalogue ratio: the numerator's rate over the denominator's (or over a gauge's value)."""
+    if r.per_gauge:
+        labels = ",".join(f'{k}="{v}"' for k, v in r.denominator_labels.items())
+        den = f"sum by ({BY}) ({r.denominator}{{{labels}}})" if labels else f"sum by ({BY}) ({r.denominator})"
+    else:
+        den = f"sum by ({BY}) (rate({r.denominator}[{window}]))"
+    return f"sum by ({BY}) (rate({r.numerator}[{window}]))\n/\n({den} > 0)\n"
 
 
 def recording_rules(window: str = RATE_WINDOW) -> list[Recording]:
-    rules = [
-        Recording(ANCHOR_HIT_RATIO, _ratio_of_rates("hisparse_anchor_hits_total",
-                                                    "hisparse_anchor_lookups_total", window)),
-        Recording(PREFETCH_RATIO, _ratio_of_rates("hisparse_prefetch_used_total",
-                                                  "hisparse_prefetch_issued_total", window)),
-        Recording(HOT_BUFFER_RATIO, _ratio_of_rates("hisparse_hot_buffer_hits_total",
-                                                    "hisparse_hot_buffer_lookups_total", window)),
-        Recording(DENSITY_RATIO, _ratio_of_rates("hisparse_kv_tokens_used_total",
-                                                 "hisparse_kv_tokens_loaded_total", window)),
-        Recording(RECYCLE_RATIO,
-                  f"sum by ({BY}) (rate(hisparse_kv_block_recycles_total[{window}]))\n"
-                  f"/\n(sum by ({BY}) (hisparse_kv_blocks{{state=\"active\"}}) > 0)\n"),
+    rules = [Recording(r.record, _ratio(r, window)) for r in catalogue.RATIOS] + [
         Recording(FREE_BLOCKS_RATIO,
                   f"(sum by ({BY}) (hisparse_kv_blocks_limit)\n"
                   f" - sum by ({BY}) (hisparse_kv_blocks{{state=~\"active|pending_recycle\"}}))\n"

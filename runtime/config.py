@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Union
 
-QUANT_BITS = (4, 5, 6, 8)
+from easymats.catalogue import QUANT_BITS as _CATALOGUE_BITS
+
+QUANT_BITS = tuple(int(b) for b in _CATALOGUE_BITS)
 Bits = Union[int, str, None]
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from easymats.catalogue import RECALIBRATION_REASONS
+
 from .row_bank import RowBank
 
 if TYPE_CHECKING:          # prefill imports this module (remember_queries)
@@ -29,7 +31,7 @@ if TYPE_CHECKING:          # prefill imports this module (remember_queries)
     from .sequences import Sequence
 
 RECENCY_DECAY = 0.5  # weight per step of query age: after a topic shift the new topic wins fast
-REASONS = ("schedule", "request", "drift")
+REASONS = RECALIBRATION_REASONS
 
 
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:

@@ -71,3 +71,13 @@ def test_error_budget_policy_picks_fewest_bits_within_budget():
             fewer = {8: 6, 6: 5, 5: 4}[b]
             assert quantize_roundtrip(x[None], fewer)[3].item() > 0.02
     assert FixedBits(6).choose(blocks, blocks)[0].eq(6).all()
+
+
+def test_the_widths_the_catalogue_counts_are_the_ones_the_kernels_pack():
+    from easymats import catalogue
+    from hi_sparse.config import QUANT_BITS
+    from hi_sparse.kernels import SUPPORTED_BITS
+    from hi_sparse.quant_policy import BITS
+
+    assert BITS == QUANT_BITS == tuple(int(b) for b in catalogue.QUANT_BITS)
+    assert set(BITS) <= set(SUPPORTED_BITS)
