@@ -50,6 +50,8 @@ class HiSparseConfig:
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True
     publish_interval_s: float = 0.005    # publish at most this often
+    gauge_interval_s: float = 1.0        # refresh the gauges that cost a device reduction or a walk
+                                         # over every layer (anchors, residency, memory) this often
     name: str | None = None              # telemetry target name; None -> "hisparse"
     seed: int = 0                        # audit sampling and probe init
 
@@ -98,6 +100,7 @@ class HiSparseConfig:
              f"bound_group must be an integer >= 1 (1 scores every block), got {self.bound_group!r}")
         need(self.recycle_grace_s >= 0, "recycle_grace_s must be >= 0")
         need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
+        need(self.gauge_interval_s >= 0, "gauge_interval_s must be >= 0 (0 refreshes every gauge at every publish)")
         if self.host_pool_blocks is not None:
             need(self.host_pool_blocks >= 1, "host_pool_blocks must be >= 1 (or None to grow)")
         if self.streaming:

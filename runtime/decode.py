@@ -29,10 +29,10 @@ from hi_sparse.kernels import sparse_decode_attention, two_level_pays
 from . import anchors, key_bounds
 from .batch_step import GraphRunner
 from .config import HiSparseConfig
-from .host_pool import HostPool
+from .host_pool import HostPool, QuantEvents
 from .hot_buffer import ticks
 from .layers import KVShape, LayerRows
-from .metrics import RuntimeStats
+from .metrics import RuntimeMetrics
 from .page_table import PageTable
 from .recalibration import remember_queries
 from .selection import bound_scores, candidate_blocks, select
@@ -154,9 +154,9 @@ class Decoder:
     """The host side of appends and decode steps, and the device state of each batch."""
 
     def __init__(self, cfg: HiSparseConfig, shape: KVShape, layers: list[LayerRows], host: HostPool,
-                 storage: Storage, sequences: SequenceTable, stats: RuntimeStats) -> None:
+                 storage: Storage, sequences: SequenceTable, metrics: RuntimeMetrics) -> None:
         self.cfg, self.shape, self.layers, self.host = cfg, shape, layers, host
-        self.storage, self.sequences, self.stats = storage, sequences, stats
+        self.storage, self.sequences, self.metrics = storage, sequences, metrics
         self.n_super = key_bounds.n_super(cfg.top_k, cfg.window_size, cfg.global_tokens, cfg.cache_block_size,
                                           cfg.prefetch_blocks)
         # graphs on CUDA with decode_graphs, when every layer is on one GPU (graphs per layer and
@@ -215,17 +215,17 @@ class Decoder:
         else:                            # prefill: run once per shape, not worth a graph
             body(k, v)
         self.host.note_device_writes(rows.device)
-        self.stats.backup_bytes += self.host.backup_bytes(starts, T)
+        self.metrics.backup_bytes.inc(self.host.backup_bytes(starts, T))
         for s, p in zip(seqs, starts):
             s.lengths[layer] = p + T
 
-    def _count_write(self, nbytes: int, events) -> None:
-        st = self.stats
-        st.backup_bytes += nbytes
+    def _count_write(self, nbytes: int, events: QuantEvents) -> None:
+        m = self.metrics
+        m.backup_bytes.inc(nbytes)
         for bits, c in events.counts.items():
-            st.quant_blocks[bits] += c
+            m.quant_blocks[bits].inc(c)
         for e in events.errors:
-            st.quant_error.observe(e)
+            m.quant_error.observe(e)
 
     def attend(self, rows: LayerRows, seqs: list[Sequence], q: torch.Tensor) -> torch.Tensor:
         """The decode step's attention, q (B, Hq, D) on the layer's device -> (B, Hq, D)."""

@@ -31,21 +31,17 @@ import torch
 from . import __version__
 from .block_pool import BlockPool
 from .config import HiSparseConfig
+from .control import ControlReader
 from .decode import Decoder
 from .host_pool import HostPool
 from .layers import KVShape, LayerRows, devices_per_layer, normalize_device
-from .metrics import DeviceCounters, Publisher, RuntimeStats, device_sum
+from .metrics import DeviceCounters, Gauges, Publisher, RuntimeMetrics, Stats
 from .page_table import PageTable
 from .prefill import ContextReader, PrefillAttention
-from .probe import ImportanceProbe, probe_threshold
+from .probe import ImportanceProbe
 from .recalibration import REASONS, Audit, RecalibrationController, Recalibrator
 from .sequences import SequenceTable
 from .storage import Storage
-
-# Gauges (anchors and hot-buffer residency: a reduction per layer and a read-back; memory by tier:
-# a walk over every layer's tensors) are refreshed at most this often when publishing; counters
-# are published every time (docs/BENCHMARKS.md: every gauge at every step cost ~2 % of a step).
-_GAUGE_INTERVAL_S = 1.0
 
 
 class HiSparseEngine:
@@ -68,7 +64,15 @@ class HiSparseEngine:
         self.shape = shape = KVShape(num_layers, num_q_heads, num_kv_heads, head_dim, cfg.cache_block_size,
                                      cfg.buffer_tokens, cfg.kv_dtype or dtype)
         self.meta_device = normalize_device(self.device) if cfg.metadata_device == "device" else torch.device("cpu")
-        self.pool = BlockPool(0, grace_s=cfg.recycle_grace_s)
+        self._owned_segment = segment is None and cfg.telemetry
+        if self._owned_segment:
+            from easymats import telemetry
+            segment = telemetry.open_segment(cfg.name or "hisparse", labels={"model": model_name})
+        self.metrics = metrics = RuntimeMetrics(segment)
+        metrics.info({"version": __version__, "model": model_name, "device": str(self.device)}, cfg.as_labels())
+        self.pool = BlockPool(0, grace_s=cfg.recycle_grace_s,
+                              counters={"allocations": metrics.block_allocations, "recycles": metrics.block_recycles,
+                                        "reclaims": metrics.block_reclaims})
         self.pages = PageTable(self.pool, cfg.cache_block_size)
         self.host = HostPool(num_layers, num_kv_heads, head_dim, cfg.cache_block_size, shape.dtype,
                              pin=torch.cuda.is_available() and any(d.type == "cuda" for d in devices + [self.device]),
@@ -77,11 +81,10 @@ class HiSparseEngine:
             self.pool.grow(cfg.host_pool_blocks)
             self.host.grow(blocks=cfg.host_pool_blocks)
         self.layers = self._layers(devices)
-        self._stats = RuntimeStats()
         self._sequences = SequenceTable(cfg, self.layers, self.host, self.pages)
         self._storage = Storage(cfg, self.pool, self.pages, self.host, self.layers, self._sequences,
-                                self.meta_device, self._stats)
-        self._decoder = Decoder(cfg, shape, self.layers, self.host, self._storage, self._sequences, self._stats)
+                                self.meta_device, metrics)
+        self._decoder = Decoder(cfg, shape, self.layers, self.host, self._storage, self._sequences, metrics)
         reader = ContextReader(self.host, self.pages, self._storage, cfg.cache_block_size)
         self._prefill = PrefillAttention(shape, reader)
         self._recalibrator = Recalibrator(cfg, shape, self.layers, reader)
@@ -90,19 +93,13 @@ class HiSparseEngine:
         self.decode_steps = 0
         self.recent_audits: deque[Audit] = deque(maxlen=256)   # the last audits, for inspection
         self._step_t0: float | None = None
-        self._gauges_at = float("-inf")
         self._step_decoded = False
         self._audit_at: tuple[int, int] | None = None
-        self._pending_ack = None
-        self._owned_segment = False
-        if segment is None and cfg.telemetry:
-            from easymats import telemetry
-            segment = telemetry.open_segment(cfg.name or "hisparse", labels={"model": model_name})
-            self._owned_segment = True
-        self.publisher = Publisher(segment, cfg.publish_interval_s,
-                                   {"version": __version__, "model": model_name, "device": str(self.device)},
-                                   cfg.as_labels())
-        self._publish(force=True)
+        self._gauges = Gauges(metrics, cfg, shape, self.layers, self.pool, self.pages, self.host, self._sequences,
+                              self.meta_device)
+        self.publisher = Publisher(metrics, self._gauges, cfg.publish_interval_s, cfg.gauge_interval_s)
+        self._control = ControlReader(segment)
+        self.publisher.maybe_publish(force=True)
 
     def _layers(self, devices: list[torch.device]) -> list[LayerRows]:
         # Triton launches on the current CUDA device and stream: with layers on several GPUs (or
@@ -148,7 +145,7 @@ class HiSparseEngine:
         if len(pads) != batch_size or any(p < 0 for p in pads):
             raise ValueError(f"pad_lengths must be {batch_size} non-negative ints, got {pad_lengths!r}")
         ids = [s.seq_id for s in self._sequences.add(pads)]
-        self._publish()
+        self.publisher.maybe_publish()
         return ids
 
     def fork_sequences(self, seq_id: int, copies: int) -> list[int]:
@@ -166,7 +163,7 @@ class HiSparseEngine:
             raise ValueError(f"sequence {seq_id} is in the middle of a step (its layers hold "
                              f"{sorted(set(src.lengths))} tokens): fork between forward passes")
         ids = [s.seq_id for s in self._sequences.fork(src, copies, self._storage.allocate)]
-        self._publish()
+        self.publisher.maybe_publish()
         return ids
 
     def seq_len(self, seq_id: int) -> int:
@@ -178,7 +175,7 @@ class HiSparseEngine:
         self._sequences.free(seq_ids)
         self._decoder.forget(seq_ids)
         self._prefill.forget(seq_ids)
-        self._publish()
+        self.publisher.maybe_publish()
 
     def resume_sequence(self, seq_id: int) -> bool:
         """Take back a freed sequence within its grace period (its blocks are reclaimed).
@@ -187,7 +184,7 @@ class HiSparseEngine:
         """
         resumed = self._sequences.resume(seq_id)
         if resumed:
-            self._publish()
+            self.publisher.maybe_publish()
         return resumed
 
     # -- append and attend ---------------------------------------------------------------------
@@ -207,10 +204,7 @@ class HiSparseEngine:
             self._decoder.append(rows, seqs, k, v)
         self._prefill.keep(layer, seqs, k, v)
         if layer == 0:
-            if T > 1:
-                self._stats.tokens_prefill += T * len(seqs)
-            else:
-                self._stats.tokens_decode += len(seqs)
+            (self.metrics.tokens_prefill if T > 1 else self.metrics.tokens_decode).inc(T * len(seqs))
             self.recal.on_tokens(T * len(seqs))
 
     def attend(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> torch.Tensor:
@@ -253,8 +247,8 @@ class HiSparseEngine:
     def _audit(self, rows: LayerRows, seqs: list, q: torch.Tensor) -> None:
         head = self._audit_at[1]
         for lookups, hits in self._recalibrator.audit(rows, seqs, q, head):
-            self._stats.anchor_lookups += lookups
-            self._stats.anchor_hits += hits
+            self.metrics.anchor_lookups.inc(lookups)
+            self.metrics.anchor_hits.inc(hits)
             self.recal.on_audit(lookups, hits)
             self.recent_audits.append(Audit(self.decode_steps, rows.index, head, lookups, hits))
 
@@ -280,88 +274,37 @@ class HiSparseEngine:
         if self._step_decoded:
             self.decode_steps += 1
             if self._step_t0 is not None:
-                self._stats.step_duration.observe(time.perf_counter() - self._step_t0)
+                self.metrics.step_duration.observe(time.perf_counter() - self._step_t0)
         self._step_t0 = None
         self._audit_at = None
         self._prefill.end_step()
-        req = self.publisher.poll_control()
-        if req is not None:
-            if req.action == "recalibrate":
-                self.recal.request("request")
-                self._pending_ack = req
-            else:
-                self.publisher.ack(req, status=1)  # unknown action: acknowledged as refused
+        if self._control.recalibration_requested():
+            self.recal.request("request")
         live = list(self._sequences.live.values())
         ready = any(s.queries_kept[0] and s.lengths[0] - s.first_token > self.cfg.top_k for s in live)
         reason = self.recal.due(ready)
         if reason is not None:
             self._recalibrator.recalibrate(live)
             self.recal.done(reason)
-            self._stats.recalibrations[reason] += 1
-            if reason == "request" and self._pending_ack is not None:
-                self.publisher.ack(self._pending_ack)
-                self._pending_ack = None
+            self.metrics.recalibrations[reason].inc()
+            if reason == "request":
+                self._control.acknowledge()
         self.pool.recycle_expired()
         self._sequences.expire(time.monotonic())
-        self._publish()
+        self.publisher.maybe_publish()
 
-    # -- stats, memory, publish ----------------------------------------------------------------
+    # -- stats, memory, close -----------------------------------------------------------------
     @property
-    def stats(self) -> RuntimeStats:
-        """Current counters (device-side counts are read back now)."""
-        self._refresh_stats()
-        return self._stats
-
-    def _refresh_stats(self, gauges: bool = True) -> None:
-        """Counters always; with ``gauges`` also the device-side gauges (anchors, hot-buffer
-        residency: a reduction per layer), which publishing refreshes every _GAUGE_INTERVAL_S."""
-        st = self._stats
-        for counters in dict.fromkeys(layer.counters for layer in self.layers):
-            counters.flush_into(st)
-        live = self._sequences.live.values()
-        st.sequences = len(live)
-        st.context_tokens = sum(s.length for s in live)
-        if gauges:
-            st.anchors = device_sum([(layer.bank.t["anchors"] >= 0).sum() for layer in self.layers])
-            st.hot_buffer_resident = device_sum([(layer.hot.slot_token >= 0).sum() for layer in self.layers])
-            st.memory = self.memory_bytes()
-            self._gauges_at = time.monotonic()
-        ctx = max((s.length for s in live), default=0)
-        st.anchor_threshold = probe_threshold(ctx, self.cfg.threshold_base, self.cfg.threshold_min,
-                                              self.cfg.threshold_max)
-        st.blocks_active, st.blocks_free = self.pool.num_active, self.pool.num_free
-        st.blocks_pending = self.pool.num_pending
-        # The limit, not the current size: a pool that grows on demand has none, so "free blocks"
-        # of it say nothing about exhaustion (alerts and the report judge against this).
-        st.blocks_limit = self.cfg.host_pool_blocks or 0
-        st.block_allocations, st.block_recycles = self.pool.allocations, self.pool.recycles
-        st.block_reclaims = self.pool.reclaims
-        st.hot_buffer_capacity = len(live) * self.num_layers * self.shape.num_kv_heads * self.shape.slots
+    def stats(self) -> Stats:
+        """A snapshot of every runtime metric now (device-side counts are read back now)."""
+        self._gauges.refresh()
+        return self.metrics.snapshot()
 
     def memory_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes held by tier ('device'/'host') and kind ('data'/'metadata')."""
-        dev_data = dev_meta = 0
-        for layer in self.layers:
-            data, meta = layer.memory_bytes()
-            dev_data, dev_meta = dev_data + data, dev_meta + meta
-        tables = sum(8 * len(self.pages.seqs[s.seq_id].blocks) for s in self._sequences.live.values())
-        host_data, pool_meta = self.host.bytes()
-        if self.meta_device.type == "cpu":
-            pool_meta += tables
-        else:
-            dev_meta += tables
-        return {("device", "data"): dev_data, ("device", "metadata"): dev_meta,
-                ("host", "data"): host_data, ("host", "metadata"): pool_meta}
-
-    def _publish(self, force: bool = False) -> None:
-        if self.publisher.due(force):
-            self._refresh_stats(gauges=force or time.monotonic() - self._gauges_at >= _GAUGE_INTERVAL_S)
-            self.publisher.publish(self._stats)
+        return self._gauges.memory_bytes()
 
     def close(self) -> None:
         """Publish a last snapshot and remove the segment (if the engine opened it)."""
-        if self.publisher.enabled:
-            self._refresh_stats()
-            self.publisher.publish(self._stats)
+        self._control.close()
         self.publisher.close(self._owned_segment)
-

@@ -15,7 +15,7 @@ from .block_pool import BlockPool, KVBlock
 from .config import HiSparseConfig
 from .host_pool import HostPool
 from .layers import LayerRows
-from .metrics import RuntimeStats
+from .metrics import RuntimeMetrics
 from .page_table import PageTable, PoolExhausted
 from .sequences import Sequence, SequenceTable
 
@@ -23,9 +23,9 @@ from .sequences import Sequence, SequenceTable
 class Storage:
     def __init__(self, cfg: HiSparseConfig, pool: BlockPool, pages: PageTable, host: HostPool,
                  layers: list[LayerRows], sequences: SequenceTable, meta_device: torch.device,
-                 stats: RuntimeStats) -> None:
+                 metrics: RuntimeMetrics) -> None:
         self.cfg, self.pool, self.pages, self.host = cfg, pool, pages, host
-        self.layers, self.sequences, self.meta_device, self.stats = layers, sequences, meta_device, stats
+        self.layers, self.sequences, self.meta_device, self.metrics = layers, sequences, meta_device, metrics
 
     def extend(self, seqs: list[Sequence], lengths: list[int]) -> None:
         """Pages for ``lengths[i]`` tokens in sequence i (within max_seq_len)."""
@@ -87,7 +87,7 @@ class Storage:
             for layer, hot in zip(self.layers, s.hot):
                 layer.bank.t["holes"][s.row, lb] = True
                 hot.invalidate(lb * bs, (lb + 1) * bs)
-            self.stats.block_evictions += 1
+            self.metrics.block_evictions.inc()
         return out
 
     def block_table(self, s: Sequence) -> torch.Tensor:
