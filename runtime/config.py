@@ -1,6 +1,6 @@
 """HiSparse configuration: one dataclass, validated with messages that name the fix.
 
-Defaults follow DESIGN.md 4 (SGLang HiSparse defaults: top_k 2048, hot buffer 2 x top_k).
+Defaults follow SGLang's HiSparse (top_k 2048, hot buffer 2 x top_k); docs/runtime.md explains each.
 """
 
 from __future__ import annotations

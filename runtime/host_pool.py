@@ -65,10 +65,6 @@ def _unpin(ptr: int, size: int) -> None:
                       RuntimeWarning, stacklevel=2)
 
 
-def _ceil_to(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    return (x + multiple - 1) // multiple * multiple
-
-
 class HostPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, pin: bool, host_kv_bits=None, error_budget: float = 0.02) -> None:

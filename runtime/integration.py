@@ -159,7 +159,7 @@ def _layer_devices(modules: list[torch.nn.Module], default: torch.device) -> lis
 def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     """Use HiSparse in every attention layer of ``model``; returns the same model.
 
-    Options (DESIGN 4; HiSparseConfig fields): max_seq_len, block_size (alias
+    Options (HiSparseConfig fields, docs/runtime.md): max_seq_len, block_size (alias
     cache_block_size), window_size, global_tokens, top_k, device_buffer_tokens, kv_dtype,
     host_kv_bits, metadata_device, recalibrate_every, recalibrate_topk, streaming, telemetry,
     name. Supported: Llama, Mistral, Qwen2 and Qwen3 models (GQA included) in float32, float16

@@ -92,16 +92,3 @@ class PageTable:
         pages.version += 1
         self.seqs[seq_id] = pages
         return True
-
-    def fork(self, src: int, dst: int) -> None:
-        """Share every full block of ``src`` with a new sequence ``dst`` (ref counts +1).
-
-        The partial tail block is not shared: the caller copies it into a fresh block.
-        """
-        p = self.seqs[src]
-        full = p.num_tokens // self.block_size
-        shared = [b for b in p.blocks[:full]]
-        if any(b is None for b in shared):
-            raise ValueError(f"sequence {src} lost blocks to streaming eviction; it cannot be forked")
-        self.pool.touch(shared)
-        self.seqs[dst] = SequencePages(blocks=list(shared), num_tokens=full * self.block_size)

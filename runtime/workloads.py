@@ -106,9 +106,6 @@ class PlantedWorkload:
     def needle_query(self, needle_id: int) -> torch.Tensor:
         return self._query(self.needle(needle_id))
 
-    def noise_query(self) -> torch.Tensor:
-        return torch.randn(self.num_q_heads, self.head_dim, generator=self.gen)
-
 
 def run_prefill(engine, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor,
                 q: torch.Tensor | None = None) -> None:

@@ -17,6 +17,14 @@ import torch
 import hi_sparse.kernels as K
 
 
+def quant_variants():
+    """benchmarks/quant_variants.py: quantize with a method and launch geometry (and the baseline
+    kernels the product does not use), which the cases below check as well."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import quant_variants as module
+    return module
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     if not bool(torch.isfinite(a).all()):
@@ -109,8 +117,7 @@ def _quantize(bits: int, d: int = 60, t: int = 63, n: int = 2, **tuning) -> None
     x = torch.randn(n, t, d) * torch.linspace(1.0, 30.0, n)[:, None, None]
     x[-1, 3:] = x[-1, 0, 0]                 # one block of few distinct values (many exact ties)
     if tuning:
-        from hi_sparse.kernels import _quant_triton
-        packed, scale, zero = _quant_triton.quantize(x, bits, **tuning)
+        packed, scale, zero = quant_variants().quantize(x, bits, **tuning)
     else:
         packed, scale, zero = K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
@@ -128,8 +135,8 @@ def _constant_block() -> None:
 
 def _auto_picks(bits: int, t: int, method: str) -> None:
     from hi_sparse.kernels import _quant_triton
-    _need(_quant_triton._auto_method(t, 64, bits, 4) == method, f"auto picks {_quant_triton._auto_method(t, 64, bits, 4)}")
-    _quantize(bits, 64, t, 2, method="auto")
+    _need(_quant_triton.auto_method(t, 64, bits, 4) == method, f"auto picks {_quant_triton.auto_method(t, 64, bits, 4)}")
+    _quantize(bits, 64, t, 2)
 
 
 def _relay_infinite_block() -> None:
@@ -139,14 +146,13 @@ def _relay_infinite_block() -> None:
     x = torch.randn(3, 16, 64)
     x[1] = float("inf")
     x[1, 0, 0] = float("-inf")
-    _, _, zero = _quant_triton.quantize(x, 4, method="relay", pack_values=512)
+    _, _, zero = _quant_triton.launch_relay(x, 4, tile_values=512)
     _need(zero[1] == float("-inf") and bool(torch.isfinite(zero[[0, 2]]).all()), f"zero points {zero.tolist()}")
 
 
 def _fused_too_big() -> None:
-    from hi_sparse.kernels import _quant_triton
     try:
-        _quant_triton.quantize(torch.randn(1, 64, 128), 4, method="fused", reg_cap=4096)
+        quant_variants().quantize(torch.randn(1, 64, 128), 4, method="fused", reg_cap=4096)
     except ValueError as exc:
         _need("raise reg_cap or use method='auto'" in str(exc), f"unclear message: {exc}")
     else:
