@@ -209,6 +209,8 @@ def _halves(b_w, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
     return tl.split(tl.reshape(b_w, [BLOCK_T, BLOCK_G // 2, 2]))
 
 
+# ~70 lines on purpose: one branch per bit width's word pattern, each a few stores; they share the
+# codes and masks, and splitting them into helpers would move the layout away from its comments.
 @triton.jit
 def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_G: tl.constexpr, WORDS: tl.constexpr):

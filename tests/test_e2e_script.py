@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "e2e_h200.py")
+
+pytestmark = pytest.mark.slow     # each test runs a benchmark script end to end (tens of seconds)
 
 
 def _run(tmp_path, *args):
