@@ -106,12 +106,14 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
 
 
 def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConfig, shape: KVShape,
-                n_super: int, q: torch.Tensor, nb: int, n_cand: int,
-                mixed_levels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                n_super: int, q: torch.Tensor, nb: int, n_cand: int, mixed_levels: bool,
+                holes: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode attention of the batch at ``rows``' layer, q (B, Hq, D) -> ((B, Hq, D), the
     selected positions (B*Hkv, K)). nb: blocks of the longest sequence; n_cand: a host bound on
     the candidate blocks (selection.candidate_blocks); mixed_levels: some sequences are too short
-    for two-level scoring to pay on their own (they are scored as they would be alone)."""
+    for two-level scoring to pay on their own (they are scored as they would be alone); holes:
+    some sequence lost blocks to streaming mode. Block hits add to the importance in streaming
+    mode only (only its eviction reads them)."""
     layer, bank = rows.index, rows.bank.t
     B, H, D, S, bs = batch.size, shape.num_kv_heads, shape.head_dim, shape.slots, shape.block_size
     r = batch.rows
@@ -123,7 +125,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                           row_blocks)
     sel = select(scores.reshape(B * H, nb), n[batch.seq_of_head], batch.first[batch.seq_of_head],
                  cfg.window_size, cfg.top_k, bs, bank["anchors"][r].reshape(B * H, -1),
-                 bank["holes"][r, :nb].repeat_interleave(H, 0), cfg.prefetch_blocks, n_cand)
+                 bank["holes"][r, :nb].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks, n_cand)
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[layer]
@@ -144,7 +146,8 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     nbytes = host.load(layer, src.reshape(-1), None if src_tail is None else src_tail.reshape(-1),
                        rows.k.view(-1, D), rows.v.view(-1, D), dst)
     rows.counters.add(lookups, hits, prefetch_used, used.sum(), sel.loaded, loaded.sum(), nbytes)
-    bank["importance"][r, :nb] += sel.block_hits.view(B, H, nb).sum(1)
+    if cfg.streaming:
+        bank["importance"][r, :nb] += sel.block_hits.view(B, H, nb).sum(1)
     remember_queries(rows.bank, r, q[:, None])
     out = sparse_decode_attention(q.to(shape.dtype), rows.k[r], rows.v[r], slots.view(B, H, -1), shape.scale)
     return out.to(q.dtype), sel.tokens
@@ -185,11 +188,13 @@ class Decoder:
         for key in [k for k in self._batches if gone & set(k[1])]:
             del self._batches[key]
 
-    def graph_key(self, rows: LayerRows, *shape: int) -> tuple:
+    def graph_key(self, rows: LayerRows, batch: Batch | None, *shape: int) -> tuple | None:
         """What a captured body depends on beyond its device tensors: host-side shapes, whether the
         layer's probe is fitted (the append scores new tokens as anchors only then; a refit updates
         the weights in place) and the addresses of every buffer it touches (a bank or pool that grew
-        moved them)."""
+        moved them). None for a batch that runs without graphs (nothing to key)."""
+        if batch is not None and batch.runner.no_graphs:
+            return None
         buffers = rows.buffers() + self.host.buffers(rows.index)
         return shape + (rows.probe.fitted,) + tuple(t.data_ptr() for t in buffers)
 
@@ -211,7 +216,7 @@ class Decoder:
         batch.set(layer, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
         body = functools.partial(append_body, rows, self.host, batch, cfg, self.shape)
         if T == 1:
-            batch.runner.run((layer, "append"), self.graph_key(rows, T), body, k, v)
+            batch.runner.run((layer, "append"), self.graph_key(rows, batch, T), body, k, v)
         else:                            # prefill: run once per shape, not worth a graph
             body(k, v)
         self.host.note_device_writes(rows.device)
@@ -237,11 +242,12 @@ class Decoder:
         n_cand = candidate_blocks(nb, n_max - cfg.window_size, batch.first_lo, bs)
         self.host.prepare(layer, rows.device)
         mixed = len({two_level_pays(-(-n // bs), cfg.bound_group, self.n_super) for n in lengths}) > 1
+        holes = any(self.storage.has_holes(s) for s in seqs)
         width = cfg.top_k + cfg.global_tokens                               # select's token width
         batch.set(layer, lengths, rows.hot.reserve(ticks(selected=width, prefetched=cfg.prefetch_blocks * bs)))
         body = functools.partial(attend_body, rows, self.host, batch, cfg, self.shape, self.n_super)
-        out, tokens = batch.runner.run((layer, "attend"), self.graph_key(rows, nb, n_cand, mixed), body, q, nb,
-                                       n_cand, mixed)
+        key = self.graph_key(rows, batch, nb, n_cand, mixed, holes)
+        out, tokens = batch.runner.run((layer, "attend"), key, body, q, nb, n_cand, mixed, holes)
         H, R = self.shape.num_kv_heads, cfg.recalibrate_queries
         for b, s in enumerate(seqs):
             s.last_selection[layer] = tokens[b * H:(b + 1) * H]

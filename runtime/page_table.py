@@ -21,6 +21,7 @@ class SequencePages:
     blocks: list[KVBlock | None] = field(default_factory=list)
     num_tokens: int = 0
     version: int = 0
+    holes: int = 0                     # logical blocks streaming mode detached
     generations: tuple[int, ...] = ()  # of each live block when removed (for restore)
 
 
@@ -72,6 +73,7 @@ class PageTable:
             raise RuntimeError(f"bug: logical block {logical} of sequence {seq_id} is already a hole")
         p.blocks[logical] = None
         p.version += 1
+        p.holes += 1
         return b
 
     def remove(self, seq_id: int) -> SequencePages:

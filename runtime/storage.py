@@ -99,4 +99,4 @@ class Storage:
         return s.block_table
 
     def has_holes(self, s: Sequence) -> bool:
-        return any(b is None for b in self.pages.seqs[s.seq_id].blocks)
+        return self.pages.seqs[s.seq_id].holes > 0

@@ -34,6 +34,9 @@ class Parts:
         self.pool = BlockPool(0)
         self.pages = PageTable(self.pool, BS)
         self.host = HostPool(1, HKV, D, BS, torch.float32, pin=False, host_kv_bits=bits)
+        if cfg.host_pool_blocks:
+            self.pool.grow(cfg.host_pool_blocks)
+            self.host.grow(blocks=cfg.host_pool_blocks)
         self.layer = LayerRows(0, cpu, shape, cfg.global_tokens, cfg.recalibrate_queries, cfg.max_seq_len,
                                ImportanceProbe(D), DeviceCounters(cpu), False)
         self.seqs = SequenceTable(cfg, [self.layer], self.host, self.pages)
@@ -75,9 +78,11 @@ def test_an_append_stores_makes_hot_and_bounds_the_new_tokens(bits):
 @pytest.mark.parametrize("bits", [None, 4, "auto"])
 def test_an_attend_leaves_the_selection_hot_with_the_host_pool_s_values_and_counts_it(bits):
     """Tokens the step swapped in hold what the host pool holds (dequantized); tokens that were hot
-    already keep their values (as appended: exact, even with a quantized pool)."""
+    already keep their values (as appended: exact, even with a quantized pool). In streaming mode
+    the step's block hits add to the importance its eviction ranks blocks by."""
     torch.manual_seed(1)
-    parts = Parts(bits, device_buffer_tokens=32)     # 32 slots < 120 tokens: misses are swapped in
+    # 32 slots < 120 tokens: misses are swapped in
+    parts = Parts(bits, device_buffer_tokens=32, streaming=True, host_pool_blocks=64)
     seqs = parts.seqs.add([0, 5])
     n = 120
     parts.decoder.append(parts.layer, seqs, torch.randn(2, HKV, n, D), torch.randn(2, HKV, n, D))

@@ -115,10 +115,10 @@ def test_a_graph_key_names_whether_the_probe_is_fitted():
     """What a captured step depends on includes the probe's fitted state (CPU: the key alone)."""
     eng, _ = _engines(None, 1)
     key = eng._decoder.graph_key
-    before = [key(layer) for layer in eng.layers]
-    assert [key(layer) for layer in eng.layers] == before and not eng.probes[0].fitted
+    before = [key(layer, None) for layer in eng.layers]
+    assert [key(layer, None) for layer in eng.layers] == before and not eng.probes[0].fitted
     eng.probes[0].fit(torch.randn(16, D), torch.rand(16), steps=2)     # weights change in place
-    assert key(eng.layers[0]) != before[0] and key(eng.layers[1]) == before[1]
+    assert key(eng.layers[0], None) != before[0] and key(eng.layers[1], None) == before[1]
 
 
 def test_a_cpu_step_runs_its_bodies_eagerly():
