@@ -50,10 +50,11 @@ class HiSparseConfig:
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True
     publish_interval_s: float = 0.005    # publish at most this often
-    gauge_interval_s: float = 1.0        # refresh the gauges that cost a device reduction or a walk
-                                         # over every layer (anchors, residency, memory) this often
     name: str | None = None              # telemetry target name; None -> "hisparse"
     seed: int = 0                        # audit sampling and probe init
+    gauge_interval_s: float = 1.0        # when publishing, refresh the gauges that cost a device
+                                         # reduction or a walk over every layer (anchors, residency,
+                                         # memory) at most this often
 
     @property
     def buffer_tokens(self) -> int:
