@@ -82,11 +82,12 @@ class Alert:
 
 
 # Recording rule names (fixed whatever the window: see the module docstring).
-ANCHOR_HIT_RATIO = "target:hisparse_anchor_hits_per_lookups:ratio_rate5m"
-PREFETCH_RATIO = "target:hisparse_prefetch_used_per_issued:ratio_rate5m"
-HOT_BUFFER_RATIO = "target:hisparse_hot_buffer_hits_per_lookups:ratio_rate5m"
-DENSITY_RATIO = "target:hisparse_kv_tokens_used_per_loaded:ratio_rate5m"
-RECYCLE_RATIO = "target:hisparse_kv_block_recycles_per_active_block:ratio_rate5m"
+# The ratios' own names come with their definitions from the catalogue.
+ANCHOR_HIT_RATIO = catalogue.RATIO["anchor_hit_rate"].record
+PREFETCH_RATIO = catalogue.RATIO["prefetch_efficiency"].record
+HOT_BUFFER_RATIO = catalogue.RATIO["hot_buffer_hit_rate"].record
+DENSITY_RATIO = catalogue.RATIO["block_density"].record
+RECYCLE_RATIO = catalogue.RATIO["block_recycle_rate"].record
 # Headroom of the pool against its limit: (limit - active - pending_recycle) / limit.
 # Not free / current size: a pool that grows on demand is briefly "full" before every growth step
 # and has no limit (0), so it gets no sample here and cannot page.
@@ -100,12 +101,7 @@ RESTART_WINDOW = "1h"
 
 # Ratios of two counters' rates: (target-level rule, numerator, denominator). The node and cluster
 # levels of the same ratios are derived from this table (node_ratio, cluster_ratio).
-RATIOS_OF_RATES = (
-    (ANCHOR_HIT_RATIO, "hisparse_anchor_hits_total", "hisparse_anchor_lookups_total"),
-    (PREFETCH_RATIO, "hisparse_prefetch_used_total", "hisparse_prefetch_issued_total"),
-    (HOT_BUFFER_RATIO, "hisparse_hot_buffer_hits_total", "hisparse_hot_buffer_lookups_total"),
-    (DENSITY_RATIO, "hisparse_kv_tokens_used_total", "hisparse_kv_tokens_loaded_total"),
-)
+RATIOS_OF_RATES = tuple((r.record, r.numerator, r.denominator) for r in catalogue.RATIOS if not r.per_gauge)
 # Per node (edge) and per cluster (global): targets up and in all, tokens per second.
 NODE_TARGETS_UP = "node:easymats_targets_up:sum"
 NODE_TARGETS = "node:easymats_targets:count"
@@ -133,6 +129,13 @@ def cluster_ratio(target_record: str) -> str:
     return _level(target_record, "cluster")
 
 
+RECYCLE = catalogue.RATIO["block_recycle_rate"]   # a counter's rate per active block (a gauge)
+
+
+def _labels(labels: dict) -> str:
+    return ",".join(f'{k}="{v}"' for k, v in labels.items())
+
+
 def _ratio_of_rates(num: str, den: str, window: str, by: str = BY) -> str:
     return (f"sum by ({by}) (rate({num}[{window}]))\n"
             f"/\n(sum by ({by}) (rate({den}[{window}])) > 0)\n")
@@ -141,9 +144,9 @@ def _ratio_of_rates(num: str, den: str, window: str, by: str = BY) -> str:
 def recording_rules(window: str = RATE_WINDOW) -> list[Recording]:
     rules = [Recording(record, _ratio_of_rates(num, den, window)) for record, num, den in RATIOS_OF_RATES]
     rules += [
-        Recording(RECYCLE_RATIO,
-                  f"sum by ({BY}) (rate(hisparse_kv_block_recycles_total[{window}]))\n"
-                  f"/\n(sum by ({BY}) (hisparse_kv_blocks{{state=\"active\"}}) > 0)\n"),
+        Recording(RECYCLE.record,
+                  f"sum by ({BY}) (rate({RECYCLE.numerator}[{window}]))\n"
+                  f"/\n(sum by ({BY}) ({RECYCLE.denominator}{{{_labels(RECYCLE.denominator_labels)}}}) > 0)\n"),
         Recording(FREE_BLOCKS_RATIO,
                   f"(sum by ({BY}) (hisparse_kv_blocks_limit)\n"
                   f" - sum by ({BY}) (hisparse_kv_blocks{{state=~\"active|pending_recycle\"}}))\n"

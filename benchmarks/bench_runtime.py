@@ -1,7 +1,7 @@
 """HiSparse engine decode step vs dense SDPA, and KV memory per sequence (issue 4's benchmark).
 
     .venv/bin/python benchmarks/bench_runtime.py [--contexts 4096,16384,65536] [--steps 20]
-        [--threads 1] [--device cpu] [--json]
+        [--threads 1] [--device cpu] [--clock wall|cpu] [--json]
 
 For each context length, in one run and on the same data (planted workload: a topic whose anchors
 the queries attend to, noise elsewhere; every layer gets the same tokens):
@@ -49,7 +49,7 @@ def bench_dense(args, k: torch.Tensor, v: torch.Tensor, tokens, queries) -> dict
         vc[layer][:, :, :n] = v.to(dev)
     times = []
     for i, ((kt, vt), q) in enumerate(zip(tokens, queries)):
-        t0 = time.perf_counter()
+        t0 = args.clock()
         pos = n + i
         for layer in range(args.layers):
             kc[layer][:, :, pos:pos + 1] = kt.to(dev)
@@ -58,7 +58,7 @@ def bench_dense(args, k: torch.Tensor, v: torch.Tensor, tokens, queries) -> dict
                 q.to(dev), kc[layer][:, :, :pos + 1], vc[layer][:, :, :pos + 1], enable_gqa=True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(args.clock() - t0)
     nbytes = sum(t[:, :, :n].numel() * t.element_size() for t in kc + vc)
     return {"times": times[args.warmup:], "memory": {"device/data": nbytes}}
 
@@ -91,7 +91,7 @@ def bench_hisparse(args, k, v, tokens, queries, wl, telemetry: bool) -> dict:
         if i == args.warmup:
             st = eng.stats
             look0, hit0, swap0 = st.hot_buffer_lookups, st.hot_buffer_hits, st.swap_in_bytes
-        t0 = time.perf_counter()
+        t0 = args.clock()
         eng.begin_step()
         for layer in range(args.layers):
             eng.append(layer, ids, kt, vt)
@@ -99,7 +99,7 @@ def bench_hisparse(args, k, v, tokens, queries, wl, telemetry: bool) -> dict:
         eng.end_step()
         if args.device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(args.clock() - t0)
     st = eng.stats
     steps = len(tokens) - args.warmup
     mem = {f"{tier}/{kind}": b for (tier, kind), b in eng.memory_bytes().items()}
@@ -127,9 +127,15 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: elapsed time; cpu: this thread's CPU time (with --threads 1 and --device cpu, "
+                         "steadier than wall time on a machine other processes load)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
+        ap.error("--clock cpu measures the main thread only: use it with --device cpu --threads 1")
+    args.clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
@@ -143,8 +149,9 @@ def main() -> None:
         res["hisparse"] = bench_hisparse(args, k, v, tokens, queries, wl, telemetry=False)
         res["hisparse_telemetry"] = bench_hisparse(args, k, v, tokens, queries, wl, telemetry=True)
         rows.append(res)
-    meta = {"machine": f"{platform.machine()} {torch.get_num_threads()} torch threads, "
-                       f"{args.device}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    clock = "CPU" if args.clock is time.thread_time else "wall"
+    meta = {"machine": f"{platform.machine()} {torch.get_num_threads()} torch threads, {args.device}, {clock} time",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
         return

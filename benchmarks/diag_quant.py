@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_kernels import bench, hbm_copy_rate   # run as `python benchmarks/diag_quant.py`
+import quant_variants as V                       # run as `python benchmarks/diag_quant.py`
+from bench_kernels import bench, hbm_copy_rate
 from hi_sparse.kernels import _quant_triton as Q
 
 
@@ -71,7 +72,7 @@ def run(name: str, x: torch.Tensor, warps: int = 4):
     n, t, d = x.shape
     if name in ("fused4", "fused8"):
         bits = int(name[-1])
-        return (lambda: Q.quantize(x, bits, method="fused", fused_warps=warps)), bits, 1
+        return (lambda: V.quantize(x, bits, method="fused", fused_warps=warps)), bits, 1
     mode, bits = MODES[name]
     p = d * bits // 8
     out = torch.zeros(n, t, p, device=x.device, dtype=torch.uint8)
@@ -142,13 +143,13 @@ def words_sweep(json_path: str | None, bits_list=(4, 5, 6, 8), words: bool = Tru
     for shape in ((16384, 64, 128), (2048, 512, 128)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         for bits in bits_list:
-            ref = Q.quantize(x, bits, method="split")[0]
+            ref = V.quantize(x, bits, method="split")[0]
             moved = x.numel() * 2 + ref.numel()
             variants = _variants(mode, shape, bits, words)
             for name, kw in variants:
                 try:
-                    same = bool(torch.equal(Q.quantize(x, bits, **kw)[0], ref))
-                    ms = bench(lambda x=x, kw=kw: Q.quantize(x, bits, **kw), warmup=10, rep=40)
+                    same = bool(torch.equal(V.quantize(x, bits, **kw)[0], ref))
+                    ms = bench(lambda x=x, kw=kw: V.quantize(x, bits, **kw), warmup=10, rep=40)
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported
                     print(f"  {shape[1]}t {bits}b {name:28s} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
@@ -182,7 +183,7 @@ def ncu_launches() -> None:
     """
     for t, bits, kw in NCU_VARIANTS:
         x = torch.randn(268435456 // 2 // (t * 128), t, 128, device="cuda", dtype=torch.bfloat16)
-        Q.quantize(x, bits, **kw)
+        V.quantize(x, bits, **kw)
         torch.cuda.synchronize()
         print(f"launched {t}t {bits}b {kw}", flush=True)
 
@@ -216,7 +217,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     hbm = hbm_copy_rate()
-    ref = Q.quantize(x, 8, method="fused")[0]
+    ref = V.quantize(x, 8, method="fused")[0]
     rows = []
     print(f"HBM copy {hbm:.0f} GB/s; 16384 x 64 x 128 bf16", flush=True)
     for name in names:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -226,6 +227,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import hi_sparse as hs
+    from hi_sparse.kernels import two_level_pays
 
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -300,7 +302,7 @@ def main() -> int:
         tensors; HiSparse: forked engine sequences, each with its own host blocks). inputs: one
         timed decode per entry on the same cache, greedy (False) or a repeated token (True); one
         row each. telemetry_ab: then, on the same cache, greedy phases alternating telemetry off
-        (publisher paused, no agent) and on (publishing, easymats attached at 10 Hz); one more row.
+        (nothing published, no agent) and on (publishing, easymats attached at 10 Hz); one more row.
         Returns the last row."""
         B, ctx = ids.shape[0] * repeat, ids.shape[1]
         gc.collect()
@@ -324,7 +326,8 @@ def main() -> int:
                                                 decode_graphs=not args.no_graphs)
                     cache = None
                     if telemetry_ab:
-                        hs.integration.binding_of(model).engine.publisher.paused = True
+                        # telemetry off until its phases: the publisher's interval is a public knob
+                        hs.integration.binding_of(model).engine.publisher.interval_s = math.inf
                 t0 = time.perf_counter()
                 out, cache = prefill(model, ids, cache, max(1, args.chunk // ids.shape[0]))
                 sync(device)
@@ -370,8 +373,8 @@ def main() -> int:
                         st = eng.stats
                         lookups, hits = st.hot_buffer_lookups - before[0], st.hot_buffer_hits - before[1]
                         row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
-                        row["two_level_scores"] = eng.two_level_scores
-                        row["batched_decodes"] = eng.batched_decodes
+                        row["two_level_scoring"] = two_level_pays(-(-ctx // eng.cfg.cache_block_size),
+                                                                  eng.cfg.bound_group, eng._decoder.n_super)
                     if row is not first_row:
                         results["runs"].append(row)
                     if args.profile and eng is not None and k == len(inputs) - 1 and repeat > 1:
@@ -401,18 +404,19 @@ def main() -> int:
     def telemetry_phases(row: dict, cache, first: torch.Tensor, B: int) -> dict:
         """Alternate ab_phases pairs of off / on phases of ab_steps greedy steps on one engine: the
         same sequences, context and hit rate on both sides, so the difference is telemetry's."""
-        pub = hs.integration.binding_of(model).engine.publisher
+        engine = hs.integration.binding_of(model).engine
+        pub, publish_every = engine.publisher, engine.cfg.publish_interval_s
         results["runs"].append(row)
         times = {"off": [], "on": []}
         tok = first
         for phase in range(2 * ab_phases):
             side = "on" if phase % 2 else "off"
             agent = start_agent(row, args.json) if side == "on" else None
-            pub.paused = side == "off"
+            pub.interval_s = math.inf if side == "off" else publish_every
             try:
                 t, logits = decode(model, cache, tok, ab_steps, device)
             finally:
-                pub.paused = True
+                pub.interval_s = math.inf
                 stop_agent(agent, row)
             tok = logits[:, -1].argmax(-1, keepdim=True)
             times[side] += t[1:]              # the first step of a phase follows the agent's start

@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 from alerts import build as rules  # noqa: E402
 from alerts import promql  # noqa: E402
 from easymats import catalogue, thresholds as T  # noqa: E402
+from easymats.catalogue import RATIO  # noqa: E402
 
 DASHBOARD_PATH = os.path.join(ROOT, "dashboards", "hisparse.json")
 FLEET_PATH = os.path.join(ROOT, "dashboards", "fleet.json")
@@ -93,11 +94,11 @@ RECALIBRATION_ANNOTATION = (f"sum by (target, reason) (increase(hisparse_recalib
 
 ROWS: tuple[Row, ...] = (
     Row("Selection health", (
-        PanelSpec("Anchor hit rate",
+        PanelSpec(RATIO["anchor_hit_rate"].title,
                   "Of the audited true top-m tokens, the share the selection held (exact attention on a "
                   "sampled layer and head). Below the line for the alert's duration, the runtime is asked "
                   "to recalibrate; recalibrations are drawn as annotations.",
-                  "percentunit", (_q(f"{rules.ANCHOR_HIT_RATIO}{{{SEL}}}"),),
+                  "percentunit", (_q(f"{RATIO['anchor_hit_rate'].record}{{{SEL}}}"),),
                   line=Line(T.ANCHOR_HIT_RATE_MIN, "min"), ratio=True),
         PanelSpec("Recalibrations by reason",
                   "Recalibrations of anchors and probe: schedule (every recalibrate_every tokens), "
@@ -111,14 +112,14 @@ ROWS: tuple[Row, ...] = (
                                "{{target}} threshold"))),
     )),
     Row("Hot buffer and prefetch", (
-        PanelSpec("Hot buffer hit rate",
+        PanelSpec(RATIO["hot_buffer_hit_rate"].title,
                   "Selected tokens already resident in the device hot buffer. Low: most of each selection "
                   "is copied from host every step.",
-                  "percentunit", (_q(f"{rules.HOT_BUFFER_RATIO}{{{SEL}}}"),),
+                  "percentunit", (_q(f"{RATIO['hot_buffer_hit_rate'].record}{{{SEL}}}"),),
                   line=Line(T.HOT_BUFFER_HIT_RATE_MIN, "min"), ratio=True),
-        PanelSpec("Prefetch efficiency",
+        PanelSpec(RATIO["prefetch_efficiency"].title,
                   "Prefetched tokens that a selection hit before eviction.",
-                  "percentunit", (_q(f"{rules.PREFETCH_RATIO}{{{SEL}}}"),),
+                  "percentunit", (_q(f"{RATIO['prefetch_efficiency'].record}{{{SEL}}}"),),
                   line=Line(T.PREFETCH_EFFICIENCY_MIN, "min"), ratio=True),
         PanelSpec("Hot buffer occupancy",
                   "Token slots holding a token, slots in all, and the peak the 100 ms samples saw.",
@@ -141,10 +142,10 @@ ROWS: tuple[Row, ...] = (
                                "{{target}} peak active (100 ms samples)", unstacked=True),
                             _q(f"max by (target) (hisparse_kv_blocks_limit{{{SEL}}}) > 0",
                                "{{target}} limit", unstacked=True)), stacked=True),
-        PanelSpec("Block recycle rate",
+        PanelSpec(RATIO["block_recycle_rate"].title,
                   "Blocks returned to the free pool per second, as a share of active blocks. Only a "
                   "problem while blocks wait in pending_recycle.",
-                  "percentunit", (_q(f"{rules.RECYCLE_RATIO}{{{SEL}}}"),),
+                  "percentunit", (_q(f"{RATIO['block_recycle_rate'].record}{{{SEL}}}"),),
                   line=Line(T.BLOCK_RECYCLE_RATE_MIN, "min")),
         PanelSpec("Free blocks",
                   "Headroom of the host KV pool against its limit: (limit - active - pending_recycle) "
@@ -158,10 +159,10 @@ ROWS: tuple[Row, ...] = (
                           _q(f"sum by (target) (rate(hisparse_kv_block_recycles_total{{{SEL}}}[{RI}]))", "{{target}} recycled"),
                           _q(f"sum by (target) (rate(hisparse_kv_block_reclaims_total{{{SEL}}}[{RI}]))", "{{target}} reclaimed"),
                           _q(f"sum by (target) (rate(hisparse_kv_block_evictions_total{{{SEL}}}[{RI}]))", "{{target}} evicted"))),
-        PanelSpec("Block density",
+        PanelSpec(RATIO["block_density"].title,
                   "Selected tokens per token in the blocks selection touched: low density means block "
                   "loads carry many unused tokens (a smaller cache_block_size helps).",
-                  "percentunit", (_q(f"{rules.DENSITY_RATIO}{{{SEL}}}"),), ratio=True),
+                  "percentunit", (_q(f"{RATIO['block_density'].record}{{{SEL}}}"),), ratio=True),
     )),
     Row("Quantization", (
         PanelSpec("Quantization error quantiles",

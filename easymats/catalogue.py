@@ -54,7 +54,8 @@ STEP_DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
                          0.1, 0.25, 0.5, 1.0, 2.5)
 SAMPLE_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
-QUANT_BITS = ("4", "5", "6", "8")
+QUANT_BITS = ("4", "5", "6", "8")                      # widths a host KV block may be quantized at
+RECALIBRATION_REASONS = ("schedule", "request", "drift")  # why the runtime recalibrated
 
 _RUNTIME_METRICS = (
     _m("hisparse_tokens_total", COUNTER, "Tokens processed by the runtime, by phase.",
@@ -69,7 +70,7 @@ _RUNTIME_METRICS = (
     _m("hisparse_anchor_threshold_ratio", GAUGE,
        "Current importance-probe threshold (probability, 0..1).", unit="ratio"),
     _m("hisparse_recalibrations_total", COUNTER, "Recalibrations of anchors and probe, by reason.",
-       labels=("reason",), label_values={"reason": ("schedule", "request", "drift")}),
+       labels=("reason",), label_values={"reason": RECALIBRATION_REASONS}),
     _m("hisparse_kv_blocks", GAUGE, "KV blocks in the host pool, by state (seed: kv_cache_active_blocks).",
        labels=("state",), label_values={"state": ("active", "free", "pending_recycle")}),
     _m("hisparse_kv_blocks_limit", GAUGE,
@@ -177,6 +178,48 @@ CATALOGUE: dict[str, MetricSpec] = {m.name: m for m in _RUNTIME_METRICS + _AGENT
 # Per-target agent series that only engine targets (vLLM, SGLang: easymats/sources) have; a native
 # HiSparse target never exports them (series counts per runtime target leave them out).
 ENGINE_TARGET_ONLY = frozenset({"easymats_target_source_info", "easymats_target_not_provided_info"})
+
+
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """A health ratio the runtime's counters define (never exported as a gauge: computed where it is
+    shown, from the counters, like a recording rule). ``numerator`` is a counter; the ratio is the
+    increase of the numerator over the increase of the ``denominator`` counter within a window, or,
+    with ``per_gauge``, the numerator's rate per second over the denominator gauge's current value
+    (labels ``denominator_labels``)."""
+    key: str
+    title: str
+    numerator: str
+    denominator: str
+    record: str                     # the Prometheus recording rule that computes it (alerts/)
+    per_gauge: bool = False
+    denominator_labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def unit(self) -> str:
+        return "per_s" if self.per_gauge else "ratio"
+
+    def of(self, numerator: float, denominator: float) -> float | None:
+        """The ratio of two increases (or of a rate and a gauge), None where it is undefined."""
+        return numerator / denominator if denominator > 0 else None
+
+
+# Every ratio, in display order; the runtime, the agent, the report, the dashboards and the alert
+# rules all take them from here.
+RATIOS = (
+    Ratio("anchor_hit_rate", "Anchor hit rate", "hisparse_anchor_hits_total", "hisparse_anchor_lookups_total",
+          "target:hisparse_anchor_hits_per_lookups:ratio_rate5m"),
+    Ratio("prefetch_efficiency", "Prefetch efficiency", "hisparse_prefetch_used_total",
+          "hisparse_prefetch_issued_total", "target:hisparse_prefetch_used_per_issued:ratio_rate5m"),
+    Ratio("hot_buffer_hit_rate", "Hot buffer hit rate", "hisparse_hot_buffer_hits_total",
+          "hisparse_hot_buffer_lookups_total", "target:hisparse_hot_buffer_hits_per_lookups:ratio_rate5m"),
+    Ratio("block_density", "Block density", "hisparse_kv_tokens_used_total", "hisparse_kv_tokens_loaded_total",
+          "target:hisparse_kv_tokens_used_per_loaded:ratio_rate5m"),
+    Ratio("block_recycle_rate", "Block recycle rate", "hisparse_kv_block_recycles_total", "hisparse_kv_blocks",
+          "target:hisparse_kv_block_recycles_per_active_block:ratio_rate5m", per_gauge=True,
+          denominator_labels={"state": "active"}),
+)
+RATIO = {r.key: r for r in RATIOS}
 
 
 class UnknownMetricError(KeyError):

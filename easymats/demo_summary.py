@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
+from . import catalogue
+
 
 @dataclass(slots=True)
 class TargetSeries:
@@ -57,8 +59,10 @@ def _delta(ts: TargetSeries, name: str) -> float:
     return _total(ts.samples[-1][1], name) - _total(ts.samples[0][1], name)
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
+def _rate(ts: TargetSeries, key: str) -> float | None:
+    """A catalogue ratio of two counters over the whole series."""
+    r = catalogue.RATIO[key]
+    return r.of(_delta(ts, r.numerator), _delta(ts, r.denominator))
 
 
 def _max(ts: TargetSeries, key: str) -> float:
@@ -111,15 +115,14 @@ def summarise_target(ts: TargetSeries) -> list[str]:
     decode = _delta(ts, 'hisparse_tokens_total{phase="decode"}')
     prefill = _delta(ts, 'hisparse_tokens_total{phase="prefill"}')
     recal = {r: _delta(ts, f'hisparse_recalibrations_total{{reason="{r}"}}')
-             for r in ("schedule", "request", "drift")}
-    quant = {b: _delta(ts, f'hisparse_quant_blocks_total{{bits="{b}"}}') for b in ("4", "5", "6", "8")}
+             for r in catalogue.RECALIBRATION_REASONS}
+    quant = {b: _delta(ts, f'hisparse_quant_blocks_total{{bits="{b}"}}') for b in catalogue.QUANT_BITS}
+    ratios = " | ".join(f"{catalogue.RATIO[k].title.lower()} {_pct(_rate(ts, k))}"
+                        for k in ("anchor_hit_rate", "hot_buffer_hit_rate", "prefetch_efficiency", "block_density"))
     lines = [
         f"{ts.name} (pid {ts.pid}): {len(ts.samples)} samples over {span:.1f} s; "
         f"{prefill:.0f} prefill + {decode:.0f} decode tokens ({decode / span if span else 0:.0f} decode tokens/s)",
-        f"  anchor hit rate {_pct(_ratio(_delta(ts, 'hisparse_anchor_hits_total'), _delta(ts, 'hisparse_anchor_lookups_total')))}"
-        f" | hot buffer hit rate {_pct(_ratio(_delta(ts, 'hisparse_hot_buffer_hits_total'), _delta(ts, 'hisparse_hot_buffer_lookups_total')))}"
-        f" | prefetch efficiency {_pct(_ratio(_delta(ts, 'hisparse_prefetch_used_total'), _delta(ts, 'hisparse_prefetch_issued_total')))}"
-        f" | block density {_pct(_ratio(_delta(ts, 'hisparse_kv_tokens_used_total'), _delta(ts, 'hisparse_kv_tokens_loaded_total')))}",
+        f"  {ratios}",
         f"  blocks: {_delta(ts, 'hisparse_kv_block_allocations_total'):.0f} allocated, "
         f"{_delta(ts, 'hisparse_kv_block_recycles_total'):.0f} recycled, "
         f"{_delta(ts, 'hisparse_kv_block_reclaims_total'):.0f} reclaimed, "

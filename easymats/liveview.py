@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Iterable, TextIO
 
 from . import thresholds as th
+from .catalogue import RATIO
 from .segment import Histogram, Snapshot
 from .targets import Target
 
@@ -39,11 +40,12 @@ def _sum(snap: Snapshot, name: str) -> float | None:
     return float(sum(vals)) if vals else None  # type: ignore[arg-type]
 
 
-def _ratio(old: Snapshot, new: Snapshot, num: str, den: str) -> float | None:
-    n0, n1, d0, d1 = _sum(old, num), _sum(new, num), _sum(old, den), _sum(new, den)
-    if None in (n0, n1, d0, d1) or d1 - d0 <= 0 or n1 < n0:  # type: ignore[operator]
+def _ratio(old: Snapshot, new: Snapshot, key: str) -> float | None:
+    r = RATIO[key]
+    n0, n1, d0, d1 = _sum(old, r.numerator), _sum(new, r.numerator), _sum(old, r.denominator), _sum(new, r.denominator)
+    if None in (n0, n1, d0, d1) or n1 < n0:  # type: ignore[operator]
         return None  # no traffic, or a counter reset (restart) inside the window
-    return (n1 - n0) / (d1 - d0)  # type: ignore[operator]
+    return r.of(n1 - n0, d1 - d0)  # type: ignore[operator]
 
 
 def histogram_quantile(q: float, h: Histogram) -> float | None:
@@ -76,20 +78,21 @@ def _hist_delta(old: Snapshot, new: Snapshot, name: str) -> Histogram | None:
 
 def derive(old: Snapshot, new: Snapshot, dt: float) -> Derived:
     """Health numbers between two snapshots of one target taken ``dt`` seconds apart."""
-    active = new.get("hisparse_kv_blocks", state="active")
+    rec = RATIO["block_recycle_rate"]
+    active = new.get(rec.denominator, **rec.denominator_labels)
     recycle = None
-    r0, r1 = _sum(old, "hisparse_kv_block_recycles_total"), _sum(new, "hisparse_kv_block_recycles_total")
-    if dt > 0 and r0 is not None and r1 is not None and r1 >= r0 and isinstance(active, float) and active > 0:
-        recycle = (r1 - r0) / dt / active
+    r0, r1 = _sum(old, rec.numerator), _sum(new, rec.numerator)
+    if dt > 0 and r0 is not None and r1 is not None and r1 >= r0 and isinstance(active, float):
+        recycle = rec.of((r1 - r0) / dt, active)
     steps = _hist_delta(old, new, "hisparse_step_duration_seconds")
     t0, t1 = _sum(old, "hisparse_tokens_total"), _sum(new, "hisparse_tokens_total")
     tps = (t1 - t0) / dt if dt > 0 and t0 is not None and t1 is not None and t1 >= t0 else None
     free = new.get("hisparse_kv_blocks", state="free")
     pending = new.get("hisparse_kv_blocks", state="pending_recycle")
     return Derived(
-        anchor_hit_rate=_ratio(old, new, "hisparse_anchor_hits_total", "hisparse_anchor_lookups_total"),
-        hot_buffer_hit_rate=_ratio(old, new, "hisparse_hot_buffer_hits_total", "hisparse_hot_buffer_lookups_total"),
-        prefetch_efficiency=_ratio(old, new, "hisparse_prefetch_used_total", "hisparse_prefetch_issued_total"),
+        anchor_hit_rate=_ratio(old, new, "anchor_hit_rate"),
+        hot_buffer_hit_rate=_ratio(old, new, "hot_buffer_hit_rate"),
+        prefetch_efficiency=_ratio(old, new, "prefetch_efficiency"),
         block_recycle_rate=recycle,
         active_blocks=active if isinstance(active, float) else None,
         free_blocks=free if isinstance(free, float) else None,

@@ -1,4 +1,4 @@
-"""Triton block quantize (fused single-read kernel, or partial min/max then pack) and row dequantize.
+"""Triton block quantize (whole-word, two-pass and relay kernels; a general one for any D) and row dequantize.
 
 The dequantize kernel serves both `dequantize_blocks` (rows in order) and the fused
 `swap_in_dequant` (rows gathered through index tensors, source possibly pinned host memory).
@@ -109,26 +109,13 @@ def _dequant_rows_kernel(
 
 
 @triton.jit
-def _minmax_kernel(p_x, p_part, numel, C, CHUNK: tl.constexpr):
-    """Partial min / max of chunk c of block n (blocks flattened to numel values): part (N, C, 2)."""
-    i_n = tl.program_id(0).to(tl.int64)
-    i_c = tl.program_id(1)
-    o = i_c * CHUNK + tl.arange(0, CHUNK)
-    m = o < numel
-    b_x = tl.load(p_x + i_n * numel + o, mask=m, other=0.0).to(tl.float32)
-    p_out = p_part + (i_n * C + i_c) * 2
-    tl.store(p_out, tl.min(tl.where(m, b_x, float("inf")), 0))
-    tl.store(p_out + 1, tl.max(tl.where(m, b_x, float("-inf")), 0))
-
-
-@triton.jit
 def _load_units(p_xn, o_t, T, D, U: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr,
                 LOAD2D: tl.constexpr):
     """Rows o_t of the (T, D) block at p_xn (D % U == 0) as fp32 units of U consecutive values:
     ((BLOCK_T, BLOCK_U, U) values, 0 where masked; (BLOCK_T, BLOCK_U) mask of valid units).
 
-    LOAD2D: load a (BLOCK_T, BLOCK_U * U) tile of whole rows and reshape it (coalesced; on the H200
-    the directly indexed three-dimensional tile, LOAD2D False, read every sector twice).
+    LOAD2D: load a (BLOCK_T, BLOCK_U * U) tile of whole rows and reshape it (coalesced; the
+    directly indexed three-dimensional tile, LOAD2D False, reads sectors twice: docs/BENCHMARKS.md).
     """
     o_u = tl.arange(0, BLOCK_U)
     m = (o_t < T)[:, None] & (o_u < D // U)[None, :]
@@ -152,44 +139,14 @@ def _tile_min_max(b_x, m):
 
 
 @triton.jit
-def _pack_loaded(b_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, C,
-                 BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
-    """Pack b_x, rows o_t (tile i_t) of block i_n as loaded by _load_units with U = 8 (D % 8 == 0:
-    8 codes make exactly BITS bytes, stored as in _store_groups), once the block's C partial
-    min / max pairs are in p_part (N, C, 2); tile 0 also writes the block's scale and zero point."""
-    o_c = tl.arange(0, BLOCK_C)
-    m_c = o_c < C
-    p_pn = p_part + (i_n * C + o_c) * 2
-    lo = tl.min(tl.load(p_pn, mask=m_c, other=float("inf")), 0)
-    hi = tl.max(tl.load(p_pn + 1, mask=m_c, other=float("-inf")), 0)
-    _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, BITS, WORDS, BLOCK_T, BLOCK_G)
-
-
-@triton.jit
 def _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, BITS: tl.constexpr,
                WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
-    """_pack_loaded once the block's min and max are known."""
+    """Pack b_x, rows o_t (tile i_t) of block i_n as loaded by _load_units with U = 8 (D % 8 == 0:
+    8 codes make exactly BITS bytes, stored as in _store_groups), the block's min and max known;
+    tile 0 also writes the block's scale and zero point."""
     inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, i_t == 0)
     _store_groups(_codes(b_x, lo, inv, BITS), p_packed + i_n * T * P, o_t, o_t < T, D // 8, P, BITS,
                   BLOCK_T, BLOCK_G, WORDS)
-
-
-@triton.jit
-def _pack_grouped_kernel(
-    p_x, p_part, p_packed, p_scale, p_zero, T, D, P, C,
-    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-    LOAD2D: tl.constexpr = False,
-):
-    """Split path, second kernel: one program per (block, tile of BLOCK_T rows) packs its tile after
-    _minmax_kernel wrote the C partials (small programs keep enough loads in flight). LOAD2D: see
-    _load_units."""
-    i_n = tl.program_id(0).to(tl.int64)
-    i_t = tl.program_id(1)
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    b_x, _ = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
-    _pack_loaded(b_x, p_part, p_packed, p_scale, p_zero, i_n, i_t, o_t, T, D, P, C, BITS, WORDS, BLOCK_T,
-                 BLOCK_G, BLOCK_C)
 
 
 @triton.jit
@@ -211,8 +168,7 @@ def _quantize_relay_kernel(
     A program waits only on programs with lower numbers. The interpreter runs programs in order;
     the GPU dispatches a grid's programs in increasing order (as CUB's single-pass scan, which
     also waits only on predecessors, relies on), so every program waited on is running or done.
-    LAG trades L2 reuse distance (LAG * C tiles) against waiting: H200 sweeps put it near 1024
-    programs.
+    LAG trades L2 reuse distance (LAG * C tiles) against waiting (RELAY_LAG_PROGRAMS).
     """
     k = tl.program_id(0)
     i_n = (k // C).to(tl.int64)
@@ -253,15 +209,17 @@ def _halves(b_w, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
     return tl.split(tl.reshape(b_w, [BLOCK_T, BLOCK_G // 2, 2]))
 
 
+# ~70 lines on purpose: one branch per bit width's word pattern, each a few stores; they share the
+# codes and masks, and splitting them into helpers would move the layout away from its comments.
 @triton.jit
 def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_G: tl.constexpr, WORDS: tl.constexpr):
     """Pack codes b_c (BLOCK_T, BLOCK_G, 8) int32 of rows o_t (valid where m_t) into the rows at p_on.
 
     Groups of 8 codes (n_g valid per row) make exactly BITS bytes. Every store is of whole words
-    (32 bits; one 64-bit word per group at 8 bits; on the H200 word stores lifted the split path's
-    5/6-bit quantize from 30-34 % to 44-46 % of the copy rate) unless WORDS is False: 5 / 6 bits
-    then store bytes (rows of groups not a multiple of the 4 / 2 groups that make whole words).
+    (32 bits; one 64-bit word per group at 8 bits: byte stores were much slower, docs/BENCHMARKS.md)
+    unless WORDS is False: 5 / 6 bits then store bytes (rows of groups not a multiple of the 4 / 2
+    groups that make whole words).
     Words are little-endian: stream bit s is bit s % 8 of byte s // 8, as in the contract.
     """
     o_i = tl.arange(0, 8)
@@ -273,8 +231,8 @@ def _store_groups(b_c, p_on, o_t, m_t, n_g, P, BITS: tl.constexpr, BLOCK_T: tl.c
         b_w = tl.sum(b_c << (o_i * 4)[None, None, :], 2)                               # (T, G)
         tl.store(p_w + o_g[None, :], b_w, mask=m_tg)
     elif BITS == 8:
-        # 8 eight-bit codes are one 64-bit word (two 32-bit words per group, one 3D store, wrote
-        # 4x the sectors needed on the H200: benchmarks/diag_quant.py --stages)
+        # 8 eight-bit codes are one 64-bit word (two 32-bit words per group in one 3D store wrote
+        # more sectors than needed: docs/BENCHMARKS.md)
         b_w = tl.sum(b_c.to(tl.int64) << (o_i * 8).to(tl.int64)[None, None, :], 2)      # (T, G)
         tl.store(p_on.to(tl.pointer_type(tl.int64)) + o_t[:, None] * (P // 8) + o_g[None, :], b_w, mask=m_tg)
     elif WORDS:
@@ -340,20 +298,6 @@ def _block_params(p_scale, p_zero, i_n, lo, hi, BITS: tl.constexpr, write):
 
 
 @triton.jit
-def _quantize_fused_kernel(
-    p_x, p_packed, p_scale, p_zero, T, D, P,
-    BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, WORDS: tl.constexpr,
-):
-    """D % 8 == 0, one program per block (BLOCK_T >= T): the whole block is one
-    (BLOCK_T, BLOCK_G, 8) register tile, read from memory once."""
-    i_n = tl.program_id(0).to(tl.int64)
-    o_t = tl.arange(0, BLOCK_T)
-    b_x, m = _load_units(p_x + i_n * T * D, o_t, T, D, 8, BLOCK_T, BLOCK_G, False)
-    lo, hi = _tile_min_max(b_x, m)
-    _pack_with(b_x, lo, hi, p_packed, p_scale, p_zero, i_n, 0, o_t, T, D, P, BITS, WORDS, BLOCK_T, BLOCK_G)
-
-
-@triton.jit
 def _quantize_words_kernel(
     p_x, p_packed, p_scale, p_zero, T, D,
     BITS: tl.constexpr, U: tl.constexpr, WORD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr,
@@ -402,11 +346,8 @@ def _quantize_twopass_kernel(
     """One program per block (D % 8 == 0), in row tiles of BLOCK_T rows: pass 1 folds the block's
     min / max, pass 2 reads the block again (from L2 while the blocks in flight fit in it: small
     blocks) and packs it as _store_groups. PREFETCH: each pass loads the next tile before it works
-    on the current one (two tiles in flight per program).
-
-    (G programs looping over the blocks, to bound the blocks in flight for large blocks, measured
-    21-51 % of the H200's copy rate on 512-token blocks: too few loads in flight;
-    docs/BENCHMARKS.md.)"""
+    on the current one (two tiles in flight per program). (Fewer programs looping over the blocks,
+    to bound the blocks in flight, had too few loads in flight: docs/BENCHMARKS.md.)"""
     i_n = tl.program_id(0).to(tl.int64)
     p_xn = p_x + i_n * T * D
     o_r = tl.arange(0, BLOCK_T)
@@ -441,10 +382,8 @@ def _dequant_grouped_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
     BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
-    """D % 8 == 0: each group of BITS bytes is read once into one int64 word and yields 8 codes.
-
-    (Groups of 2 or 4 codes in int32 words measured 2-3x slower on the H200: narrower vectors.)
-    """
+    """D % 8 == 0: each group of BITS bytes is read once into one int64 word and yields 8 codes
+    (groups of 2 or 4 codes in int32 words were slower: narrower vectors, docs/BENCHMARKS.md)."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -464,13 +403,12 @@ def _dequant_grouped_kernel(
 
 
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
-MINMAX_CHUNK = 16384     # split path: values per partial min/max program (H200 sweep: 16384 / 8 warps best)
-REG_CAP = 16384          # fused path: blocks of up to this many (padded) values are one register tile
+REG_CAP = 16384          # one register tile holds at most this many (padded) values
 _WORD_GROUPS = {4: 1, 5: 4, 6: 2, 8: 1}   # 8-code groups that make whole 32-bit words
 
 
 # relay kernel: the word of a tile not yet reduced (min +inf low, max -inf high), as int64, and the
-# default distance in programs between reducing a tile and packing it (H200 sweep: 1024 best)
+# default distance in programs between reducing a tile and packing it (docs/BENCHMARKS.md)
 RELAY_EMPTY = (0xFF800000 << 32 | 0x7F800000) - (1 << 64)
 RELAY_LAG_PROGRAMS = 1024
 
@@ -478,127 +416,111 @@ RELAY_LAG_PROGRAMS = 1024
 WORD_UNITS = {4: (8, 32), 5: (32, 32), 6: (16, 32), 8: (8, 64)}
 
 
-def _word_stores(d: int, bits: int) -> bool:
+def word_stores(d: int, bits: int) -> bool:
     """Whether rows of d codes (d % 8 == 0) pack into whole 32-bit words (else 5/6 bits store bytes)."""
     return (d // 8) % _WORD_GROUPS[bits] == 0
 
 
-def _tile_rows(block_t: int, block_g: int, values: int) -> int:
+def tile_rows(block_t: int, block_g: int, values: int) -> int:
     """Rows of a (block_t-row) block in a tile of about ``values`` values (groups of 8 per row)."""
     return max(1, min(block_t, values // (block_g * 8)))
 
 
-def _words_fit(t: int, d: int, bits: int, unit: tuple[int, int], reg_cap: int) -> bool:
+def words_fit(t: int, d: int, bits: int, unit: tuple[int, int], reg_cap: int) -> bool:
     """Whether method "words" with unit (codes, word bits) takes a t x d block: rows of whole units,
     units of whole words, the block one register tile of at most reg_cap padded values."""
     u, word = unit
     return d % u == 0 and (u * bits) % word == 0 and next_pow2(t) * next_pow2(d // u) * u <= reg_cap
 
 
-TWOPASS_MAX_BYTES = 16384   # blocks up to this size take method "twopass" under "auto" (see _auto_method)
+TWOPASS_MAX_BYTES = 16384   # blocks up to this size take method "twopass" (see auto_method)
 
 
-def _auto_method(t: int, d: int, bits: int, elem_bytes: int, reg_cap: int = REG_CAP) -> str:
-    """The quantize method measured fastest on the H200 (2026-11-30, benchmarks/diag_quant.py
-    --words / --twopass / --relay; % of the HBM copy rate, bf16, d = 128):
-    - "words" at 4 and 8 bits where the block is one register tile of whole words per thread
-      (64 tokens: 70.6 / 76.8 %);
-    - "twopass" for other blocks of at most TWOPASS_MAX_BYTES (64 tokens, 5 / 6 bits: 68.7 /
-      70.4 %; larger blocks outgrow L2 between the two reads: 512 tokens 43-46 %, read twice);
-    - "relay" for larger blocks (512 tokens: 59.0 / 59.9 / 61.5 / 65.8 % at 4 / 5 / 6 / 8 bits,
-      against split's 49-54 %, which reads the input twice from HBM).
-    Rows of d % 8 != 0 take the general kernel whatever is returned."""
-    if bits in (4, 8) and _words_fit(t, d, bits, WORD_UNITS[bits], reg_cap):
+def auto_method(t: int, d: int, bits: int, elem_bytes: int) -> str:
+    """The quantize kernel measured fastest for a t x d block (docs/BENCHMARKS.md, block quantize):
+    "words" at 4 and 8 bits where the block is one register tile of whole words per thread;
+    "twopass" for other blocks of at most TWOPASS_MAX_BYTES (larger ones outgrow L2 between the
+    two reads); "relay" for larger blocks. Rows of d % 8 != 0 take the general kernel."""
+    if bits in (4, 8) and words_fit(t, d, bits, WORD_UNITS[bits], REG_CAP):
         return "words"
     return "twopass" if t * d * elem_bytes <= TWOPASS_MAX_BYTES else "relay"
 
 
-def quantize(x: torch.Tensor, bits: int, method: str = "auto", reg_cap: int = REG_CAP, fused_warps: int = 0,
-             chunk: int = MINMAX_CHUNK, minmax_warps: int = 8, pack_values: int = 0,
-             pack_warps: int = 0, unit: tuple[int, int] | None = None,
-             load2d: bool = True, pack_load2d: bool = True,
-             lag: int = 0, prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32.
-
-    D % 8 == 0 runs method "fused" (one kernel per block, read once into a register tile of at
-    most reg_cap padded values), "split" (partial min/max kernel, then a pack kernel: the input is
-    read twice), "words" (one register tile, whole words per thread: _quantize_words_kernel),
-    "twopass" (one program per block reads it twice, the second time from L2:
-    _quantize_twopass_kernel; tiles of pack_values values, prefetch), "relay" (one kernel of
-    row-tile programs that read the input from HBM once and pass each block's min / max on:
-    _quantize_relay_kernel; lag in blocks, 0 = about RELAY_LAG_PROGRAMS programs) or "auto" (the
-    one measured fastest for the block: _auto_method). Other D run the general kernel. The keywords
-    after bits are benchmark tuning (0 = default). A fused kernel that looped twice over row tiles
-    of larger blocks measured 17-35 % of the H200's copy rate against split's 41-46 %
-    (docs/BENCHMARKS.md) and was removed.
-    """
-    if method not in ("auto", "fused", "split", "words", "relay", "twopass"):
-        raise ValueError(f"method={method!r} unknown; use 'auto', 'fused', 'split', 'words', 'relay' or 'twopass'")
+def _outputs(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, t, d = x.shape
-    x = x.contiguous()
-    p = (d * bits + 7) // 8
-    packed = torch.empty(n, t, p, device=x.device, dtype=torch.uint8)
+    packed = torch.empty(n, t, (d * bits + 7) // 8, device=x.device, dtype=torch.uint8)
     scale = torch.empty(n, device=x.device, dtype=torch.float32)
-    zero = torch.empty_like(scale)
-    words = _word_stores(d, bits)
-    BLOCK_T, BLOCK_G = next_pow2(t), next_pow2(d // 8)
-    fits = BLOCK_T * BLOCK_G * 8 <= reg_cap
-    if method == "auto":
-        method = _auto_method(t, d, bits, x.element_size(), reg_cap)
-        if method == "words":
-            fused_warps = fused_warps or (4 if bits == 4 else 8)
+    return packed, scale, torch.empty_like(scale)
+
+
+def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32, through the kernel
+    :func:`auto_method` picks (D % 8 == 0) or the general one."""
+    x = x.contiguous()
+    n, t, d = x.shape
+    if d % 8:
+        return launch_general(x, bits)
+    method = auto_method(t, d, bits, x.element_size())
     if method == "words":
-        u, word = unit = unit or WORD_UNITS[bits]
-        if not _words_fit(t, d, bits, unit, reg_cap):
-            raise ValueError(f"method='words' needs D % {u} == 0 and a block of at most reg_cap={reg_cap} padded "
-                             f"values (got {t} x {d}); use method='auto'")
-        _quantize_words_kernel[(n,)](x, packed, scale, zero, t, d, BITS=bits, U=u, WORD=word,
-                                     BLOCK_T=next_pow2(t), BLOCK_U=next_pow2(d // u), LOAD2D=load2d,
-                                     num_warps=fused_warps or 4)
-        return packed, scale, zero
-    if d % 8 == 0 and method == "fused":
-        if not fits:
-            raise ValueError(f"method='fused' holds a block as one register tile of at most reg_cap={reg_cap} "
-                             f"values; a {t} x {d} block needs {BLOCK_T * BLOCK_G * 8}: raise reg_cap or use "
-                             "method='auto'")
-        warps = fused_warps or (8 if BLOCK_T * BLOCK_G * 8 > 8192 else 4)   # 8192 values: 4 warps best
-        _quantize_fused_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, BLOCK_T=BLOCK_T,
-                                     BLOCK_G=BLOCK_G, WORDS=words, num_warps=warps)
-        return packed, scale, zero
-    if d % 8 == 0 and method == "twopass":
-        BLOCK_T = _tile_rows(BLOCK_T, BLOCK_G, pack_values or 2048)
-        _quantize_twopass_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
-                                       BLOCK_G=BLOCK_G, LOAD2D=pack_load2d, PREFETCH=prefetch,
-                                       num_warps=fused_warps or 2)
-        return packed, scale, zero
-    if d % 8 == 0 and method == "relay":
-        BLOCK_T = _tile_rows(BLOCK_T, BLOCK_G, pack_values or 2048)
-        c = triton.cdiv(t, BLOCK_T)
-        lag = max(1, min(n, lag or triton.cdiv(RELAY_LAG_PROGRAMS, c)))
-        part = torch.full((n, c), RELAY_EMPTY, device=x.device, dtype=torch.int64)
-        _quantize_relay_kernel[((n + lag) * c,)](
-            x, part, packed, scale, zero, n, t, d, p, c, lag, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T,
-            BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, EMPTY=RELAY_EMPTY,
-            num_warps=pack_warps or 1)
-        return packed, scale, zero
-    if d % 8 == 0:
-        # split: two streaming passes of small programs (the input is read from HBM twice)
-        chunk = min(chunk, next_pow2(t * d))      # no lanes masked off beyond a small block
-        c = triton.cdiv(t * d, chunk)
-        part = torch.empty(n, c, 2, device=x.device, dtype=torch.float32)
-        _minmax_kernel[(n, c)](x, part, t * d, c, CHUNK=chunk, num_warps=minmax_warps)
-        # H200 sweep (2026-11-30, diag_quant.py --words --split-only): 2 warps per pack program of
-        # 2048 values (1024 at 8 bits): 5/6 bits 50-53 % of the HBM copy rate, 512-token blocks at
-        # 4 / 8 bits 49 / 53 % (4 or 8 warps: 41-49 %)
-        BLOCK_T = _tile_rows(BLOCK_T, BLOCK_G, pack_values or (1024 if bits == 8 else 2048))
-        _pack_grouped_kernel[(n, triton.cdiv(t, BLOCK_T))](
-            x, part, packed, scale, zero, t, d, p, c, BITS=bits, WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
-            BLOCK_C=max(2, next_pow2(c)), LOAD2D=pack_load2d, num_warps=pack_warps or 2)
-        return packed, scale, zero
+        return launch_words(x, bits, warps=4 if bits == 4 else 8)
+    return launch_twopass(x, bits) if method == "twopass" else launch_relay(x, bits)
+
+
+def launch_general(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Any D: two passes over the block, packing byte by byte."""
+    n, t, d = x.shape
+    packed, scale, zero = _outputs(x, bits)
+    p = packed.shape[-1]
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
     BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
     _quantize_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, SPAN=_SPAN[bits], BLOCK_T=BLOCK_T,
                            BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=4)
+    return packed, scale, zero
+
+
+def launch_words(x: torch.Tensor, bits: int, unit: tuple[int, int] | None = None, warps: int = 4,
+                 load2d: bool = True, reg_cap: int = REG_CAP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One program per block, one register tile, whole words per thread (_quantize_words_kernel)."""
+    n, t, d = x.shape
+    u, word = unit = unit or WORD_UNITS[bits]
+    if not words_fit(t, d, bits, unit, reg_cap):
+        raise ValueError(f"the words kernel needs D % {u} == 0 and a block of at most reg_cap={reg_cap} padded "
+                         f"values (got {t} x {d}); quantize_blocks picks a kernel that fits")
+    packed, scale, zero = _outputs(x, bits)
+    _quantize_words_kernel[(n,)](x, packed, scale, zero, t, d, BITS=bits, U=u, WORD=word, BLOCK_T=next_pow2(t),
+                                 BLOCK_U=next_pow2(d // u), LOAD2D=load2d, num_warps=warps)
+    return packed, scale, zero
+
+
+def launch_twopass(x: torch.Tensor, bits: int, tile_values: int = 2048, warps: int = 2, load2d: bool = True,
+                   prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One program per block reading it twice, the second time from L2 (_quantize_twopass_kernel),
+    in row tiles of about ``tile_values`` values (D % 8 == 0)."""
+    n, t, d = x.shape
+    packed, scale, zero = _outputs(x, bits)
+    BLOCK_G = next_pow2(d // 8)
+    BLOCK_T = tile_rows(next_pow2(t), BLOCK_G, tile_values)
+    _quantize_twopass_kernel[(n,)](x, packed, scale, zero, t, d, packed.shape[-1], BITS=bits,
+                                   WORDS=word_stores(d, bits), BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, LOAD2D=load2d,
+                                   PREFETCH=prefetch, num_warps=warps)
+    return packed, scale, zero
+
+
+def launch_relay(x: torch.Tensor, bits: int, tile_values: int = 2048, warps: int = 1, lag: int = 0,
+                 load2d: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One kernel of row-tile programs that read the input once and relay each block's min / max
+    (_quantize_relay_kernel); lag in blocks (0: about RELAY_LAG_PROGRAMS programs) (D % 8 == 0)."""
+    n, t, d = x.shape
+    packed, scale, zero = _outputs(x, bits)
+    BLOCK_G = next_pow2(d // 8)
+    BLOCK_T = tile_rows(next_pow2(t), BLOCK_G, tile_values)
+    c = triton.cdiv(t, BLOCK_T)
+    lag = max(1, min(n, lag or triton.cdiv(RELAY_LAG_PROGRAMS, c)))
+    part = torch.full((n, c), RELAY_EMPTY, device=x.device, dtype=torch.int64)
+    _quantize_relay_kernel[((n + lag) * c,)](
+        x, part, packed, scale, zero, n, t, d, packed.shape[-1], c, lag, BITS=bits, WORDS=word_stores(d, bits),
+        BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, BLOCK_C=max(2, next_pow2(c)), LOAD2D=load2d, EMPTY=RELAY_EMPTY,
+        num_warps=warps)
     return packed, scale, zero
 
 

@@ -73,20 +73,26 @@ def superblock_bounds(kmin: torch.Tensor, kmax: torch.Tensor, group: int) -> tup
     return fold(kmin, float("inf"), torch.amin), fold(kmax, float("-inf"), torch.amax)
 
 
-def two_level_pays(nb: int, group: int, n_super: int) -> bool:
+def two_level_pays(nb, group: int, n_super: int):
     """Whether two-level scoring reads clearly fewer bounds than scoring all nb blocks: the refined
-    blocks (n_super * group) are at most a quarter of them. group <= 1 turns it off."""
+    blocks (n_super * group) are at most a quarter of them. group <= 1 turns it off. nb: an int
+    (-> bool), or a tensor of block counts (-> a bool tensor, elementwise)."""
+    if isinstance(nb, torch.Tensor):
+        return (nb >= 4 * n_super * group) & (group > 1)
     return group > 1 and nb >= 4 * n_super * group
 
 
 def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor,
                          smax: torch.Tensor, group: int, n_super: int,
-                         limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         limit: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate blocks of the `n_super` best super-blocks per KV head and their bounds.
 
     q (..., Hkv, G, D); kmin/kmax (..., Hkv, NB, D); smin/smax (..., Hkv, NS, D) from
     `superblock_bounds(kmin, kmax, group)` (or kept up to date incrementally). Only blocks below
-    `limit` (default NB) are candidates (e.g. the blocks before an always-selected window).
+    `limit` (default NB) are candidates (e.g. the blocks before an always-selected window);
+    `limit` may be a tensor broadcastable to (..., Hkv), one limit per row of a batch whose rows
+    hold different numbers of blocks (super-blocks past a row's limit never take one of its
+    n_super places, whatever their bounds: NaN for a row's unfilled blocks).
     Returns blocks (..., Hkv, n_super * group) int64 (-1 for no candidate) and their scores (fp32,
     -inf where blocks is -1); with n_super >= NS every block below limit is a candidate.
     """
@@ -94,14 +100,25 @@ def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
     check(ns == -(-nb // group), f"smin/smax hold {ns} super-blocks but {nb} blocks in groups of {group} "
           f"need {-(-nb // group)}; rebuild them with superblock_bounds")
     check(n_super >= 1, f"n_super must be >= 1, got {n_super}")
-    limit = nb if limit is None else max(0, min(limit, nb))
+    per_row = isinstance(limit, torch.Tensor)
+    host_limit = nb if limit is None or per_row else max(0, min(limit, nb))
     n_super = min(n_super, ns)
-    sup = top_blocks(block_scores(q, smin, smax, limit=-(-limit // group)), n_super)   # (..., Hkv, n_super)
+    sup_scores = block_scores(q, smin, smax, limit=-(-host_limit // group))           # (..., Hkv, NS)
+    if per_row:
+        sup_limit = torch.div(limit + group - 1, group, rounding_mode="floor")[..., None]
+        sup_scores = torch.where(torch.arange(ns, device=q.device) < sup_limit, sup_scores, float("-inf"))
+    sup = top_blocks(sup_scores, n_super)                                              # (..., Hkv, n_super)
     if use_triton(q, kmin, kmax):   # one launch: candidate numbers and their scores
-        return kernel_module("_bounds_triton").scores(q, kmin, kmax, limit=limit, super_idx=sup, group=group)
-    blocks = (sup[..., None] * group + torch.arange(group, device=sup.device)).flatten(-2)
-    blocks = torch.where(blocks < limit, blocks, -1)
-    return blocks, reference_block_scores(q, kmin, kmax, blocks)
+        blocks, sc = kernel_module("_bounds_triton").scores(q, kmin, kmax, limit=host_limit, super_idx=sup,
+                                                             group=group)
+    else:
+        blocks = (sup[..., None] * group + torch.arange(group, device=sup.device)).flatten(-2)
+        blocks = torch.where(blocks < host_limit, blocks, -1)
+        sc = reference_block_scores(q, kmin, kmax, blocks)
+    if per_row:
+        blocks = torch.where(blocks < limit[..., None], blocks, -1)
+        sc = torch.where(blocks >= 0, sc, float("-inf"))
+    return blocks, sc
 
 
 def top_blocks(scores: torch.Tensor, n: int, chunk: int = 1024) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 FREE, ACTIVE, PENDING = "free", "active", "pending_recycle"
 
@@ -68,25 +68,54 @@ class _BlockList:
             b = b.next
 
 
+class _Tally:
+    """A count with a telemetry counter's interface (inc, value)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+
+EVENTS = ("allocations", "recycles", "reclaims")
+
+
 class BlockPool:
     """Physical KV blocks with reference counts and a recycle grace period.
 
     ``num_blocks`` may be 0 and grown with :meth:`grow`. ``clock`` returns seconds (monotonic);
-    tests inject a fake one.
+    tests inject a fake one. ``counters``: what counts the EVENTS, objects with ``inc`` and
+    ``value`` (the runtime passes its telemetry counters); plain tallies by default.
     """
 
     def __init__(self, num_blocks: int = 0, grace_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, counters: Mapping[str, Any] | None = None) -> None:
         self.grace_s = grace_s
         self.clock = clock
         self.blocks: list[KVBlock] = []
         self._free = _BlockList()
         self._pending = _BlockList()  # ordered by released_at (the clock is monotonic)
         self.num_active = 0
-        self.allocations = 0
-        self.recycles = 0
-        self.reclaims = 0
+        self._counts = {event: (counters or {}).get(event) or _Tally() for event in EVENTS}
         self.grow(num_blocks)
+
+    @property
+    def allocations(self) -> int:
+        """Blocks taken from the free list, ever."""
+        return int(self._counts["allocations"].value)
+
+    @property
+    def recycles(self) -> int:
+        """Blocks returned to the free list after their grace period, ever."""
+        return int(self._counts["recycles"].value)
+
+    @property
+    def reclaims(self) -> int:
+        """Pending blocks taken back within their grace period, ever."""
+        return int(self._counts["reclaims"].value)
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -130,7 +159,7 @@ class BlockPool:
             b.generation += 1
             out.append(b)
         self.num_active += n
-        self.allocations += n
+        self._counts["allocations"].inc(n)
         return out
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
@@ -155,7 +184,7 @@ class BlockPool:
                 self._pending.remove(b)
                 b.state, b.ref_cnt = ACTIVE, 1
                 self.num_active += 1
-                self.reclaims += 1
+                self._counts["reclaims"].inc(1)
             else:
                 raise RuntimeError(f"bug: touching free block {b.block_id}; its contents are gone")
 
@@ -174,7 +203,7 @@ class BlockPool:
         self._pending.remove(b)
         b.state, b.ref_cnt = FREE, 0
         self._free.append(b)
-        self.recycles += 1
+        self._counts["recycles"].inc(1)
 
     # -- checks --------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -1,6 +1,6 @@
 """HiSparse configuration: one dataclass, validated with messages that name the fix.
 
-Defaults follow DESIGN.md 4 (SGLang HiSparse defaults: top_k 2048, hot buffer 2 x top_k).
+Defaults follow SGLang's HiSparse (top_k 2048, hot buffer 2 x top_k); docs/runtime.md explains each.
 """
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Union
 
-QUANT_BITS = (4, 5, 6, 8)
+from easymats.catalogue import QUANT_BITS as _CATALOGUE_BITS
+
+QUANT_BITS = tuple(int(b) for b in _CATALOGUE_BITS)
 Bits = Union[int, str, None]
 
 
@@ -41,8 +43,6 @@ class HiSparseConfig:
     bound_group: int = 16                # blocks per super-block: at long context selection scores
                                          # super-blocks first, then only the best ones' blocks
                                          # (1 = always score every block)
-    batch_decode: bool = True            # decode sequences of one length in consecutive rows as one
-                                         # batch (False: one by one, the reference path)
     decode_graphs: bool = True           # CUDA: replay each layer's batched decode step from a
                                          # captured CUDA graph (False: launch its kernels each step)
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
@@ -54,6 +54,9 @@ class HiSparseConfig:
                                          # target; off: the default series budget, docs/scaling.md)
     name: str | None = None              # telemetry target name; None -> "hisparse"
     seed: int = 0                        # audit sampling and probe init
+    gauge_interval_s: float = 1.0        # when publishing, refresh the gauges that cost a device
+                                         # reduction or a walk over every layer (anchors, residency,
+                                         # memory) at most this often
 
     @property
     def buffer_tokens(self) -> int:
@@ -100,6 +103,7 @@ class HiSparseConfig:
              f"bound_group must be an integer >= 1 (1 scores every block), got {self.bound_group!r}")
         need(self.recycle_grace_s >= 0, "recycle_grace_s must be >= 0")
         need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
+        need(self.gauge_interval_s >= 0, "gauge_interval_s must be >= 0 (0 refreshes every gauge at every publish)")
         if self.host_pool_blocks is not None:
             need(self.host_pool_blocks >= 1, "host_pool_blocks must be >= 1 (or None to grow)")
         if self.streaming:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .bindings import binding_of
 from .hf_support import UnsupportedModelError
 
 
@@ -174,8 +175,6 @@ class HiSparseCache(Cache):
     """
 
     def __init__(self, model: Any):
-        from .integration import binding_of  # here: integration imports this module
-
         super().__init__(layers=hisparse_layers(binding_of(model)))
 
     @classmethod

@@ -1,16 +1,18 @@
 """The host pool: every token's K/V, in physical blocks, optionally quantized per block.
 
 Rows: one row per (block, KV head, token in block) holds that token's D values, so that
-``row = (block_id * Hkv + head) * block_size + offset``; a quantization *unit* is one
-(block, head) run of ``block_size`` rows, ``unit = row // block_size``. Per layer:
+``row = (block_id * Hkv + head) * block_size + offset`` (:meth:`HostPool.row_of`, the one place
+that formula lives); a quantization *unit* is one (block, head) run of ``block_size`` rows,
+``unit = row // block_size``. Per layer:
 
 - unquantized: ``k``, ``v`` (R, D) in the KV dtype;
 - quantized: ``k_packed``, ``v_packed`` (R, P_max) uint8 (a unit at b bits uses the first
   ceil(D*b/8) bytes of its rows), per-unit scale / zero (fp32) and bits (uint8). A block is
-  quantized when it fills; until then its tokens live in the sequence's float *tail* block
-  (``k_tail``/``v_tail`` rows ``(tail_slot * Hkv + head) * block_size + offset``).
+  quantized when it fills (:meth:`HostPool.seal`); until then its tokens live in the sequence's
+  float *tail* block (``k_tail``/``v_tail``, the same formula with the tail slot as the block).
 
-Host memory is pinned when the compute device is CUDA (the swap-in kernel reads it over UVA).
+Host memory is pinned when the compute device is CUDA: the swap-in kernel reads it, and the
+backup of new tokens writes it, over UVA, in stream order and without a host sync.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from hi_sparse.kernels import packed_width, swap_in, swap_in_dequant
 
-from .quant_policy import make_policy, max_bits, quantize_roundtrip
+from .quant_policy import BITS, make_policy, max_bits, quantize_roundtrip
 
 
 @dataclass
@@ -66,17 +68,21 @@ def _unpin(ptr: int, size: int) -> None:
 class HostPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, pin: bool, host_kv_bits=None, error_budget: float = 0.02) -> None:
-        self.L, self.H, self.D, self.bs = num_layers, num_kv_heads, head_dim, block_size
+        self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.dtype, self.pin = dtype, pin
         self.policy = make_policy(host_kv_bits, error_budget)
         self.quantized = self.policy is not None
-        # one width for every unit: loads need not read the units' bits back first
+        # one width for every unit: loads need not look the units' bits up
         self.fixed_bits = int(host_kv_bits) if self.quantized and host_kv_bits not in ("auto", "budget") else None
         self._device_wrote = False  # a GPU kernel wrote pinned rows: sync before the CPU reads them
-        self.P = packed_width(head_dim, max_bits(host_kv_bits)) if self.quantized else 0
+        self.packed_bytes = packed_width(head_dim, max_bits(host_kv_bits)) if self.quantized else 0
+        self.widths = tuple(b for b in BITS if b <= max_bits(host_kv_bits)) if self.quantized else ()
         self.num_blocks = 0
         self.num_tail = 0
         self.layers: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        # device copies of each layer's unit bits (mixed widths on a GPU): {(layer, "k"/"v"): tensor}
+        self._bits_on: dict[tuple[int, str], torch.Tensor] = {}
+        self._row_bytes: dict[torch.device, torch.Tensor] = {}   # bits -> bytes a packed row reads
         self._alloc(0, 0)
 
     # -- storage -------------------------------------------------------------------------------
@@ -87,16 +93,17 @@ class HostPool:
         return t
 
     def _alloc(self, blocks: int, tails: int) -> None:
-        rows, units, trows = blocks * self.H * self.bs, blocks * self.H, tails * self.H * self.bs
+        H, D, bs, P = self.num_kv_heads, self.head_dim, self.block_size, self.packed_bytes
+        rows, units, trows = blocks * H * bs, blocks * H, tails * H * bs
         for store in self.layers:
             if self.quantized:
-                spec = {"k_packed": ((rows, self.P), torch.uint8), "v_packed": ((rows, self.P), torch.uint8),
+                spec = {"k_packed": ((rows, P), torch.uint8), "v_packed": ((rows, P), torch.uint8),
                         "k_scale": ((units,), torch.float32), "k_zero": ((units,), torch.float32),
                         "v_scale": ((units,), torch.float32), "v_zero": ((units,), torch.float32),
                         "k_bits": ((units,), torch.uint8), "v_bits": ((units,), torch.uint8),
-                        "k_tail": ((trows, self.D), self.dtype), "v_tail": ((trows, self.D), self.dtype)}
+                        "k_tail": ((trows, D), self.dtype), "v_tail": ((trows, D), self.dtype)}
             else:
-                spec = {"k": ((rows, self.D), self.dtype), "v": ((rows, self.D), self.dtype)}
+                spec = {"k": ((rows, D), self.dtype), "v": ((rows, D), self.dtype)}
             for name, (shape, dt) in spec.items():
                 new = self._empty(shape, dt)
                 old = store.get(name)
@@ -104,6 +111,7 @@ class HostPool:
                     new[: old.shape[0]] = old
                 store[name] = new
         self.num_blocks, self.num_tail = blocks, tails
+        self._bits_on.clear()        # rebuilt at the next prepare
 
     def grow(self, blocks: int | None = None, tails: int | None = None) -> None:
         """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept)."""
@@ -121,79 +129,126 @@ class HostPool:
                     data += n
         return data, meta
 
+    def buffers(self, layer: int) -> list[torch.Tensor]:
+        """Every tensor a load or backup of the layer touches (their addresses key a captured step)."""
+        return list(self.layers[layer].values()) + [t for (i, _), t in self._bits_on.items() if i == layer]
+
     # -- addressing ----------------------------------------------------------------------------
-    def rows(self, block_table: torch.Tensor, heads: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Main-pool rows of tokens ``pos`` at KV heads ``heads`` (broadcastable int64 tensors)."""
+    def row_of(self, block: torch.Tensor | int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The row of token ``pos`` at KV head ``head`` in physical block (or tail slot) ``block``
+        (broadcastable int64 tensors)."""
+        H, bs = self.num_kv_heads, self.block_size
+        return (block * H + head) * bs + pos % bs
+
+    def main_rows(self, tables: torch.Tensor, head: torch.Tensor, pos: torch.Tensor,
+                  seq: torch.Tensor | None = None) -> torch.Tensor:
+        """Main-pool rows of tokens pos (R, ...) at KV heads ``head`` (broadcastable to pos): of the
+        sequence whose block table is row r of tables (R, W), or row seq[r] (seq (R, 1))."""
         # A hole (-1: streaming mode overwrote the block) would index out of range; read block 0
         # instead. Every caller masks holes out (selection never picks them; the audit,
         # recalibration and prefill drop them through the visibility mask).
-        blk = block_table[pos // self.bs].clamp_min(0)
-        return (blk * self.H + heads) * self.bs + pos % self.bs
+        logical = pos // self.block_size
+        if seq is None:
+            blk = tables.gather(1, logical.reshape(pos.shape[0], -1)).view(pos.shape)
+        else:
+            blk = tables[seq, logical]
+        return self.row_of(blk.clamp_min(0), head, pos)
 
-    def tail_rows(self, tail_slot: int, heads: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return (tail_slot * self.H + heads) * self.bs + pos % self.bs
+    def tail_rows(self, tail_slots: torch.Tensor | int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rows of tokens pos in the float tail blocks ``tail_slots`` (quantized pools)."""
+        return self.row_of(tail_slots, head, pos)
 
-    # -- writes (eager backup of new tokens) ---------------------------------------------------
-    def write(self, layer: int, block_table: torch.Tensor, tail_slot: int, start: int,
-              k: torch.Tensor, v: torch.Tensor) -> tuple[int, QuantEvents]:
-        """Store new tokens at positions [start, start+T). k, v: (Hkv, T, D).
+    # -- writes --------------------------------------------------------------------------------
+    def backup(self, layer: int, tables: torch.Tensor, tails: torch.Tensor, start: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens from where they are: k, v (B, Hkv, T, D) at positions start (B,) + t
+        of B sequences (block tables (B, W), tail slots (B,)), without a host sync. Unquantized:
+        every token into the main pool. Quantized: the tokens of each sequence's unfilled last
+        block into its tail (the blocks they complete go through :meth:`seal` first).
 
-        Returns (bytes written to host, quantization events).
+        On a GPU the kernel writes the pinned rows over UVA, in stream order; the CPU waits for it
+        only before it next reads the pool itself (:meth:`note_device_writes`).
         """
-        store, H, bs = self.layers[layer], self.H, self.bs
-        T = k.shape[1]
-        heads = torch.arange(H)[:, None]
-        events = QuantEvents()
-        self._host_visible()
+        B, H, T, D = k.shape
+        pos = start[:, None] + torch.arange(T, device=k.device)                        # (B, T)
+        heads = torch.arange(H, device=k.device)[None, :, None]
+        if self.quantized:
+            rows = self.tail_rows(tails[:, None, None], heads, pos[:, None])
+            keep = (pos >= (start + T)[:, None] // self.block_size * self.block_size)[:, None].expand(B, H, T)
+            names = ("k_tail", "v_tail")
+        else:
+            rows = self.main_rows(tables, heads, pos[:, None].expand(B, H, T))
+            keep = None
+            names = ("k", "v")
+        src = torch.arange(B * H * T, device=k.device)
+        if keep is not None:
+            src = torch.where(keep.reshape(-1), src, -1)
+        store = self.layers[layer]
+        for name, x in zip(names, (k, v)):
+            swap_in(x.to(self.dtype).reshape(-1, D), src, store[name], rows.reshape(-1))
+
+    def backup_bytes(self, starts: list[int], new_tokens: int) -> int:
+        """Bytes :meth:`backup` writes for sequences at positions ``starts`` (host arithmetic)."""
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        per_token = 2 * self.num_kv_heads * self.head_dim * elt
         if not self.quantized:
-            k, v = k.to("cpu", self.dtype), v.to("cpu", self.dtype)
-            pos = torch.arange(start, start + T)[None]
-            rows = self.rows(block_table, heads, pos).reshape(-1)
-            store["k"].index_copy_(0, rows, k.reshape(-1, self.D))
-            store["v"].index_copy_(0, rows, v.reshape(-1, self.D))
-            return 2 * k.numel() * k.element_size(), events
-        # quantized: complete the tail block, quantize every full block where the tokens are (on a
-        # GPU: Triton, and only the packed result crosses to the host), keep the remainder
-        k, v = k.to(dtype=self.dtype), v.to(dtype=self.dtype)
+            return per_token * new_tokens * len(starts)
+        bs = self.block_size
+        return per_token * sum(p + new_tokens - max(p, (p + new_tokens) // bs * bs) for p in starts)
+
+    def note_device_writes(self, device: torch.device) -> None:
+        """A backup from ``device`` ran (also one a CUDA graph replayed, where its Python did not)."""
+        if device.type == "cuda" and self.pin:
+            self._device_wrote = True
+
+    def seal(self, layer: int, block_table: torch.Tensor, tail_slot: int, start: int,
+             k: torch.Tensor, v: torch.Tensor) -> tuple[int, QuantEvents]:
+        """Quantize the blocks that new tokens k, v (Hkv, T, D) at positions [start, start + T)
+        complete (the older tokens of the first come from the tail), on the tokens' device;
+        the rest of the tokens is :meth:`backup`'s. Returns (bytes written, quantization events)."""
+        H, D, bs = self.num_kv_heads, self.head_dim, self.block_size
+        events = QuantEvents()
         b0 = start - start % bs
+        n_full = (start + k.shape[1]) // bs - b0 // bs
+        if not self.quantized or n_full == 0:
+            return 0, events
+        self._host_visible()
+        store = self.layers[layer]
+        new = b0 + n_full * bs - start                          # new tokens in the completed blocks
+        k, v = k[:, :new].to(dtype=self.dtype), v[:, :new].to(dtype=self.dtype)
         if start > b0:
-            old = self.tail_rows(tail_slot, heads, torch.arange(b0, start)[None]).reshape(-1)
-            k = torch.cat([store["k_tail"][old].view(H, -1, self.D).to(k.device), k], 1)
-            v = torch.cat([store["v_tail"][old].view(H, -1, self.D).to(v.device), v], 1)
-        n_full = k.shape[1] // bs
+            old = self.tail_rows(tail_slot, torch.arange(H)[:, None], torch.arange(b0, start)[None]).reshape(-1)
+            k = torch.cat([store["k_tail"][old].view(H, -1, D).to(k.device), k], 1)
+            v = torch.cat([store["v_tail"][old].view(H, -1, D).to(v.device), v], 1)
+        blocks = block_table[torch.arange(b0 // bs, b0 // bs + n_full)]                  # (F,)
+        units = (blocks[:, None] * H + torch.arange(H)[None]).reshape(-1)                 # (F*H,)
+        ku = k.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D)
+        vu = v.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D)
+        kb, vb = self.policy.choose(ku, vu)
         written = 0
-        if n_full:
-            blocks = block_table[torch.arange(b0 // bs, b0 // bs + n_full)]              # (F,)
-            units = (blocks[:, None] * H + torch.arange(H)[None]).reshape(-1)             # (F*H,)
-            ku = k[:, : n_full * bs].reshape(H, n_full, bs, self.D).transpose(0, 1).reshape(-1, bs, self.D)
-            vu = v[:, : n_full * bs].reshape(H, n_full, bs, self.D).transpose(0, 1).reshape(-1, bs, self.D)
-            kb, vb = self.policy.choose(ku, vu)
-            for x, bits, prefix in ((ku, kb, "k"), (vu, vb, "v")):
-                written += self._store_units(store, prefix, units, x, bits, events)
-        rem = k.shape[1] - n_full * bs
-        if rem:
-            tpos = torch.arange(b0 + n_full * bs, b0 + n_full * bs + rem)[None]
-            trows = self.tail_rows(tail_slot, heads, tpos).reshape(-1)
-            store["k_tail"].index_copy_(0, trows, k[:, n_full * bs:].reshape(-1, self.D).cpu())
-            store["v_tail"].index_copy_(0, trows, v[:, n_full * bs:].reshape(-1, self.D).cpu())
-            written += 2 * rem * H * self.D * k.element_size()
+        for x, bits, prefix in ((ku, kb, "k"), (vu, vb, "v")):
+            written += self._store_units(layer, prefix, units, x, bits, events)
         return written, events
 
-    def _store_units(self, store: dict, prefix: str, units: torch.Tensor, x: torch.Tensor,
+    def _store_units(self, layer: int, prefix: str, units: torch.Tensor, x: torch.Tensor,
                      bits: torch.Tensor, events: QuantEvents) -> int:
         """Quantize units x (N, bs, D), on any device, at their chosen bits (N,) into the pool."""
+        store = self.layers[layer]
         written = 0
-        offs = torch.arange(self.bs)
+        offs = torch.arange(self.block_size)
         for b in sorted(set(bits.tolist())):
             sel = (bits == b).nonzero().squeeze(1).cpu()
             packed, scale, zero, err = (t.cpu() for t in quantize_roundtrip(x[sel.to(x.device)], b))
             u = units[sel]
-            rows = (u[:, None] * self.bs + offs[None]).reshape(-1)
+            rows = (u[:, None] * self.block_size + offs[None]).reshape(-1)
             P = packed.shape[-1]
             store[f"{prefix}_packed"][rows, :P] = packed.reshape(-1, P)
             store[f"{prefix}_scale"][u] = scale
             store[f"{prefix}_zero"][u] = zero
             store[f"{prefix}_bits"][u] = b
+            mirror = self._bits_on.get((layer, prefix))
+            if mirror is not None:
+                mirror[u.to(mirror.device)] = b
             events.counts[b] = events.counts.get(b, 0) + len(u)
             events.errors.extend(err.tolist())
             written += packed.numel() + 8 * len(u)
@@ -205,38 +260,14 @@ class HostPool:
             torch.cuda.synchronize()
             self._device_wrote = False
 
-    def backup_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    tail: bool = False) -> int:
-        """Write new tokens' rows from where they are: k, v (M, D), rows (M,) of the main pool
-        (unquantized) or of the tail blocks (``tail``: quantized pools, tokens of unfilled blocks).
-
-        On a GPU the kernel writes the pinned rows over UVA, in stream order (no host sync); the
-        CPU waits for it only before it next reads the pool itself. Returns bytes written.
-        """
-        store = self.layers[layer]
-        names = ("k_tail", "v_tail") if tail else ("k", "v")
-        if tail != self.quantized:
-            raise ValueError("bug: tail rows are for quantized pools, main rows for unquantized ones")
-        idx = torch.arange(rows.numel(), device=k.device)
-        for name, x in zip(names, (k, v)):
-            swap_in(x.to(self.dtype), idx, store[name], rows)
-        return self.backed_up(layer, k, tail)
-
-    def backed_up(self, layer: int, k: torch.Tensor, tail: bool) -> int:
-        """The bookkeeping of a backup_rows of k's rows, also for a caller that replays it from a
-        CUDA graph (where its Python does not run): device writes into the pinned pool are noted;
-        returns the bytes written."""
-        if k.is_cuda and self.pin:
-            self._device_wrote = True
-        return 2 * k.numel() * self.layers[layer]["k_tail" if tail else "k"].element_size()
-
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (every layer, head and token; packed rows with their scale, zero and
         bits) from physical blocks ``src`` to ``dst`` (a forked sequence's own copy)."""
         if not src:
             return
         self._host_visible()
-        H, bs = self.H, self.bs
+        H, bs = self.num_kv_heads, self.block_size
+        self._bits_on.clear()        # rebuilt at the next prepare
         if src == list(range(src[0], src[0] + len(src))) and dst == list(range(dst[0], dst[0] + len(dst))):
             # consecutive blocks (a fresh or sized pool): one slice copy per tensor
             for store in self.layers:
@@ -263,75 +294,92 @@ class HostPool:
         if not self.quantized:
             return
         self._host_visible()
-        n = self.H * self.bs
+        n = self.num_kv_heads * self.block_size
         for store in self.layers:
             for name in ("k_tail", "v_tail"):
                 store[name][dst * n:(dst + 1) * n] = store[name][src * n:(src + 1) * n]
 
     # -- reads (swap-in, audit, recalibration) -------------------------------------------------
-    def load(self, layer: int, rows: torch.Tensor, tail_rows: torch.Tensor, dst_k: torch.Tensor,
-             dst_v: torch.Tensor, dst_rows: torch.Tensor, dst_tail_rows: torch.Tensor) -> int:
-        """Copy (dequantizing) host rows into dst (S, D) at dst rows; returns bytes read.
+    def prepare(self, layer: int, device: torch.device) -> None:
+        """Make what a load on ``device`` reads available there: a pool of mixed bit widths keeps a
+        copy of its units' bits on each GPU that loads (refreshed by seal as units fill). Call
+        before a load that may be captured in a CUDA graph."""
+        if not self.quantized or self.fixed_bits is not None:
+            return
+        if device not in self._row_bytes:
+            sizes = [packed_width(self.head_dim, b) + 8 for b in range(max(BITS) + 1)]
+            self._row_bytes[device] = torch.tensor(sizes, device=device)
+        if device.type != "cuda":
+            return
+        for prefix in ("k", "v"):
+            if (layer, prefix) not in self._bits_on:
+                self._bits_on[(layer, prefix)] = self.layers[layer][f"{prefix}_bits"].to(device)
 
-        ``rows`` index the main pool, ``tail_rows`` the tail blocks (quantized pools only).
+    def _unit_bits(self, layer: int, prefix: str, device: torch.device) -> torch.Tensor:
+        return self._bits_on[(layer, prefix)] if device.type == "cuda" else self.layers[layer][f"{prefix}_bits"]
+
+    def load(self, layer: int, rows: torch.Tensor, tail_rows: torch.Tensor | None, dst_k: torch.Tensor,
+             dst_v: torch.Tensor, dst_rows: torch.Tensor) -> torch.Tensor:
+        """Copy (dequantizing) host rows into dst (S, D) at dst_rows (M,), without a host sync.
+
+        rows (M,) index the main pool, tail_rows (M,) the tail blocks (quantized pools; None
+        otherwise); -1 where an entry comes from the other one, or from neither. A pool of mixed
+        bit widths dequantizes once per width, each launch taking the rows of its units. Returns
+        the bytes read, a 0-dim int64 tensor on rows' device.
         """
-        store = self.layers[layer]
+        store, D = self.layers[layer], self.head_dim
         if not self.quantized:
             swap_in(store["k"], rows, dst_k, dst_rows)
             swap_in(store["v"], rows, dst_v, dst_rows)
-            return 2 * rows.numel() * self.D * store["k"].element_size()
-        nbytes = 0
-        if tail_rows.numel():
-            if not store["k_tail"].is_pinned():
-                tail_rows = tail_rows.cpu()  # pageable tail blocks are copied by torch on the host
-            swap_in(store["k_tail"], tail_rows, dst_k, dst_tail_rows)
-            swap_in(store["v_tail"], tail_rows, dst_v, dst_tail_rows)
-            nbytes += 2 * tail_rows.numel() * self.D * store["k_tail"].element_size()
-        if rows.numel():
-            for prefix, dst in (("k", dst_k), ("v", dst_v)):
-                if self.fixed_bits is not None:   # every unit at one width: no read-back of bits
-                    groups = [(self.fixed_bits, rows, dst_rows)]
-                else:
-                    row_bits = store[f"{prefix}_bits"][(rows // self.bs).cpu()]
-                    groups = []
-                    for b in row_bits.unique().tolist():
-                        sel = (row_bits == b).nonzero().squeeze(1).to(rows.device)
-                        groups.append((b, rows[sel], dst_rows[sel.to(dst_rows.device)]))
-                for b, r, d in groups:
-                    P = packed_width(self.D, b)
-                    swap_in_dequant(store[f"{prefix}_packed"][:, :P], store[f"{prefix}_scale"],
-                                    store[f"{prefix}_zero"], b, self.bs, r, dst, d)
-                    nbytes += r.numel() * P + 8 * r.numel()
+            return (rows >= 0).sum() * (2 * D * store["k"].element_size())
+        swap_in(store["k_tail"], tail_rows, dst_k, dst_rows)
+        swap_in(store["v_tail"], tail_rows, dst_v, dst_rows)
+        nbytes = (tail_rows >= 0).sum() * (2 * D * store["k_tail"].element_size())
+        for prefix, dst in (("k", dst_k), ("v", dst_v)):
+            args = (store[f"{prefix}_scale"], store[f"{prefix}_zero"])
+            if self.fixed_bits is not None:
+                P = packed_width(D, self.fixed_bits)
+                swap_in_dequant(store[f"{prefix}_packed"][:, :P], *args, self.fixed_bits, self.block_size, rows,
+                                dst, dst_rows)
+                nbytes = nbytes + (rows >= 0).sum() * (P + 8)
+                continue
+            if rows.device.type != "cuda":
+                self.prepare(layer, rows.device)      # (on a GPU the caller did, outside any capture)
+            bits = self._unit_bits(layer, prefix, rows.device)[rows.clamp(min=0) // self.block_size].long()
+            for b in self.widths:
+                P = packed_width(D, b)
+                swap_in_dequant(store[f"{prefix}_packed"][:, :P], *args, b, self.block_size,
+                                torch.where(bits == b, rows, -1), dst, dst_rows)
+            nbytes = nbytes + torch.where(rows >= 0, self._row_bytes[rows.device][bits], 0).sum()
         return nbytes
 
     def read(self, layer: int, block_table: torch.Tensor, tail_slot: int, full_blocks: int,
              heads: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.float32,
              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens ``pos`` at ``heads`` (broadcast to a common shape S) -> two (*S, D) tensors
-        on ``device`` (default: the host).
+        on ``device`` (default: the host). block_table: (W,) on the host.
 
         ``full_blocks``: blocks of the sequence that are complete (quantized pools keep the rest
         in the tail). Used by prefill attention, the audit and recalibration. On a CUDA device
         the rows are gathered by the GPU straight from the pinned pool (no host-side gather).
         """
-        if device is None or torch.device(device).type == "cpu":
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type == "cpu":
             self._host_visible()
+        self.prepare(layer, device)
         heads, pos = torch.broadcast_tensors(heads, pos)
         shape = pos.shape
-        heads, pos = heads.reshape(-1), pos.reshape(-1)
+        heads, pos = heads.reshape(1, -1), pos.reshape(1, -1)
         # read in the stored dtype (swap-in copies without converting), convert once at the end
-        out_k = torch.empty(pos.numel(), self.D, dtype=self.dtype, device=device)
-        out_v = torch.empty(pos.numel(), self.D, dtype=self.dtype, device=device)
-        idx = torch.arange(pos.numel(), device=device)
-        empty = torch.empty(0, dtype=torch.int64)
+        out_k = torch.empty(pos.numel(), self.head_dim, dtype=self.dtype, device=device)
+        out_v = torch.empty(pos.numel(), self.head_dim, dtype=self.dtype, device=device)
+        rows = self.main_rows(block_table[None], heads, pos)[0]
+        tail = None
         if self.quantized:
-            in_tail = pos // self.bs >= full_blocks
-            t = in_tail.nonzero().squeeze(1)
-            m = (~in_tail).nonzero().squeeze(1)
-            self.load(layer, self.rows(block_table, heads[m], pos[m]),
-                      self.tail_rows(tail_slot, heads[t], pos[t]), out_k, out_v, idx[m.to(idx.device)],
-                      idx[t.to(idx.device)])
-        else:
-            self.load(layer, self.rows(block_table, heads, pos), empty, out_k, out_v, idx, empty)
+            in_tail = pos[0] // self.block_size >= full_blocks
+            tail = torch.where(in_tail, self.tail_rows(tail_slot, heads[0], pos[0]), -1)
+            rows = torch.where(in_tail, -1, rows)
+        idx = torch.arange(pos.numel(), device=device)
+        self.load(layer, rows.to(device), None if tail is None else tail.to(device), out_k, out_v, idx)
         out_k, out_v = out_k.to(dtype), out_v.to(dtype)
-        return out_k.view(*shape, self.D), out_v.view(*shape, self.D)
+        return out_k.view(*shape, self.head_dim), out_v.view(*shape, self.head_dim)

@@ -11,31 +11,24 @@ has a stamp (larger = more recently used; stamps are unique per head). A lookup 
 New tokens are inserted as most recently used at append time, so the newest token is always
 resident when the next selection (whose window contains it) runs. Prefetched slots carry a flag;
 a later hit on a flagged slot counts as a used prefetch, an eviction clears it unused.
+
+Every operation is fixed-width and sync-free (its results are masks and slots, shapes known on
+the host), so a CUDA graph can hold it. It stamps from a ``clock`` argument (an int or a 0-dim
+device tensor); the bank's host clock hands out those stamps (:meth:`HotBufferBank.reserve`), as
+many as :func:`ticks` says a step uses.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 _NEVER = torch.iinfo(torch.int64).max
 
 
-@dataclass
-class Lookup:
-    """Result of :meth:`HotBufferState.lookup`.
-
-    slots: (Hkv, K) slot of each selected token (-1 for padding). miss_head / miss_token /
-    miss_slot: (M,) the tokens to copy in and where. Counts are 0-dim int64 tensors (no sync).
-    """
-    slots: torch.Tensor
-    miss_head: torch.Tensor
-    miss_token: torch.Tensor
-    miss_slot: torch.Tensor
-    lookups: torch.Tensor
-    hits: torch.Tensor
-    prefetch_used: torch.Tensor
+def ticks(inserted: int = 0, selected: int = 0, prefetched: int = 0) -> int:
+    """Stamps a step takes from the clock: one per inserted token (at most the S slots), two per
+    selected token (misses, then hits) and one per prefetch position (the widths, not the data)."""
+    return inserted + 2 * selected + prefetched
 
 
 class HotBufferBank:
@@ -48,7 +41,7 @@ class HotBufferBank:
 
     def __init__(self, num_heads: int, num_slots: int, device: torch.device | str = "cpu",
                  rows: int = 0, token_capacity: int = 0, max_tokens: int | None = None) -> None:
-        self.H, self.S, self.device = num_heads, num_slots, torch.device(device)
+        self.num_heads, self.num_slots, self.device = num_heads, num_slots, torch.device(device)
         self.max_tokens = max_tokens
         self.clock = 0
         self.num_rows = 0
@@ -63,24 +56,24 @@ class HotBufferBank:
         """Hold at least ``rows`` rows (new rows start empty); contents kept."""
         if rows <= self.num_rows:
             return
-        n0, n1 = self.num_rows * self.H, rows * self.H
+        n0, n1 = self.num_rows * self.num_heads, rows * self.num_heads
         def grown(t: torch.Tensor, width: int, fill) -> torch.Tensor:
             new = torch.full((n1, width), fill, dtype=t.dtype, device=self.device)
             new[:n0] = t
             return new
-        self.slot_token = grown(self.slot_token, self.S, -1)
-        self.slot_stamp = grown(self.slot_stamp, self.S, 0)
-        self.prefetched = grown(self.prefetched, self.S, False)
+        self.slot_token = grown(self.slot_token, self.num_slots, -1)
+        self.slot_stamp = grown(self.slot_stamp, self.num_slots, 0)
+        self.prefetched = grown(self.prefetched, self.num_slots, False)
         self.token_slot = grown(self.token_slot, self.token_slot.shape[1], -1)
         self.num_rows = rows
-        for r in range(n0 // self.H, rows):
+        for r in range(n0 // self.num_heads, rows):
             self.reset(r)
 
     def reset(self, row: int) -> None:
         """Empty one row (a new sequence takes it): no tokens, empty slots oldest, lowest first."""
-        h = slice(row * self.H, (row + 1) * self.H)
+        h = slice(row * self.num_heads, (row + 1) * self.num_heads)
         self.slot_token[h] = -1
-        self.slot_stamp[h] = torch.arange(self.S, device=self.device) - self.S
+        self.slot_stamp[h] = torch.arange(self.num_slots, device=self.device) - self.num_slots
         self.prefetched[h] = False
         self.token_slot[h] = -1
 
@@ -99,44 +92,44 @@ class HotBufferBank:
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst takes row src's LRU state (a forked sequence; the caller copies the K/V)."""
-        s, d = slice(src * self.H, (src + 1) * self.H), slice(dst * self.H, (dst + 1) * self.H)
+        H = self.num_heads
+        s, d = slice(src * H, (src + 1) * H), slice(dst * H, (dst + 1) * H)
         for t in (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot):
             t[d] = t[s]
 
     def rows(self, row: int, count: int = 1) -> "HotBufferState":
         """The state of rows [row, row + count) as one HotBufferState of count x H heads."""
-        return HotBufferState(count * self.H, self.S, self.device, bank=self, head0=row * self.H)
+        H = self.num_heads
+        return HotBufferState(self, row * H, count * H)
+
+    def reserve(self, n: int) -> int:
+        """The first of ``n`` fresh stamps (the host clock moves past them): what a step passes as
+        ``clock`` to the state's operations, n from :func:`ticks`."""
+        first = self.clock
+        self.clock += n
+        return first
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the operations read and write (their addresses key a captured step)."""
+        return self.slot_token, self.slot_stamp, self.prefetched, self.token_slot
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in
-                   (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot))
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
 
 class HotBufferState:
-    """The LRU state of H heads: a view of a :class:`HotBufferBank` (its own one by default)."""
+    """The LRU state of H consecutive heads of a :class:`HotBufferBank` (a view: in-place updates
+    land in the bank). Make one with :meth:`HotBufferBank.rows`."""
 
-    def __init__(self, num_heads: int, num_slots: int, device: torch.device | str = "cpu",
-                 token_capacity: int = 0, *, bank: HotBufferBank | None = None, head0: int = 0) -> None:
-        if bank is None:
-            bank = HotBufferBank(num_heads, num_slots, device, rows=1)
-            head0 = 0
+    def __init__(self, bank: HotBufferBank, head0: int, num_heads: int) -> None:
         self._bank, self._h0 = bank, head0
-        self.H, self.S, self.device = num_heads, num_slots, bank.device
-        self.ensure_tokens(token_capacity)
+        self.num_heads, self.num_slots, self.device = num_heads, bank.num_slots, bank.device
 
     # the bank's rows of these heads (views: in-place updates land in the bank)
-    slot_token = property(lambda self: self._bank.slot_token[self._h0:self._h0 + self.H])
-    slot_stamp = property(lambda self: self._bank.slot_stamp[self._h0:self._h0 + self.H])
-    prefetched = property(lambda self: self._bank.prefetched[self._h0:self._h0 + self.H])
-    token_slot = property(lambda self: self._bank.token_slot[self._h0:self._h0 + self.H])
-
-    @property
-    def clock(self) -> int:
-        return self._bank.clock
-
-    @clock.setter
-    def clock(self, value: int) -> None:
-        self._bank.clock = value
+    slot_token = property(lambda self: self._bank.slot_token[self._h0:self._h0 + self.num_heads])
+    slot_stamp = property(lambda self: self._bank.slot_stamp[self._h0:self._h0 + self.num_heads])
+    prefetched = property(lambda self: self._bank.prefetched[self._h0:self._h0 + self.num_heads])
+    token_slot = property(lambda self: self._bank.token_slot[self._h0:self._h0 + self.num_heads])
 
     def ensure_tokens(self, n: int) -> None:
         """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
@@ -145,49 +138,33 @@ class HotBufferState:
     def resident(self) -> int:
         return int((self.slot_token >= 0).sum())
 
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in
-                   (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot))
-
     @staticmethod
     def _lru(stamp: torch.Tensor, k: int) -> torch.Tensor:
         """Slots of the k smallest stamps per head, oldest first: (H, k)."""
         k = max(0, min(k, stamp.shape[1]))
         return stamp.topk(k, dim=1, largest=False, sorted=True).indices
 
-    def insert(self, positions: torch.Tensor, end: int | None = None,
-               clock: torch.Tensor | None = None) -> torch.Tensor:
-        """Make new tokens ``positions`` (T,) resident as MRU in every head (the last S if T > S).
+    def insert(self, positions: torch.Tensor, clock: int | torch.Tensor) -> torch.Tensor:
+        """Make new tokens ``positions`` (T,) for every head, or (H, T) per head, resident as MRU
+        (the last S if T > S), stamped from ``clock`` on (``ticks(inserted=min(T, S))`` stamps).
 
-        end: max(positions) + 1 when the caller knows it on the host (saves a device sync).
-        Returns slots (Hkv, T') for positions[-T':] where the caller writes their K/V.
+        The token -> slot map must cover them (:meth:`ensure_tokens`). Returns slots (H, T') for
+        positions[..., -T':] where the caller writes their K/V.
         """
-        positions = positions[-self.S:]
-        T = positions.numel()
-        self.ensure_tokens(int(positions.max()) + 1 if end is None else end)
+        positions = positions[..., -self.num_slots:]
+        T = positions.shape[-1]
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
-        tok = positions[None].expand(self.H, -1)
-        base = self.clock if clock is None else clock     # a device clock: graph-capturable
-        stamps = (base + torch.arange(T, device=self.device))[None].expand(self.H, -1)
+        tok = positions.expand(self.num_heads, -1)
+        stamps = (clock + torch.arange(T, device=self.device))[None].expand(self.num_heads, -1)
         self._install_masked(torch.ones_like(victims, dtype=torch.bool), tok, victims, stamps, prefetched=False)
-        self.clock += T
         return victims
 
-    def lookup(self, sel: torch.Tensor) -> Lookup:
-        """Hit detection and miss assignment for selected tokens sel (Hkv, K), -1 padded, unique
-        per row: :meth:`lookup_fixed` with the misses listed (one device sync)."""
-        slot, miss, lookups, hits, prefetch_used = self.lookup_fixed(sel, self.clock)
-        mh, mk = miss.nonzero(as_tuple=True)
-        return Lookup(slot, mh, sel[mh, mk], slot[mh, mk], lookups, hits, prefetch_used)
-
-    # -- fixed-width forms: no host sync, shapes known on the host (a CUDA graph can hold them);
-    # lookup and prefetch above list their results from these
     def _install_masked(self, mask: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
                         stamps: torch.Tensor, prefetched: bool) -> None:
         """Where ``mask`` (H, M): evict what ``slots`` held and map ``tokens`` into them with
         ``stamps``. Per-slot updates go through a spill column S; token -> slot updates add deltas
         (entries outside the mask add 0, so their indices may be anything)."""
-        H, S = self.H, self.S
+        H, S = self.num_heads, self.num_slots
         at = torch.where(mask, slots, S)
         replaced = torch.zeros(H, S + 1, dtype=torch.bool, device=self.device).scatter_(1, at, True)[:, :S]
         new_tok = torch.full((H, S + 1), -1, dtype=torch.int64, device=self.device).scatter_(1, at, tokens)[:, :S]
@@ -205,14 +182,14 @@ class HotBufferState:
         else:
             self.prefetched.logical_and_(~replaced)
 
-    def lookup_fixed(self, sel: torch.Tensor, clock: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """:meth:`lookup` without host syncs: misses stay in place as masks over sel (H, K).
-
-        clock: this lookup's first stamp (``self.clock``, or the same value as a 0-dim device
-        tensor; the host clock advances by 2K). Returns (slots (H, K), miss (H, K) bool, lookups, hits,
-        prefetch_used): a miss's token is sel and its new slot is slots.
+    def lookup(self, sel: torch.Tensor, clock: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Hit detection and miss assignment for selected tokens sel (H, K), -1 padded, unique per
+        row, stamped from ``clock`` on (``ticks(selected=K)`` stamps). Misses stay in place as a
+        mask over sel. Returns (slots (H, K) of every selected token (-1 for padding), miss (H, K)
+        bool, lookups, hits, prefetch_used (0-dim counts)): a miss's token is sel, its new slot
+        is slots, and the caller copies it in.
         """
-        H, S = self.H, self.S
+        H, S = self.num_heads, self.num_slots
         K = sel.shape[1]
         valid = sel >= 0
         slot = torch.where(valid, self.token_slot.gather(1, sel.clamp(min=0)), -1)
@@ -229,35 +206,22 @@ class HotBufferState:
         self._install_masked(miss, sel, victims, clock + ar, prefetched=False)
         self.prefetched.logical_and_(~hit_slot)
         self.slot_stamp.copy_(torch.where(hit_slot, hit_stamp[:, :S], self.slot_stamp))
-        self.clock += 2 * K
         return torch.where(miss, victims, slot), miss, valid.sum(), hit.sum(), prefetch_used
 
-    def prefetch_fixed(self, tokens: torch.Tensor, limit: torch.Tensor,
-                       clock: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`prefetch` without host syncs: returns (loaded (H, P) bool, slots (H, P))."""
+    def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor,
+                 clock: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Load tokens (H, P), -1 padded, ahead of need: at most ``limit`` (H,) per head, stamped
+        from ``clock`` on (``ticks(prefetched=P)`` stamps). Already resident tokens are skipped;
+        loaded slots become MRU with the prefetch flag. Returns (loaded (H, P) bool, slots (H, P)):
+        the caller fills the loaded ones."""
         P = tokens.shape[1]
         cand = (tokens >= 0) & (self.token_slot.gather(1, tokens.clamp(min=0)) < 0)
         rank = cand.long().cumsum(1) - 1
         cand &= rank < limit[:, None]
         victims = self._lru(self.slot_stamp, P).gather(1, rank.clamp(min=0))
-        self._install_masked(cand, tokens, victims, clock + torch.arange(P, device=self.device).expand(self.H, -1),
-                             prefetched=True)
-        self.clock += P
+        stamps = clock + torch.arange(P, device=self.device).expand(self.num_heads, -1)
+        self._install_masked(cand, tokens, victims, stamps, prefetched=True)
         return cand, victims
-
-    def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Load tokens (Hkv, P), -1 padded, ahead of need: at most ``limit`` (Hkv,) per head.
-
-        Already resident tokens are skipped. Loaded slots become MRU with the prefetch flag.
-        Returns (head, token, slot), each (M,), of the slots the caller must fill:
-        :meth:`prefetch_fixed` with the loads listed (one device sync).
-        """
-        if tokens.numel() == 0:
-            e = torch.empty(0, dtype=torch.int64, device=self.device)
-            return e, e, e
-        loaded, slots = self.prefetch_fixed(tokens, limit, self.clock)
-        ph, pk = loaded.nonzero(as_tuple=True)
-        return ph, tokens[ph, pk], slots[ph, pk]
 
     def invalidate(self, start: int, end: int) -> None:
         """Forget tokens in [start, end) (their host block was overwritten by streaming mode)."""

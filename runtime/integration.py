@@ -30,50 +30,15 @@ from typing import Any
 import torch
 
 from . import hf_attention, hf_cache, hf_options, hf_support
+from .bindings import BINDINGS as _BINDINGS
+from .bindings import Binding, binding_of
 from .hf_options import HiSparseOptionError
-from .hf_support import ModelShape, UnsupportedModelError
+from .hf_support import UnsupportedModelError
 
 __all__ = ["enable_hisparse_kv_cache", "disable_hisparse_kv_cache", "HiSparseCache",
            "HiSparseOptionError", "UnsupportedModelError", "binding_of", "left_pad_lengths"]
 
 HiSparseCache = hf_cache.HiSparseCache
-_BINDINGS: "weakref.WeakKeyDictionary[torch.nn.Module, Binding]" = weakref.WeakKeyDictionary()
-
-
-class Binding:
-    """What ties one model to its engine: shape, config, owned attention modules, hooks."""
-
-    def __init__(self, engine: Any, config: Any, shape: ModelShape,
-                 modules: list[torch.nn.Module], previous_attn: str | None):
-        self.engine = engine
-        self.config = config
-        self.shape = shape
-        self.previous_attn = previous_attn
-        self.closed = False
-        self.hooks: list[Any] = []
-        self.finalizer: weakref.finalize | None = None
-        self._module_ids = frozenset(id(m) for m in modules)
-
-    def owns(self, module: torch.nn.Module) -> bool:
-        return id(module) in self._module_ids
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.engine.close()
-        if self.finalizer is not None:      # it holds the binding: the engine would outlive close
-            self.finalizer.detach()
-            self.finalizer = None
-
-
-def binding_of(model: torch.nn.Module) -> Binding:
-    """The binding of a model that ``enable_hisparse_kv_cache`` was called on."""
-    binding = _BINDINGS.get(model)
-    if binding is None or binding.closed:
-        raise UnsupportedModelError(
-            "this model does not use the HiSparse KV cache: call "
-            "hi_sparse.enable_hisparse_kv_cache(model, ...) first")
-    return binding
 
 
 def left_pad_lengths(attention_mask: torch.Tensor | None, batch_size: int) -> list[int]:
@@ -194,7 +159,7 @@ def _layer_devices(modules: list[torch.nn.Module], default: torch.device) -> lis
 def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     """Use HiSparse in every attention layer of ``model``; returns the same model.
 
-    Options (DESIGN 4; HiSparseConfig fields): max_seq_len, block_size (alias
+    Options (HiSparseConfig fields, docs/runtime.md): max_seq_len, block_size (alias
     cache_block_size), window_size, global_tokens, top_k, device_buffer_tokens, kv_dtype,
     host_kv_bits, metadata_device, recalibrate_every, recalibrate_topk, streaming, telemetry,
     name. Supported: Llama, Mistral, Qwen2 and Qwen3 models (GQA included) in float32, float16

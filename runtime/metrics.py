@@ -1,67 +1,163 @@
-"""Runtime counters and their publication through an easymats telemetry segment.
+"""Runtime metrics: one live metric object per catalogue series, bound once, counted into directly.
 
-The engine bumps plain fields of :class:`RuntimeStats` where each event happens (cheap Python
-arithmetic; per-token counts arrive as device tensors and are summed on the device, then copied
-back in one batch when published or read, never synchronising per kernel). :class:`Publisher`
-mirrors them into the segment at most every ``interval_s``; without a segment it does nothing,
-so telemetry off costs nothing beyond the counters tests read.
+:class:`RuntimeMetrics` binds every runtime series of the catalogue (easymats/catalogue.py) when the
+engine starts: to the segment's own metric objects when the engine publishes (publishing copies
+them into shared memory), to standalone ones otherwise. The runtime counts into them where events
+happen. Per-token counts of the decode step are summed on the device (:class:`DeviceCounters`)
+and read back in one batch when the metrics are published or read, never per kernel.
+
+Gauges are set when the metrics are published or read (:class:`Gauges`): the cheap ones every
+time, the ones that cost a device reduction per layer or a walk over every tensor (anchors,
+hot-buffer residency, memory) at most every ``gauge_interval_s``. ``engine.stats`` is a
+:meth:`RuntimeMetrics.snapshot`: plain values for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import product
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from easymats import catalogue, telemetry
 
+from .probe import probe_threshold
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .config import HiSparseConfig
+    from .host_pool import HostPool
+    from .layers import KVShape, LayerRows
+    from .page_table import PageTable
+    from .sequences import SequenceTable
+
+# The decode step's per-token counts, in the order DeviceCounters.add takes them.
 DEVICE_COUNTERS = ("hot_buffer_lookups", "hot_buffer_hits", "prefetch_used", "kv_tokens_used",
                    "kv_tokens_loaded", "prefetch_issued", "swap_in_bytes")
 
+# stats field -> (catalogue name, labels): the series without a label to enumerate
+SCALARS: dict[str, tuple[str, dict[str, str]]] = {
+    "tokens_prefill": ("hisparse_tokens_total", {"phase": "prefill"}),
+    "tokens_decode": ("hisparse_tokens_total", {"phase": "decode"}),
+    "sequences": ("hisparse_sequences", {}),
+    "context_tokens": ("hisparse_context_tokens", {}),
+    "anchor_lookups": ("hisparse_anchor_lookups_total", {}),
+    "anchor_hits": ("hisparse_anchor_hits_total", {}),
+    "anchors": ("hisparse_anchors", {}),
+    "anchor_threshold": ("hisparse_anchor_threshold_ratio", {}),
+    "blocks_active": ("hisparse_kv_blocks", {"state": "active"}),
+    "blocks_free": ("hisparse_kv_blocks", {"state": "free"}),
+    "blocks_pending": ("hisparse_kv_blocks", {"state": "pending_recycle"}),
+    "blocks_limit": ("hisparse_kv_blocks_limit", {}),   # host_pool_blocks; 0: the pool grows on demand
+    "block_allocations": ("hisparse_kv_block_allocations_total", {}),
+    "block_recycles": ("hisparse_kv_block_recycles_total", {}),
+    "block_reclaims": ("hisparse_kv_block_reclaims_total", {}),
+    "block_evictions": ("hisparse_kv_block_evictions_total", {}),
+    "kv_tokens_loaded": ("hisparse_kv_tokens_loaded_total", {}),
+    "kv_tokens_used": ("hisparse_kv_tokens_used_total", {}),
+    "hot_buffer_lookups": ("hisparse_hot_buffer_lookups_total", {}),
+    "hot_buffer_hits": ("hisparse_hot_buffer_hits_total", {}),
+    "hot_buffer_resident": ("hisparse_hot_buffer_resident_tokens", {}),
+    "hot_buffer_capacity": ("hisparse_hot_buffer_capacity_tokens", {}),
+    "prefetch_issued": ("hisparse_prefetch_issued_total", {}),
+    "prefetch_used": ("hisparse_prefetch_used_total", {}),
+    "swap_in_bytes": ("hisparse_swap_in_bytes_total", {}),
+    "backup_bytes": ("hisparse_backup_bytes_total", {}),
+}
+# stats field -> catalogue name: one series per combination of its allowed label values
+BY_LABEL = {"recalibrations": "hisparse_recalibrations_total", "quant_blocks": "hisparse_quant_blocks_total",
+            "memory": "hisparse_kv_memory_bytes"}
+HISTOGRAMS = {"quant_error": "hisparse_quant_block_relative_error", "step_duration": "hisparse_step_duration_seconds"}
 
-def _hist(name: str) -> telemetry.Histogram:
-    return telemetry.Histogram(catalogue.get(name).buckets)
+
+def _check_coverage() -> None:
+    """Every runtime series of the catalogue has a field here (a new one must be counted)."""
+    bound = {name for name, _ in SCALARS.values()} | set(BY_LABEL.values()) | set(HISTOGRAMS.values())
+    missing = {m.name for m in catalogue.runtime_metrics() if m.type != catalogue.INFO} - bound
+    if missing:
+        raise RuntimeError(f"bug: runtime metrics {sorted(missing)} are in the catalogue but not bound in "
+                           "hi_sparse.metrics")
+
+
+_check_coverage()
+
+
+def _key(value: str) -> Any:
+    """A label value as the stats dicts key it: bit widths as ints, the rest as strings."""
+    return int(value) if value.isdigit() else value
+
+
+def _keys(labels: dict[str, str]) -> Any:
+    values = tuple(_key(v) for v in labels.values())
+    return values[0] if len(values) == 1 else values
+
+
+class RuntimeMetrics:
+    """Every runtime series as a live metric object: ``metrics.backup_bytes.inc(n)``,
+    ``metrics.recalibrations["drift"]``, ``metrics.quant_blocks[4]``,
+    ``metrics.memory[("device", "data")]``, ``metrics.step_duration.observe(s)``."""
+
+    def __init__(self, segment: telemetry.Segment | None, detail_layers: int = 0) -> None:
+        """detail_layers: also bind the opt-in per-layer audit series (HiSparseConfig.layer_metrics)
+        for that many layers; 0 keeps the default series budget (docs/scaling.md)."""
+        self.segment = segment
+        self.audit_lookups = [self._bind("hisparse_audit_lookups_total", {"layer": str(i)})
+                              for i in range(detail_layers)]
+        self.audit_hits = [self._bind("hisparse_audit_hits_total", {"layer": str(i)})
+                           for i in range(detail_layers)]
+        for name, (metric, labels) in SCALARS.items():
+            setattr(self, name, self._bind(metric, labels))
+        for name, metric in BY_LABEL.items():
+            spec = catalogue.get(metric)
+            combos = product(*(spec.label_values[label] for label in spec.labels))
+            setattr(self, name, {_keys(dict(zip(spec.labels, c))): self._bind(metric, dict(zip(spec.labels, c)))
+                                 for c in combos})
+        for name, metric in HISTOGRAMS.items():
+            setattr(self, name, self._bind(metric, {}))
+
+    def _bind(self, name: str, labels: dict[str, str]):
+        spec = catalogue.get(name)
+        if self.segment is not None:
+            return getattr(self.segment, spec.type)(name, **labels)
+        catalogue.check_labels(spec, labels)
+        if spec.type == catalogue.HISTOGRAM:
+            return telemetry.Histogram(spec.buckets)
+        return telemetry.Counter() if spec.type == catalogue.COUNTER else telemetry.Gauge()
+
+    def info(self, runtime_labels: dict[str, str], config_labels: dict[str, str]) -> None:
+        if self.segment is not None:
+            self.segment.info("hisparse_runtime_info", **runtime_labels)
+            self.segment.info("hisparse_config_info", **config_labels)
+
+    def snapshot(self) -> Stats:
+        """Plain values of every series now (counters and counts as ints)."""
+        out = Stats()
+        for name in SCALARS:
+            value = getattr(self, name).value
+            setattr(out, name, value if name == "anchor_threshold" else int(value))
+        for name in BY_LABEL:
+            setattr(out, name, {k: int(m.value) for k, m in getattr(self, name).items()})
+        for name in HISTOGRAMS:
+            h = getattr(self, name)
+            copy = telemetry.Histogram(h.bounds)
+            copy.counts, copy.sum = list(h.counts), h.sum
+            setattr(out, name, copy)
+        return out
 
 
 @dataclass
-class RuntimeStats:
-    """Every runtime metric of the catalogue, as plain values (counters only go up)."""
-    tokens_prefill: int = 0
-    tokens_decode: int = 0
-    sequences: int = 0
-    context_tokens: int = 0
-    anchor_lookups: int = 0
-    anchor_hits: int = 0
-    layer_anchor_lookups: dict[int, int] = field(default_factory=dict)  # by layer index
-    layer_anchor_hits: dict[int, int] = field(default_factory=dict)
-    anchors: int = 0
-    anchor_threshold: float = 0.0
-    recalibrations: dict[str, int] = field(default_factory=lambda: {"schedule": 0, "request": 0, "drift": 0})
-    blocks_active: int = 0
-    blocks_free: int = 0
-    blocks_pending: int = 0
-    blocks_limit: int = 0  # host_pool_blocks; 0 for a pool that grows on demand (no limit)
-    block_allocations: int = 0
-    block_recycles: int = 0
-    block_reclaims: int = 0
-    block_evictions: int = 0
-    kv_tokens_loaded: int = 0
-    kv_tokens_used: int = 0
-    hot_buffer_lookups: int = 0
-    hot_buffer_hits: int = 0
-    hot_buffer_resident: int = 0
-    hot_buffer_capacity: int = 0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    swap_in_bytes: int = 0
-    backup_bytes: int = 0
+class Stats:
+    """A snapshot of the runtime's metrics (:meth:`RuntimeMetrics.snapshot`); fields as in
+    SCALARS, BY_LABEL and HISTOGRAMS."""
+    recalibrations: dict[str, int] = field(default_factory=dict)
+    quant_blocks: dict[int, int] = field(default_factory=dict)
     memory: dict[tuple[str, str], int] = field(default_factory=dict)
-    quant_blocks: dict[int, int] = field(default_factory=lambda: {4: 0, 5: 0, 6: 0, 8: 0})
-    quant_error: telemetry.Histogram = field(
-        default_factory=lambda: _hist("hisparse_quant_block_relative_error"))
-    step_duration: telemetry.Histogram = field(
-        default_factory=lambda: _hist("hisparse_step_duration_seconds"))
+
+    def __getattr__(self, name: str) -> Any:      # the SCALARS and HISTOGRAMS fields, set by snapshot
+        raise AttributeError(f"no runtime metric field {name!r}: see hi_sparse.metrics.SCALARS")
 
 
 class DeviceCounters:
@@ -74,119 +170,107 @@ class DeviceCounters:
         """values in DEVICE_COUNTERS order (0-dim tensors or ints; the first len(values) counters)."""
         self.acc[:len(values)] += torch.stack([torch.as_tensor(v, device=self.acc.device).reshape(()) for v in values])
 
-    def flush_into(self, stats: RuntimeStats) -> None:
+    def flush_into(self, metrics: RuntimeMetrics) -> None:
+        """Add the counts to the metrics (one read-back) and start again from zero."""
         vals = self.acc.tolist()
         self.acc.zero_()
         for name, v in zip(DEVICE_COUNTERS, vals):
-            setattr(stats, name, getattr(stats, name) + int(v))
+            if v:
+                getattr(metrics, name).inc(v)
 
 
-_COUNTERS = (  # (catalogue name, labels, stats field)
-    ("hisparse_anchor_lookups_total", {}, "anchor_lookups"),
-    ("hisparse_anchor_hits_total", {}, "anchor_hits"),
-    ("hisparse_kv_block_allocations_total", {}, "block_allocations"),
-    ("hisparse_kv_block_recycles_total", {}, "block_recycles"),
-    ("hisparse_kv_block_reclaims_total", {}, "block_reclaims"),
-    ("hisparse_kv_block_evictions_total", {}, "block_evictions"),
-    ("hisparse_kv_tokens_loaded_total", {}, "kv_tokens_loaded"),
-    ("hisparse_kv_tokens_used_total", {}, "kv_tokens_used"),
-    ("hisparse_hot_buffer_lookups_total", {}, "hot_buffer_lookups"),
-    ("hisparse_hot_buffer_hits_total", {}, "hot_buffer_hits"),
-    ("hisparse_prefetch_issued_total", {}, "prefetch_issued"),
-    ("hisparse_prefetch_used_total", {}, "prefetch_used"),
-    ("hisparse_swap_in_bytes_total", {}, "swap_in_bytes"),
-    ("hisparse_backup_bytes_total", {}, "backup_bytes"),
-    ("hisparse_tokens_total", {"phase": "prefill"}, "tokens_prefill"),
-    ("hisparse_tokens_total", {"phase": "decode"}, "tokens_decode"),
-)
-_GAUGES = (
-    ("hisparse_sequences", {}, "sequences"),
-    ("hisparse_context_tokens", {}, "context_tokens"),
-    ("hisparse_anchors", {}, "anchors"),
-    ("hisparse_anchor_threshold_ratio", {}, "anchor_threshold"),
-    ("hisparse_kv_blocks", {"state": "active"}, "blocks_active"),
-    ("hisparse_kv_blocks", {"state": "free"}, "blocks_free"),
-    ("hisparse_kv_blocks", {"state": "pending_recycle"}, "blocks_pending"),
-    ("hisparse_kv_blocks_limit", {}, "blocks_limit"),
-    ("hisparse_hot_buffer_resident_tokens", {}, "hot_buffer_resident"),
-    ("hisparse_hot_buffer_capacity_tokens", {}, "hot_buffer_capacity"),
-)
+def device_sum(counts: list[torch.Tensor]) -> int:
+    """Sum of 0-dim counts that may live on several devices: one host read per device."""
+    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    for c in counts:
+        by_dev.setdefault(c.device, []).append(c)
+    return sum(int(torch.stack(cs).sum()) for cs in by_dev.values())
+
+
+class Gauges:
+    """Sets the gauges (and flushes the device counters) from the engine's parts."""
+
+    def __init__(self, metrics: RuntimeMetrics, cfg: HiSparseConfig, shape: KVShape, layers: list[LayerRows],
+                 pool: BlockPool, pages: PageTable, host: HostPool, sequences: SequenceTable,
+                 meta_device: torch.device) -> None:
+        self.metrics, self.cfg, self.shape, self.layers = metrics, cfg, shape, layers
+        self.pool, self.pages, self.host, self.sequences, self.meta_device = pool, pages, host, sequences, meta_device
+        self.refreshed_at = float("-inf")
+
+    def refresh(self, costly: bool = True) -> None:
+        """Device counts and the cheap gauges; with ``costly`` also anchors and hot-buffer
+        residency (a reduction per layer, one read-back per device) and memory by tier (a walk
+        over every layer's tensors: ~1 ms of Python at 32 layers, more than the rest of a publish)."""
+        m = self.metrics
+        for counters in dict.fromkeys(layer.counters for layer in self.layers):
+            counters.flush_into(m)
+        live = self.sequences.live.values()
+        m.sequences.set(len(live))
+        m.context_tokens.set(sum(s.length for s in live))
+        ctx = max((s.length for s in live), default=0)
+        m.anchor_threshold.set(probe_threshold(ctx, self.cfg.threshold_base, self.cfg.threshold_min,
+                                               self.cfg.threshold_max))
+        m.blocks_active.set(self.pool.num_active)
+        m.blocks_free.set(self.pool.num_free)
+        m.blocks_pending.set(self.pool.num_pending)
+        # The limit, not the current size: a pool that grows on demand has none, so "free blocks"
+        # of it say nothing about exhaustion (alerts and the report judge against this).
+        m.blocks_limit.set(self.cfg.host_pool_blocks or 0)
+        m.hot_buffer_capacity.set(len(live) * self.shape.num_layers * self.shape.num_kv_heads * self.shape.slots)
+        if costly:
+            # whole banks: freed rows are reset, so they count only live sequences
+            m.anchors.set(device_sum([(layer.bank.t["anchors"] >= 0).sum() for layer in self.layers]))
+            m.hot_buffer_resident.set(device_sum([(layer.hot.slot_token >= 0).sum() for layer in self.layers]))
+            for key, value in self.memory_bytes().items():
+                m.memory[key].set(value)
+            self.refreshed_at = time.monotonic()
+
+    def memory_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes held by tier ('device'/'host') and kind ('data'/'metadata')."""
+        dev_data = dev_meta = 0
+        for layer in self.layers:
+            data, meta = layer.memory_bytes()
+            dev_data, dev_meta = dev_data + data, dev_meta + meta
+        tables = sum(8 * len(self.pages.seqs[seq_id].blocks) for seq_id in self.sequences.live)
+        host_data, host_meta = self.host.bytes()
+        if self.meta_device.type == "cpu":
+            host_meta += tables
+        else:
+            dev_meta += tables
+        return {("device", "data"): dev_data, ("device", "metadata"): dev_meta,
+                ("host", "data"): host_data, ("host", "metadata"): host_meta}
 
 
 class Publisher:
-    """Mirrors RuntimeStats into a telemetry segment, rate-limited."""
+    """Publishes the metrics into the segment at most every ``interval_s`` (0: at every call; a
+    public knob: ``math.inf`` stops publishing, the segment keeping its last snapshot), with the
+    costly gauges refreshed at most every ``gauge_interval_s``. Without a segment it does nothing."""
 
-    def __init__(self, segment: telemetry.Segment | None, interval_s: float, runtime_labels: dict[str, str],
-                 config_labels: dict[str, str], detail_layers: int = 0) -> None:
-        self.seg = segment
-        self.interval_s = interval_s
-        self.paused = False        # True: nothing is published until unpaused (the segment stays)
-        self._next = 0.0
-        self._bound: list = []
-        if segment is None:
-            return
-        segment.info("hisparse_runtime_info", **runtime_labels)
-        segment.info("hisparse_config_info", **config_labels)
-        for name, labels, attr in _COUNTERS:
-            self._bound.append(("c", segment.counter(name, **labels), attr, None))
-        for name, labels, attr in _GAUGES:
-            self._bound.append(("g", segment.gauge(name, **labels), attr, None))
-        for reason in ("schedule", "request", "drift"):
-            self._bound.append(("c", segment.counter("hisparse_recalibrations_total", reason=reason),
-                                "recalibrations", reason))
-        for bits in (4, 5, 6, 8):
-            self._bound.append(("c", segment.counter("hisparse_quant_blocks_total", bits=str(bits)),
-                                "quant_blocks", bits))
-        for tier in ("device", "host"):
-            for kind in ("data", "metadata"):
-                self._bound.append(("g", segment.gauge("hisparse_kv_memory_bytes", tier=tier, kind=kind),
-                                    "memory", (tier, kind)))
-        for layer in range(detail_layers):  # opt-in detail: one pair of series per layer
-            for name, attr in (("hisparse_audit_lookups_total", "layer_anchor_lookups"),
-                               ("hisparse_audit_hits_total", "layer_anchor_hits")):
-                self._bound.append(("c", segment.counter(name, layer=str(layer)), attr, layer))
-        self._qerr = segment.histogram("hisparse_quant_block_relative_error")
-        self._step = segment.histogram("hisparse_step_duration_seconds")
+    def __init__(self, metrics: RuntimeMetrics, gauges: Gauges, interval_s: float, gauge_interval_s: float) -> None:
+        self.metrics, self.gauges = metrics, gauges
+        self.interval_s, self.gauge_interval_s = interval_s, gauge_interval_s
+        self._last = float("-inf")
 
     @property
     def enabled(self) -> bool:
-        return self.seg is not None
+        return self.metrics.segment is not None
 
-    def due(self, force: bool = False) -> bool:
-        if self.seg is None or (self.paused and not force):
-            return False
-        now = time.monotonic()
-        if not force and now < self._next:
-            return False
-        self._next = now + self.interval_s
-        return True
-
-    def publish(self, stats: RuntimeStats) -> None:
-        """Copy every value into the segment and publish one snapshot (call when :meth:`due`)."""
-        if self.seg is None:
+    def maybe_publish(self, force: bool = False, now: Callable[[], float] = time.monotonic) -> None:
+        if self.metrics.segment is None:
             return
-        for kind, metric, attr, key in self._bound:
-            value = getattr(stats, attr)
-            if key is not None:
-                value = value.get(key, 0)
-            if kind == "c":
-                if value > metric.value:
-                    metric.inc(value - metric.value)
-            else:
-                metric.set(value)
-        for dst, src in ((self._qerr, stats.quant_error), (self._step, stats.step_duration)):
-            dst.counts[:] = src.counts
-            dst.sum = src.sum
-        self.seg.publish()
-
-    def poll_control(self):
-        return None if self.seg is None else self.seg.poll_control(min_interval_s=0.05)
-
-    def ack(self, request, status: int = 0) -> None:
-        if self.seg is not None:
-            self.seg.ack(request, status)
+        t = now()
+        if not force and t - self._last < self.interval_s:
+            return
+        self._last = t
+        self.gauges.refresh(costly=force or t - self.gauges.refreshed_at >= self.gauge_interval_s)
+        self.metrics.segment.publish()
 
     def close(self, owned: bool) -> None:
-        if self.seg is not None and owned:
-            self.seg.close()
-        self.seg = None
+        """Publish a last snapshot and, if the engine opened the segment, remove it."""
+        seg = self.metrics.segment
+        if seg is None:
+            return
+        self.maybe_publish(force=True)
+        if owned:
+            seg.close()
+        self.metrics.segment = None

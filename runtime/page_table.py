@@ -21,6 +21,7 @@ class SequencePages:
     blocks: list[KVBlock | None] = field(default_factory=list)
     num_tokens: int = 0
     version: int = 0
+    holes: int = 0                     # logical blocks streaming mode detached
     generations: tuple[int, ...] = ()  # of each live block when removed (for restore)
 
 
@@ -72,6 +73,7 @@ class PageTable:
             raise RuntimeError(f"bug: logical block {logical} of sequence {seq_id} is already a hole")
         p.blocks[logical] = None
         p.version += 1
+        p.holes += 1
         return b
 
     def remove(self, seq_id: int) -> SequencePages:
@@ -92,16 +94,3 @@ class PageTable:
         pages.version += 1
         self.seqs[seq_id] = pages
         return True
-
-    def fork(self, src: int, dst: int) -> None:
-        """Share every full block of ``src`` with a new sequence ``dst`` (ref counts +1).
-
-        The partial tail block is not shared: the caller copies it into a fresh block.
-        """
-        p = self.seqs[src]
-        full = p.num_tokens // self.block_size
-        shared = [b for b in p.blocks[:full]]
-        if any(b is None for b in shared):
-            raise ValueError(f"sequence {src} lost blocks to streaming eviction; it cannot be forked")
-        self.pool.touch(shared)
-        self.seqs[dst] = SequencePages(blocks=list(shared), num_tokens=full * self.block_size)

@@ -1,23 +1,75 @@
-"""Recalibration: when to refresh anchors and the probe, and how, from exact attention mass.
+"""The audit and recalibration: exact attention as the ground truth for anchors and the probe.
 
-When (:class:`RecalibrationController`, pure logic): on schedule (tokens since the last one, and
-once at first when sparsity starts), on request (control file or API), or on drift (audited hit
-rate over the last ``drift_window`` audits below ``drift_floor``).
+The audit (:func:`audit_hits`): exact attention of one query head over the whole visible
+context; of the true top-m tokens, how many the selection held gives anchor hits / lookups.
+Measured, not estimated.
+
+When to recalibrate (:class:`RecalibrationController`, pure logic): on schedule (tokens since
+the last one, and once at first when sparsity starts), on request (control file or API), or on
+drift (audited hit rate over the last ``drift_window`` audits below ``drift_floor``).
 
 How (:func:`score_tokens`, :func:`training_set`, :func:`pick_anchors`): recent decode queries
-attend exactly over the context outside the window; the mass each token receives, weighted to
-favour the newest queries, ranks the anchors and gives the probe's distillation targets.
+(:func:`remember_queries`) attend exactly over the context outside the window; the mass each
+token receives, weighted to favour the newest queries, ranks the anchors and gives the probe's
+distillation targets. :class:`Recalibrator` runs both against an engine's layers.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .audit import attention_mass
+from easymats.catalogue import RECALIBRATION_REASONS
+
+from .row_bank import RowBank
+
+if TYPE_CHECKING:          # prefill imports this module (remember_queries)
+    from .layers import KVShape, LayerRows
+    from .prefill import ContextReader
+    from .sequences import Sequence
 
 RECENCY_DECAY = 0.5  # weight per step of query age: after a topic shift the new topic wins fast
+REASONS = RECALIBRATION_REASONS
+
+
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact softmax attention weights. q (..., D), keys (L, D), visible (L,) bool -> (..., L) fp32."""
+    s = (q.float() @ keys.float().T) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+def audit_hits(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, selected: torch.Tensor,
+               top_m: int, scale: float) -> tuple[int, int]:
+    """(lookups, hits): true top-m tokens of one query q (D,) and how many are in ``selected`` (K,)."""
+    p = attention_probs(q, keys, visible, scale)
+    m = min(top_m, int(visible.sum()))
+    if m == 0:
+        return 0, 0
+    top = p.topk(m).indices
+    hits = int(torch.isin(top, selected[selected >= 0]).sum())
+    return m, hits
+
+
+def attention_mass(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted mean attention weight each token received: queries (Q, D), keys (L, D),
+    weights (Q,) or None (uniform) -> (L,) fp32."""
+    p = attention_probs(queries, keys, visible, scale)
+    if weights is None:
+        return p.mean(0)
+    w = weights.float().to(p.device)
+    return (p * w[:, None]).sum(0) / w.sum()
+
+
+def remember_queries(bank: RowBank, rows: slice, q: torch.Tensor) -> None:
+    """Keep the last R (the bank's width) of each sequence's queries q (B, T, Hq, D), appended to
+    those its rows hold (recalibration re-scores anchors with them)."""
+    held = bank.t["queries"][rows]
+    R = held.shape[1]
+    held.copy_(torch.cat([held, q[:, -R:].float()], 1)[:, -R:])
 
 
 def distillation_target(mass: torch.Tensor, n_visible: int, gain: float = 100.0) -> torch.Tensor:
@@ -135,3 +187,64 @@ def pick_anchors(mass: torch.Tensor, target: torch.Tensor, outside: torch.Tensor
     pad = slots - a
     return (torch.nn.functional.pad(top, (0, pad), value=-1),
             torch.nn.functional.pad(score, (0, pad), value=-1.0))
+
+
+class Audit(NamedTuple):
+    """One audited (sequence, layer, query head): true top-m tokens and how many were selected."""
+    step: int
+    layer: int
+    head: int
+    lookups: int
+    hits: int
+
+
+class Recalibrator:
+    """Audits selections and recalibrates anchors and probes on an engine's layers."""
+
+    def __init__(self, cfg, shape: KVShape, layers: list[LayerRows], reader: ContextReader) -> None:
+        self.cfg, self.shape, self.layers, self.reader = cfg, shape, layers, reader
+
+    def audit(self, layer: LayerRows, seqs: list[Sequence], q: torch.Tensor, head: int) -> list[tuple[int, int]]:
+        """(lookups, hits) per sequence of query head ``head`` of q (B, Hq, D) against the
+        sequence's last selection at this layer."""
+        kv_head = head // self.shape.group_size
+        out = []
+        for b, s in enumerate(seqs):
+            n = s.lengths[layer.index]
+            keys, _ = self.reader.read(s, layer, torch.tensor([kv_head]), torch.arange(n))
+            out.append(audit_hits(q[b, head], keys, self.reader.visible(s, layer, n),
+                                  s.last_selection[layer.index][kv_head], self.cfg.audit_top_m, self.shape.scale))
+        return out
+
+    def recalibrate(self, seqs: list[Sequence]) -> None:
+        """Re-score anchors from the attention mass recent queries gave, and refit each probe."""
+        if self.cfg.global_tokens == 0:
+            return  # nothing is pinned, so there is nothing to re-score or fit
+        for layer in self.layers:
+            with layer.on_device():
+                self._layer(layer, seqs)
+
+    def _layer(self, layer: LayerRows, seqs: list[Sequence]) -> None:
+        """One layer's recalibration, on its device (keys, queries and anchors live there)."""
+        cfg, shape, i = self.cfg, self.shape, layer.index
+        xs, ys, picks = [], [], []
+        g = torch.Generator().manual_seed(cfg.seed + i)
+        H = shape.num_kv_heads
+        for s in seqs:
+            nq, n = s.queries_kept[i], s.lengths[i]
+            if nq == 0 or n - s.first_token <= cfg.window_size:
+                continue
+            keys, _ = self.reader.read(s, layer, torch.arange(H)[:, None], torch.arange(n)[None])
+            qs = s.queries[i][-nq:].view(nq, H, shape.group_size, shape.head_dim)
+            mass, target, outside = score_tokens(qs, keys, self.reader.visible(s, layer, n), cfg.window_size,
+                                                 shape.scale)
+            if not bool(outside.any()):
+                continue
+            x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g)
+            xs.append(x)
+            ys.append(y)
+            picks.append((s, mass, target, outside))
+        if xs:
+            layer.probe.fit(torch.cat(xs), torch.cat(ys))
+        for s, mass, target, outside in picks:
+            s.anchors[i], s.anchor_p[i] = pick_anchors(mass, target, outside, cfg.global_tokens)

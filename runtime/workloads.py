@@ -106,15 +106,12 @@ class PlantedWorkload:
     def needle_query(self, needle_id: int) -> torch.Tensor:
         return self._query(self.needle(needle_id))
 
-    def noise_query(self) -> torch.Tensor:
-        return torch.randn(self.num_q_heads, self.head_dim, generator=self.gen)
-
 
 def run_prefill(engine, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor,
                 q: torch.Tensor | None = None) -> None:
     """One step appending k, v (B, Hkv, T, D) at every layer (and attending q (B, Hq, T, D))."""
     engine.begin_step()
-    for layer in range(engine.L):
+    for layer in range(engine.num_layers):
         engine.append(layer, seq_ids, k, v)
         if q is not None:
             engine.attend(layer, seq_ids, q)
@@ -128,7 +125,7 @@ def run_decode(engine, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: 
     """
     engine.begin_step()
     out = None
-    for layer in range(engine.L):
+    for layer in range(engine.num_layers):
         engine.append(layer, seq_ids, k, v)
         out = engine.attend(layer, seq_ids, q)
     engine.end_step()

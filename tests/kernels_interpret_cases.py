@@ -17,6 +17,14 @@ import torch
 import hi_sparse.kernels as K
 
 
+def quant_variants():
+    """benchmarks/quant_variants.py: quantize with a method and launch geometry (and the baseline
+    kernels the product does not use), which the cases below check as well."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import quant_variants as module
+    return module
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     if not bool(torch.isfinite(a).all()):
@@ -109,8 +117,7 @@ def _quantize(bits: int, d: int = 60, t: int = 63, n: int = 2, **tuning) -> None
     x = torch.randn(n, t, d) * torch.linspace(1.0, 30.0, n)[:, None, None]
     x[-1, 3:] = x[-1, 0, 0]                 # one block of few distinct values (many exact ties)
     if tuning:
-        from hi_sparse.kernels import _quant_triton
-        packed, scale, zero = _quant_triton.quantize(x, bits, **tuning)
+        packed, scale, zero = quant_variants().quantize(x, bits, **tuning)
     else:
         packed, scale, zero = K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
@@ -128,8 +135,8 @@ def _constant_block() -> None:
 
 def _auto_picks(bits: int, t: int, method: str) -> None:
     from hi_sparse.kernels import _quant_triton
-    _need(_quant_triton._auto_method(t, 64, bits, 4) == method, f"auto picks {_quant_triton._auto_method(t, 64, bits, 4)}")
-    _quantize(bits, 64, t, 2, method="auto")
+    _need(_quant_triton.auto_method(t, 64, bits, 4) == method, f"auto picks {_quant_triton.auto_method(t, 64, bits, 4)}")
+    _quantize(bits, 64, t, 2)
 
 
 def _relay_infinite_block() -> None:
@@ -139,14 +146,13 @@ def _relay_infinite_block() -> None:
     x = torch.randn(3, 16, 64)
     x[1] = float("inf")
     x[1, 0, 0] = float("-inf")
-    _, _, zero = _quant_triton.quantize(x, 4, method="relay", pack_values=512)
+    _, _, zero = _quant_triton.launch_relay(x, 4, tile_values=512)
     _need(zero[1] == float("-inf") and bool(torch.isfinite(zero[[0, 2]]).all()), f"zero points {zero.tolist()}")
 
 
 def _fused_too_big() -> None:
-    from hi_sparse.kernels import _quant_triton
     try:
-        _quant_triton.quantize(torch.randn(1, 64, 128), 4, method="fused", reg_cap=4096)
+        quant_variants().quantize(torch.randn(1, 64, 128), 4, method="fused", reg_cap=4096)
     except ValueError as exc:
         _need("raise reg_cap or use method='auto'" in str(exc), f"unclear message: {exc}")
     else:
@@ -179,6 +185,26 @@ def _scores_listed() -> None:
     _need(torch.equal(torch.isinf(s), blocks < 0), "listed scores: -1 entries must score -inf")
     err = _rel(torch.where(blocks >= 0, s, 0.0), torch.where(blocks >= 0, ref, 0.0))
     _need(s.shape == (2, 2, 21) and err < 1e-5, f"listed scores differ: {err:.2e}")
+
+
+def _two_level_per_row() -> None:
+    """Rows of a batch with their own limits (NaN bounds past a row's blocks) give each row what a
+    call with that row's limit gives."""
+    q, kmin = torch.randn(3, 2, 3, 60), torch.randn(3, 2, 45, 60)
+    kmax = kmin + torch.rand(3, 2, 45, 60)
+    kmin[2, :, 20:], kmax[2, :, 20:] = float("inf"), float("-inf")       # row 2 holds 20 blocks
+    smin, smax = K.superblock_bounds(kmin, kmax, 4)
+    limits = torch.tensor([38, 45, 17])
+    blocks, sc = K.two_level_candidates(q, kmin, kmax, smin, smax, 4, n_super=3, limit=limits[:, None])
+    for r, lim in enumerate(limits.tolist()):
+        b1, s1 = K.two_level_candidates(q[r:r + 1], kmin[r:r + 1], kmax[r:r + 1], smin[r:r + 1], smax[r:r + 1], 4,
+                                        n_super=3, limit=lim)
+        for h in range(2):
+            got = sorted(zip(blocks[r, h].tolist(), sc[r, h].tolist()))
+            want = sorted(zip(b1[0, h].tolist(), s1[0, h].tolist()))
+            _need([b for b, _ in got] == [b for b, _ in want], f"row {r}: candidate blocks differ")
+            for (b, x), (_, y) in zip(got, want):
+                _need(b < 0 and x == float("-inf") or abs(x - y) <= 1e-4 * max(1.0, abs(y)), f"row {r}: scores")
 
 
 def _two_level() -> None:
@@ -260,6 +286,7 @@ CASES: dict[str, Callable[[], None]] = {
     "block_scores-d60": _scores,
     "block_scores-listed-d60": _scores_listed,
     "two_level_candidates-d60": _two_level,
+    "two_level_candidates-per-row-limit": _two_level_per_row,
 }
 
 

@@ -5,7 +5,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hi_sparse.block_pool import ACTIVE, FREE, PENDING, BlockPool
-from hi_sparse.page_table import PageTable
+from hi_sparse.page_table import PageTable, SequencePages
 
 BS = 4
 GRACE = 1.0
@@ -78,10 +78,14 @@ class PoolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(p.num_tokens >= BS for p in self.pt.seqs.values()))
     @rule(data=st.data())
-    def fork(self, data) -> None:
+    def share(self, data) -> None:
+        """A second owner of a sequence's full blocks (copy-on-write sharing): ref counts above 1."""
         src = data.draw(st.sampled_from(sorted(s for s, p in self.pt.seqs.items()
                                                if p.num_tokens >= BS)))
-        self.pt.fork(src, self.next_id)
+        full = self.pt.seqs[src].num_tokens // BS
+        shared = list(self.pt.seqs[src].blocks[:full])
+        self.pool.touch(shared)
+        self.pt.seqs[self.next_id] = SequencePages(blocks=shared, num_tokens=full * BS)
         self.next_id += 1
 
     @rule(dt=st.sampled_from([0.1, 0.5, 0.99, 1.0, 2.5]))

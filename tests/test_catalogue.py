@@ -258,3 +258,21 @@ def test_promtool_lints_the_whole_catalogue_clean():
     bad = b"# HELP x_total x\n# TYPE x_total gauge\nx_total 1\n"
     out = subprocess.run([promtool, "check", "metrics"], input=bad, capture_output=True, timeout=60)
     assert out.returncode != 0 and b"_total" in out.stdout + out.stderr
+
+
+def test_every_ratio_is_built_from_catalogue_series_of_the_right_type():
+    """The one table of ratios: numerators are counters; denominators counters, or a gauge series
+    (with its labels) for a rate per unit of the gauge; each names the recording rule that computes
+    it, and alerts/build.py emits exactly those rules."""
+    from alerts import build as rules
+
+    records = {r.record for r in rules.recording_rules()}
+    assert [r.key for r in catalogue.RATIOS] == list(catalogue.RATIO)
+    for r in catalogue.RATIOS:
+        assert catalogue.get(r.numerator).type == catalogue.COUNTER, r.key
+        den = catalogue.get(r.denominator)
+        assert den.type == (catalogue.GAUGE if r.per_gauge else catalogue.COUNTER), r.key
+        if den.labels:
+            catalogue.check_labels(den, dict(r.denominator_labels))
+        assert r.record in records, r.key
+        assert r.of(3.0, 4.0) == 0.75 and r.of(3.0, 0.0) is None

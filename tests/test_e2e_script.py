@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "e2e_h200.py")
+
+pytestmark = pytest.mark.slow     # each test runs a benchmark script end to end (tens of seconds)
 
 
 def _run(tmp_path, *args):
@@ -35,7 +39,7 @@ def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
     rows = {(v, b): r for (v, b, _), r in rows.items()}
     assert set(rows) == {("dense", 1), ("hisparse-int4", 1), ("hisparse+easymats", 1), ("dense", 2), ("hisparse", 2)}
     for r in forked:       # one prefill forked into 3 sequences, each holding its own host blocks
-        assert "error" not in r and r["batched_decodes"] > 0 and r["decode_tokens_per_s"] > 0
+        assert "error" not in r and r["hot_buffer_hit_rate"] is not None and r["decode_tokens_per_s"] > 0
         assert r["host_kv_bytes"] > 0 and r["repeat_s"] > 0
     assert all("error" not in r and r["decode_tokens_per_s"] > 0 for r in dense)
     for r in rows.values():

@@ -1,11 +1,14 @@
-"""Hot buffer LRU against a naive per-head oracle on random selections; counters equal events."""
+"""Hot buffer LRU against a naive per-head oracle on random selections; counters equal events.
+
+The operations are sync-free (what a CUDA graph can hold): they stamp from a clock the bank hands
+out (HotBufferBank.reserve, hot_buffer.ticks) and return masks and slots at fixed widths."""
 
 import random
 
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hi_sparse.hot_buffer import HotBufferState
+from hi_sparse.hot_buffer import HotBufferBank, ticks
 
 
 class NaiveLRU:
@@ -64,7 +67,8 @@ class NaiveLRU:
 @given(seed=st.integers(0, 10_000), S=st.integers(4, 24), H=st.integers(1, 3))
 def test_lru_matches_naive_oracle(seed, S, H):
     rng = random.Random(seed)
-    hb = HotBufferState(H, S)
+    bank = HotBufferBank(H, S, rows=1)
+    hb = bank.rows(0)
     oracles = [NaiveLRU(S) for _ in range(H)]
     n = 0
     lookups = hits = used = 0
@@ -74,7 +78,8 @@ def test_lru_matches_naive_oracle(seed, S, H):
             T = rng.randint(1, S + 3)
             pos = torch.arange(n, n + T)
             n += T
-            slots = hb.insert(pos)
+            hb.ensure_tokens(n)
+            slots = hb.insert(pos, bank.reserve(ticks(inserted=min(T, S))))
             for h, o in enumerate(oracles):
                 assert slots[h].tolist() == o.insert(pos[-S:].tolist())
         else:
@@ -82,23 +87,23 @@ def test_lru_matches_naive_oracle(seed, S, H):
             rows = [rng.sample(range(n), K) for _ in range(H)]
             pad = rng.randint(0, 2)
             sel = torch.tensor([r + [-1] * pad for r in rows])
-            res = hb.lookup(sel)
-            lookups += int(res.lookups)
-            hits += int(res.hits)
-            used += int(res.prefetch_used)
+            slots, miss, n_look, n_hit, n_used = hb.lookup(sel, bank.reserve(ticks(selected=sel.shape[1])))
+            lookups += int(n_look)
+            hits += int(n_hit)
+            used += int(n_used)
             for h, o in enumerate(oracles):
-                assert res.slots[h, :K].tolist() == o.lookup(rows[h])
-                assert (res.slots[h, K:] == -1).all()
+                assert slots[h, :K].tolist() == o.lookup(rows[h])
+                assert (slots[h, K:] == -1).all()
             # the misses the caller copies in are exactly the selected tokens that were absent
-            assert res.miss_token.numel() == int(res.lookups - res.hits)
+            assert int(miss.sum()) == int(n_look - n_hit)
             if rng.random() < 0.5:
                 P = rng.randint(1, 4)
                 cand = torch.tensor([rng.sample(range(n), min(P, n)) for _ in range(H)])
                 limit = torch.tensor([S - K] * H)
-                ph, pt, ps = hb.prefetch(cand, limit)
+                loaded, ps = hb.prefetch(cand, limit, bank.reserve(ticks(prefetched=cand.shape[1])))
                 for h, o in enumerate(oracles):
                     exp = o.prefetch(cand[h].tolist(), S - K)
-                    assert ps[ph == h].tolist() == exp
+                    assert ps[h][loaded[h]].tolist() == exp
         for h, o in enumerate(oracles):
             assert hb.slot_token[h].tolist() == o.slot_tok
             assert hb.prefetched[h].tolist() == o.flag
@@ -108,46 +113,33 @@ def test_lru_matches_naive_oracle(seed, S, H):
 
 
 def test_newest_token_resident_and_invalidate():
-    hb = HotBufferState(2, 4)
-    hb.insert(torch.arange(0, 10))          # keeps the last 4
+    bank = HotBufferBank(2, 4, rows=1, token_capacity=11)
+    hb = bank.rows(0)
+    hb.insert(torch.arange(0, 10), bank.reserve(ticks(inserted=4)))          # keeps the last 4
     assert sorted(hb.slot_token[0].tolist()) == [6, 7, 8, 9]
-    res = hb.lookup(torch.tensor([[9, 0, 1, 2], [9, 8, 7, 6]]))
-    assert res.hits.item() == 5 and res.lookups.item() == 8
-    hb.insert(torch.tensor([10]))
+    sel = torch.tensor([[9, 0, 1, 2], [9, 8, 7, 6]])
+    _, _, lookups, hits, _ = hb.lookup(sel, bank.reserve(ticks(selected=4)))
+    assert hits.item() == 5 and lookups.item() == 8
+    hb.insert(torch.tensor([10]), bank.reserve(ticks(inserted=1)))
     assert 10 in hb.slot_token[0].tolist() and 10 in hb.slot_token[1].tolist()
     hb.invalidate(6, 9)
     assert not any(t in (6, 7, 8) for t in hb.slot_token.flatten().tolist())
     assert (hb.token_slot[:, 6:9] == -1).all()
 
 
-def test_fixed_width_lookup_and_prefetch_equal_the_compact_ones():
-    """lookup_fixed / prefetch_fixed (no host syncs: what a CUDA graph can hold) leave the same
-    state and give the same slots as lookup / prefetch, over a random run of selections."""
-    import torch
-
-    from hi_sparse.hot_buffer import HotBufferState
-
-    g = torch.Generator().manual_seed(3)
-    H, S, n = 3, 24, 200
-    a, b = HotBufferState(H, S, token_capacity=n), HotBufferState(H, S, token_capacity=n)
-    for step in range(40):
-        pos = torch.tensor([100 + step])
-        a.insert(pos, end=n)
-        b.insert(pos, end=n, clock=torch.tensor(b.clock))
-        K = 12
-        sel = torch.stack([torch.randperm(100 + step, generator=g)[:K] for _ in range(H)])
-        sel[:, -3:] = -1 if step % 2 else sel[:, -3:]
-        la = a.lookup(sel)
-        slots, miss, lookups, hits, used = b.lookup_fixed(sel, torch.tensor(b.clock))
-        assert torch.equal(la.slots, slots) and int(la.hits) == int(hits) and int(la.lookups) == int(lookups)
-        assert int(la.prefetch_used) == int(used) and int(miss.sum()) == la.miss_token.numel()
-        assert torch.equal(torch.sort(sel[miss]).values, torch.sort(la.miss_token).values)
-        pf = torch.stack([torch.randperm(100 + step, generator=g)[:5] for _ in range(H)])
-        limit = torch.tensor([5, 2, 0])
-        ph, pt, ps = a.prefetch(pf, limit)
-        loaded, pslots = b.prefetch_fixed(pf, limit, torch.tensor(b.clock))
-        assert torch.equal(torch.sort(pf[loaded]).values, torch.sort(pt).values)
-        assert torch.equal(torch.sort(pslots[loaded]).values, torch.sort(ps).values)
-        for name in ("slot_token", "slot_stamp", "prefetched", "token_slot"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
-        assert a.clock == b.clock
+def test_a_batch_of_rows_is_one_state_and_positions_may_differ_per_row():
+    """rows(r, B) looks up B rows' heads at once; insert takes each head's own positions (sequences
+    of different lengths), and the result equals each row on its own."""
+    H, S = 2, 6
+    both, each = HotBufferBank(H, S, rows=2, token_capacity=40), HotBufferBank(H, S, rows=2, token_capacity=40)
+    pos = torch.tensor([[30, 31, 32], [30, 31, 32], [7, 8, 9], [7, 8, 9]])     # row 0 at 30, row 1 at 7
+    both.rows(0, 2).insert(pos, both.reserve(ticks(inserted=3)))
+    for r in range(2):
+        each.rows(r).insert(pos[r * H:(r + 1) * H], each.reserve(ticks(inserted=3)))
+    sel = torch.tensor([[32, 5, -1], [31, 30, 4], [9, 1, -1], [2, 8, 7]])
+    got = both.rows(0, 2).lookup(sel, both.reserve(ticks(selected=3)))
+    for r in range(2):
+        one = each.rows(r).lookup(sel[r * H:(r + 1) * H], each.reserve(ticks(selected=3)))
+        assert torch.equal(got[0][r * H:(r + 1) * H], one[0]) and torch.equal(got[1][r * H:(r + 1) * H], one[1])
+    for name in ("slot_token", "prefetched", "token_slot"):
+        assert torch.equal(getattr(both, name), getattr(each, name)), name

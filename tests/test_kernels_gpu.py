@@ -180,8 +180,9 @@ def _poison_bytes(nbytes: int) -> None:
         "split-t64", "split-t512", "words-t64", "words-t50", "words-3d-t64",
         "relay-t64", "relay-t50", "relay-lag1-t512", "twopass-t50", "twopass-no-prefetch-t512"])
 def test_quantize_paths(bits, T, tuning):
-    """Every D % 8 == 0 path of the Triton quantize (bf16, D=128) against the reference (the default,
-    "auto": _auto_method)."""
+    """Every D % 8 == 0 kernel of the Triton quantize (bf16, D=128) against the reference: the
+    default (quantize_blocks' auto_method), and with benchmarks/quant_variants.py's methods and
+    launch geometry (fused and split: the benchmarks' baselines)."""
     _check_quantize(bits, T, 128, tuning)
 
 
@@ -205,7 +206,7 @@ def test_quantize_matches_split_on_a_large_input(bits, tuning):
     waiting on min / max others published; lag 1 waits on the programs just before): every byte,
     scale and zero point equals the split path's (same min / max, same reciprocal, same codes), so
     a partial read before it was published shows."""
-    from hi_sparse.kernels import _quant_triton as Q
+    from benchmarks import quant_variants as Q
     torch.manual_seed(bits)
     x = (torch.randn(4096, 512, 128, device="cuda") * torch.rand(4096, 1, 1, device="cuda") * 10).to(torch.bfloat16)
     want = Q.quantize(x, bits, method="split")
@@ -216,13 +217,13 @@ def test_quantize_matches_split_on_a_large_input(bits, tuning):
 
 
 def _check_quantize(bits: int, T: int, D: int, tuning: dict) -> None:
-    from hi_sparse.kernels import _quant_triton as Q
+    from benchmarks import quant_variants as Q
     n = 37
     x = (torch.randn(n, T, D, device="cuda") * torch.linspace(0.5, 20.0, n, device="cuda")[:, None, None])
     x = x.to(torch.bfloat16)
     x[-1] = 1.25                                     # a constant block: scale 0, every code 0
     _poison_bytes(n * T * K.packed_width(D, bits))
-    packed, scale, zero = Q.quantize(x, bits, **tuning)
+    packed, scale, zero = Q.quantize(x, bits, **tuning) if tuning else K.quantize_blocks(x, bits)
     rp, rs, rz = K.reference_quantize_blocks(x, bits)
     assert packed.shape == rp.shape
     assert torch.allclose(scale, rs, rtol=1e-6) and torch.equal(zero, rz) and float(scale[-1]) == 0.0

@@ -169,6 +169,25 @@ def test_superblock_bounds_equal_bounds_of_the_coarser_blocks():
     assert smin.shape == (2, 4, 8) and torch.equal(smin, cmin) and torch.equal(smax, cmax)
 
 
+def test_two_level_candidates_take_a_limit_per_row():
+    """A batch whose rows hold different numbers of blocks (NaN bounds past a row's last block)
+    and window limits: each row gets what a call with its own limit gives."""
+    g = torch.Generator().manual_seed(8)
+    q, kmin = torch.randn(3, 2, 3, 16, generator=g), torch.randn(3, 2, 64, 16, generator=g)
+    kmax = kmin + torch.rand(3, 2, 64, 16, generator=g)
+    kmin[1, :, 30:], kmax[1, :, 30:] = float("inf"), float("-inf")      # row 1 holds 30 blocks
+    smin, smax = superblock_bounds(kmin, kmax, 4)
+    limits = torch.tensor([50, 27, 0])
+    blocks, sc = two_level_candidates(q, kmin, kmax, smin, smax, 4, n_super=3, limit=limits[:, None])
+    assert not torch.isnan(sc).any() and (blocks[2] == -1).all()
+    for r, lim in enumerate(limits.tolist()[:2]):
+        one_b, one_s = two_level_candidates(q[r:r + 1], kmin[r:r + 1], kmax[r:r + 1], smin[r:r + 1],
+                                            smax[r:r + 1], 4, n_super=3, limit=lim)
+        for h in range(2):
+            assert sorted(blocks[r, h].tolist()) == sorted(one_b[0, h].tolist())
+            assert torch.equal(torch.sort(sc[r, h]).values, torch.sort(one_s[0, h]).values)
+
+
 def test_two_level_candidates_find_planted_blocks_and_cover_everything_when_wide():
     torch.manual_seed(7)
     hkv, g, d, bs, group = 2, 2, 32, 4, 8

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from hi_sparse.audit import attention_mass
-from hi_sparse.recalibration import distillation_target
+from hi_sparse.recalibration import attention_mass, distillation_target
 from hi_sparse.probe import ImportanceProbe, probe_threshold
 
 

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from hi_sparse.host_pool import HostPool
 from hi_sparse.kernels import dequantize_blocks, quantize_blocks
 from hi_sparse.quant_policy import (ErrorBudgetPolicy, FixedBits, SeedBimodalPolicy, peak_separation,
                                     quantize_roundtrip, relative_error)
@@ -74,20 +73,11 @@ def test_error_budget_policy_picks_fewest_bits_within_budget():
     assert FixedBits(6).choose(blocks, blocks)[0].eq(6).all()
 
 
-@pytest.mark.parametrize("bits", [None, 4, 8, "auto", "budget"])
-def test_host_pool_round_trip_across_tail_and_quantized_blocks(bits):
-    g = torch.Generator().manual_seed(2)
-    hp = HostPool(1, 2, 16, 4, torch.float32, pin=False, host_kv_bits=bits)
-    hp.grow(blocks=8, tails=2)
-    table = torch.tensor([5, 2, 7, 0, 3])
-    k, v = torch.randn(2, 19, 16, generator=g), torch.randn(2, 19, 16, generator=g)
-    for lo, hi in ((0, 3), (3, 4), (4, 13), (13, 19)):  # partial, completing, multi-block, tail
-        hp.write(0, table, 1, lo, k[:, lo:hi], v[:, lo:hi])
-    rk, rv = hp.read(0, table, 1, 19 // 4, torch.arange(2)[:, None], torch.arange(19)[None])
-    if bits is None:
-        assert torch.equal(rk, k) and torch.equal(rv, v)
-    else:
-        tol = {4: 0.2, 8: 0.02, "auto": 0.12, "budget": 0.021}[bits]
-        full = slice(0, 16)
-        assert relative_error(k[None, :, full], rk[None, :, full]).item() <= tol
-        assert torch.equal(rk[:, 16:], k[:, 16:])  # the tail block stays exact until it fills
+def test_the_widths_the_catalogue_counts_are_the_ones_the_kernels_pack():
+    from easymats import catalogue
+    from hi_sparse.config import QUANT_BITS
+    from hi_sparse.kernels import SUPPORTED_BITS
+    from hi_sparse.quant_policy import BITS
+
+    assert BITS == QUANT_BITS == tuple(int(b) for b in catalogue.QUANT_BITS)
+    assert set(BITS) <= set(SUPPORTED_BITS)

@@ -59,12 +59,13 @@ def test_planted_needles_and_topic_shift_on_cuda(bits, meta):
     run_prefill(eng, [sid], seg.k[None].cuda(), seg.v[None].cuda(), qa.cuda())
 
     def rate(query, steps):
-        first = len(eng.audits)
+        before = eng.stats
+        lookups0, hits0 = before.anchor_lookups, before.anchor_hits
         for _ in range(steps):
             k, v = wl.noise(1)
             run_decode(eng, [sid], query()[None, :, None].cuda(), k[None].cuda(), v[None].cuda())
-        a = eng.audits[first:]
-        return sum(x[4] for x in a) / sum(x[3] for x in a)
+        after = eng.stats
+        return (after.anchor_hits - hits0) / (after.anchor_lookups - lookups0)
 
     assert rate(lambda: wl.topic_query("A"), 6) >= 0.95
     segb = wl.segment(512, topic="B", anchors=8, margin=64)

@@ -40,7 +40,7 @@ def test_no_runtime_metric_stays_constant(segment_dir):
     cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
                          host_kv_bits="budget", quant_error_budget=0.02, host_pool_blocks=36, streaming=True,
                          audit_every=2, audit_top_m=8, drift_floor=0.8, drift_window=2, recycle_grace_s=0.5,
-                         publish_interval_s=0.0, prefetch_blocks=2)
+                         publish_interval_s=0.0, gauge_interval_s=0.0, prefetch_blocks=2)
     eng = HiSparseEngine(cfg, 2, HQ, HKV, D, segment=seg, model_name="planted")
     reader = SegmentReader(seg.path)
     seen: dict[tuple, set] = {}
@@ -147,9 +147,10 @@ def test_pool_limit_is_zero_for_a_pool_that_grows_on_demand(segment_dir):
     seg.close()
 
 
-def test_a_paused_publisher_publishes_nothing_until_resumed(segment_dir):
-    """Publisher.paused (the e2e benchmark's telemetry-off phases): counters keep counting in the
-    engine, the segment keeps its last snapshot, and the first publish after resuming catches up."""
+def test_an_infinite_publish_interval_publishes_nothing_until_set_back(segment_dir):
+    """engine.publisher.interval_s (the e2e benchmark's telemetry-off phases set it to inf):
+    counters keep counting in the engine, the segment keeps its last snapshot, and the first
+    publish after setting it back catches up."""
     seg, eng, reader, wl, a = _one_sequence_engine("pause-test", seed=4)
 
     def prefill_tokens():
@@ -158,11 +159,55 @@ def test_a_paused_publisher_publishes_nothing_until_resumed(segment_dir):
     s = wl.segment(64)
     run_prefill(eng, [a], s.k[None], s.v[None])
     assert prefill_tokens() == 64
-    eng.publisher.paused = True
+    eng.publisher.interval_s = float("inf")
     run_prefill(eng, [a], s.k[None], s.v[None])
     assert prefill_tokens() == 64 and eng.stats.tokens_prefill == 128
-    eng.publisher.paused = False
+    eng.publisher.interval_s = 0.0
     run_prefill(eng, [a], s.k[None], s.v[None])
     assert prefill_tokens() == 192
     eng.close()
+    seg.close()
+
+
+def test_costly_gauges_refresh_at_their_own_interval(segment_dir):
+    """Anchors, hot-buffer residency and memory are refreshed at most every gauge_interval_s when
+    publishing (counters every time); 0 refreshes them at every publish."""
+    seg = telemetry.open_segment("gauge-test", labels={"model": "planted"})
+    cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
+                         publish_interval_s=0.0, gauge_interval_s=3600.0)
+    eng = HiSparseEngine(cfg, 1, HQ, HKV, D, segment=seg, model_name="planted")
+    reader = SegmentReader(seg.path)
+    (a,) = eng.add_sequences(1)
+    wl = PlantedWorkload(HKV, HQ, D, seed=6)
+    s = wl.segment(64)
+    run_prefill(eng, [a], s.k[None], s.v[None])
+    snap = reader.read()
+    assert snap.get("hisparse_tokens_total", phase="prefill") == 64               # counters: every publish
+    assert snap.get("hisparse_hot_buffer_resident_tokens") == 0                   # costly gauge: not yet
+    eng.publisher.gauge_interval_s = 0.0
+    run_prefill(eng, [a], s.k[None], s.v[None])
+    assert reader.read().get("hisparse_hot_buffer_resident_tokens") == eng.stats.hot_buffer_resident > 0
+    eng.close()
+    seg.close()
+
+
+def test_every_runtime_series_is_one_metric_object_with_or_without_a_segment(segment_dir):
+    """The registry binds each runtime series of the catalogue once: the segment's own objects when
+    publishing (what the runtime counts into is what the agent reads), standalone ones otherwise."""
+    from hi_sparse.metrics import BY_LABEL, HISTOGRAMS, SCALARS, RuntimeMetrics
+
+    seg = telemetry.open_segment("registry-test")
+    bound, alone = RuntimeMetrics(seg), RuntimeMetrics(None)
+    for name, (metric, labels) in SCALARS.items():
+        assert getattr(bound, name) is getattr(seg, catalogue.get(metric).type)(metric, **labels), name
+    expected = {m.name for m in catalogue.runtime_metrics() if m.type != catalogue.INFO}
+    assert {m for m, _ in SCALARS.values()} | set(BY_LABEL.values()) | set(HISTOGRAMS.values()) == expected
+    assert set(bound.recalibrations) == set(catalogue.RECALIBRATION_REASONS)
+    assert set(bound.quant_blocks) == {int(b) for b in catalogue.QUANT_BITS}
+    alone.backup_bytes.inc(5)
+    alone.recalibrations["drift"].inc()
+    alone.quant_error.observe(0.01)
+    snap = alone.snapshot()
+    assert snap.backup_bytes == 5 and snap.recalibrations["drift"] == 1 and sum(snap.quant_error.counts) == 1
+    assert bound.snapshot().backup_bytes == 0
     seg.close()

@@ -63,11 +63,11 @@ def test_layer_devices_all_cpu_is_bit_identical_to_default(bits, meta):
         assert torch.equal(x, y)
     sa, sb = a.stats, b.stats
     assert sa.swap_in_bytes > 0 and sa.hot_buffer_lookups > sa.hot_buffer_hits > 0  # the paths ran
-    assert sum(sa.recalibrations.values()) > 0 and a.audits
+    assert sum(sa.recalibrations.values()) > 0 and a.recent_audits
     for name in ("hot_buffer_lookups", "hot_buffer_hits", "prefetch_used", "kv_tokens_used",
                  "kv_tokens_loaded", "swap_in_bytes", "anchor_lookups", "anchor_hits", "anchors"):
         assert getattr(sa, name) == getattr(sb, name), name
-    assert a.audits == b.audits and a.memory_bytes() == b.memory_bytes()
+    assert list(a.recent_audits) == list(b.recent_audits) and a.memory_bytes() == b.memory_bytes()
     for layer in range(L):
         assert torch.equal(a.seqs[ids[0]].anchors[layer], b.seqs[ids[0]].anchors[layer])
 
@@ -199,11 +199,11 @@ def test_two_gpu_planted_needles_quantized_device_metadata():
     for nid in needles:
         k, v = wl.noise(1)
         run_decode(eng, [sid], wl.needle_query(nid)[None, :, None].cuda(0), k[None].cuda(0), v[None].cuda(0))
-        assert eng.audits[-1][3] == 1
-    audits = eng.audits[-len(needles):]
-    recall = sum(a[4] for a in audits) / len(audits)
+        assert eng.recent_audits[-1].lookups == 1
+    audits = list(eng.recent_audits)[-len(needles):]
+    recall = sum(a.hits for a in audits) / len(audits)
     assert recall >= 0.95, recall
-    assert {a[1] for a in audits} == {0, 1}  # audited on both GPUs' layers
+    assert {a.layer for a in audits} == {0, 1}  # audited on both GPUs' layers
     for layer in range(L):  # the last needle itself was selected at each layer
         assert seg.needles[needles[-1]] in eng.selection(layer, sid).flatten().tolist()
     st = eng.stats  # quantized host blocks were swapped into both hot buffers
@@ -226,12 +226,13 @@ def test_two_gpu_topic_shift_recalibrates_each_layer_on_its_gpu():
     run_prefill(eng, [sid], seg.k[None].cuda(0), seg.v[None].cuda(0), qa.cuda(0))
 
     def rate(query, steps):
-        first = len(eng.audits)
+        before = eng.stats
+        lookups0, hits0 = before.anchor_lookups, before.anchor_hits
         for _ in range(steps):
             k, v = wl.noise(1)
             run_decode(eng, [sid], query()[None, :, None].cuda(0), k[None].cuda(0), v[None].cuda(0))
-        a = eng.audits[first:]
-        return sum(x[4] for x in a) / sum(x[3] for x in a)
+        after = eng.stats
+        return (after.anchor_hits - hits0) / (after.anchor_lookups - lookups0)
 
     assert rate(lambda: wl.topic_query("A"), 6) >= 0.95
     segb = wl.segment(512, topic="B", anchors=8, margin=64)

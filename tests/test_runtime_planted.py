@@ -14,6 +14,8 @@ from easymats import telemetry
 from easymats.segment import control_path
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.engine import HiSparseEngine
+from hi_sparse.kernels import two_level_pays
+from hi_sparse.key_bounds import n_super
 from hi_sparse.workloads import PlantedWorkload, run_decode, run_prefill
 
 L, HQ, HKV, D = 1, 4, 2, 32
@@ -30,6 +32,11 @@ def make(seed=1, **over):
     return wl, eng, eng.add_sequences(1)
 
 
+def _n_super(eng):
+    c = eng.cfg
+    return n_super(c.top_k, c.window_size, c.global_tokens, c.cache_block_size, c.prefetch_blocks)
+
+
 def topic_queries(wl, topic, n):
     """(1, Hq, n, D) prefill queries for the last n prompt tokens."""
     return torch.stack([wl.topic_query(topic) for _ in range(n)], 1)[None]
@@ -37,14 +44,15 @@ def topic_queries(wl, topic, n):
 
 def audited_rate(eng, wl, ids, query, steps):
     """Decode ``steps`` noise tokens with ``query()``; hit rate over the audits of those steps."""
-    first = len(eng.audits)
+    before = eng.stats
+    lookups0, hits0 = before.anchor_lookups, before.anchor_hits
     for _ in range(steps):
         k, v = wl.noise(1)
         run_decode(eng, ids, query()[None, :, None], k[None], v[None])
-    audits = eng.audits[first:]
-    lookups = sum(a[3] for a in audits)
+    after = eng.stats
+    lookups = after.anchor_lookups - lookups0
     assert lookups > 0
-    return sum(a[4] for a in audits) / lookups
+    return (after.anchor_hits - hits0) / lookups
 
 
 @pytest.mark.parametrize("bits,group", [(None, 16), ("auto", 16), (None, 2)], ids=["bf-one-level", "auto-one-level",
@@ -59,14 +67,14 @@ def test_query_aware_selection_finds_needles(bits, group):
     for nid in needles:
         k, v = wl.noise(1)
         run_decode(eng, ids, wl.needle_query(nid)[None, :, None], k[None], v[None])
-        assert eng.audits[-1][3] == 1
+        assert eng.recent_audits[-1].lookups == 1
     st = eng.stats
     lookups = st.anchor_lookups - before
     recall = (st.anchor_hits - hits_before) / lookups
     assert lookups == len(needles)
     assert recall >= 0.95, recall
     # 128 blocks of 32: super-blocks of 2 blocks pay off (the refined set is under a quarter)
-    assert (eng.two_level_scores > 0) == (group == 2)
+    assert two_level_pays(-(-eng.seq_len(ids[0]) // 32), group, _n_super(eng)) == (group == 2)
     # the needle positions themselves were selected (the audit's top-1 was the needle)
     sel = eng.selection(0, ids[0])
     assert seg.needles[needles[-1]] in sel.flatten().tolist()
@@ -142,4 +150,4 @@ def test_super_block_bounds_stay_equal_to_a_fresh_fold_while_decoding():
             assert s.smin[0] is not None
             want_lo, want_hi = superblock_bounds(s.kmin[0], s.kmax[0], 3)
             assert torch.equal(s.smin[0], want_lo) and torch.equal(s.smax[0], want_hi)
-    assert eng.two_level_scores == 300
+    assert all(two_level_pays(-(-n // 32), 3, _n_super(eng)) for n in (4001, 4300))  # every step scored two-level

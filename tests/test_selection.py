@@ -4,7 +4,17 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hi_sparse.kernels import block_bounds, block_scores
-from hi_sparse.selection import select
+from hi_sparse.selection import candidate_blocks, select
+
+
+def _select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=0):
+    """select for the H rows of one sequence of n tokens (its count, first position and holes on
+    every row; the host bound on candidate blocks from the same numbers)."""
+    H, nb = scores.shape
+    rows = lambda x: torch.full((H, 1), x)                                  # noqa: E731
+    return select(scores, rows(n), rows(first), window, top_k, bs, anchors,
+                  None if holes is None else holes[None].expand(H, -1), prefetch_blocks,
+                  candidate_blocks(nb, n - window, first, bs))
 
 
 @settings(max_examples=60, deadline=None)
@@ -23,7 +33,7 @@ def test_selection_invariants(n, first, window, extra, bs, A, H, seed, hole_frac
     anchors = torch.stack([torch.randperm(n, generator=g)[:A] for _ in range(H)]) if n >= A \
         else torch.full((H, A), -1)
     anchors[torch.rand(H, A, generator=g) < 0.3] = -1
-    sel = select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=1)
+    sel = _select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=1)
     pos = torch.arange(n)
     visible = (pos >= first) & ~holes[pos // bs]
     n_vis = int(visible.sum())
@@ -55,13 +65,35 @@ def test_blocks_ranked_by_quest_upper_bound():
     # the bound is an upper bound of every token's q.k in the block
     exact = torch.einsum("hgd,hnd->hgn", q, k).amax(1).view(H, -1, bs).amax(-1)
     assert (scores >= exact - 1e-4).all()
-    sel = select(scores, n, 0, window=4, top_k=4 + 2 * bs, block_size=bs,
-                 anchors=torch.full((H, 0), -1), holes=None)
+    sel = _select(scores, n, 0, window=4, top_k=4 + 2 * bs, bs=bs, anchors=torch.full((H, 0), -1), holes=None)
     chosen = set(sel.tokens[0].tolist())
     assert set(range(12, 16)) <= chosen and set(range(40, 44)) <= chosen
     assert sel.loaded.item() == 3 * bs  # window block + two chosen blocks
 
 
 def test_full_budget_selects_everything_visible():
-    sel = select(None, 10, 2, 3, 100, 4, torch.full((2, 1), -1), None)
-    assert sel.tokens.tolist() == [list(range(2, 10))] * 2
+    sel = _select(torch.zeros(2, 3), 10, 2, 3, 100, 4, torch.full((2, 1), -1), None)
+    assert [sorted(t[t >= 0].tolist()) for t in sel.tokens] == [list(range(2, 10))] * 2
+
+
+def test_rows_of_different_lengths_select_as_they_would_alone():
+    """One call for rows of sequences of different lengths, paddings and holes (a batch) selects
+    for each row what a call for that row alone selects, and blocks past a row's last token may
+    score NaN (unfilled bounds) without being taken."""
+    g = torch.Generator().manual_seed(4)
+    bs, window, top_k, nb = 4, 6, 20, 30
+    lengths, firsts = [117, 40, 9], [0, 5, 2]
+    scores = torch.randn(3, nb, generator=g)
+    holes = torch.zeros(3, nb, dtype=torch.bool)
+    holes[0, [3, 7]] = True
+    anchors = torch.tensor([[12, 50, -1], [8, -1, 20], [-1, -1, -1]])
+    for r, n in enumerate(lengths):
+        scores[r, -(-n // bs):] = float("nan")
+    batch = select(scores, torch.tensor(lengths)[:, None], torch.tensor(firsts)[:, None], window, top_k, bs,
+                   anchors, holes, 1, candidate_blocks(nb, max(lengths) - window, min(firsts), bs))
+    for r, (n, first) in enumerate(zip(lengths, firsts)):
+        nbr = -(-n // bs)
+        alone = _select(scores[r:r + 1, :nbr], n, first, window, top_k, bs, anchors[r:r + 1], holes[r, :nbr], 1)
+        assert torch.equal(batch.tokens[r], alone.tokens[0]), r
+        assert torch.equal(batch.prefetch[r], alone.prefetch[0]), r
+        assert torch.equal(batch.block_hits[r, :nbr], alone.block_hits[0]) and not batch.block_hits[r, nbr:].any()

@@ -13,22 +13,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .. import catalogue
 from .reader import parse_key, series_key
 
-# Counters a ratio or rate is built from, by the exact key the log uses.
-_COUNTERS = (
-    ("anchor_hits", series_key("hisparse_anchor_hits_total")),
-    ("anchor_lookups", series_key("hisparse_anchor_lookups_total")),
-    ("prefetch_used", series_key("hisparse_prefetch_used_total")),
-    ("prefetch_issued", series_key("hisparse_prefetch_issued_total")),
-    ("hb_hits", series_key("hisparse_hot_buffer_hits_total")),
-    ("hb_lookups", series_key("hisparse_hot_buffer_lookups_total")),
-    ("tokens_used", series_key("hisparse_kv_tokens_used_total")),
-    ("tokens_loaded", series_key("hisparse_kv_tokens_loaded_total")),
-    ("recycles", series_key("hisparse_kv_block_recycles_total")),
+_RATES = tuple(r for r in catalogue.RATIOS if not r.per_gauge)   # increase over increase
+_RECYCLE = catalogue.RATIO["block_recycle_rate"]                  # a rate per active block
+# Counters a ratio or rate is built from (the ratios' by metric name), by the exact key the log uses.
+_COUNTERS = tuple(dict.fromkeys([(n, series_key(n)) for r in _RATES for n in (r.numerator, r.denominator)] + [
+    ("recycles", series_key(_RECYCLE.numerator)),
     ("decode_tokens", series_key("hisparse_tokens_total", {"phase": "decode"})),
     ("evictions", series_key("hisparse_kv_block_evictions_total")),
-)
+]))
 _CI = {name: i for i, (name, _) in enumerate(_COUNTERS)}
 _COUNTER_KEYS = tuple(k for _, k in _COUNTERS)
 _HISTOGRAMS = (
@@ -36,7 +31,7 @@ _HISTOGRAMS = (
     ("quant_error", series_key("hisparse_quant_block_relative_error")),
 )
 _RECAL = "hisparse_recalibrations_total"
-K_ACTIVE = series_key("hisparse_kv_blocks", {"state": "active"})
+K_ACTIVE = series_key(_RECYCLE.denominator, dict(_RECYCLE.denominator_labels))
 K_FREE = series_key("hisparse_kv_blocks", {"state": "free"})
 K_PENDING = series_key("hisparse_kv_blocks", {"state": "pending_recycle"})
 K_LIMIT = series_key("hisparse_kv_blocks_limit")  # 0: the pool grows on demand (no limit)
@@ -56,12 +51,7 @@ class SeriesSpec:
 
 
 # The derived series the report summarises and plots, in display order.
-SERIES = (
-    SeriesSpec("anchor_hit_rate", "Anchor hit rate", "ratio"),
-    SeriesSpec("prefetch_efficiency", "Prefetch efficiency", "ratio"),
-    SeriesSpec("hot_buffer_hit_rate", "Hot buffer hit rate", "ratio"),
-    SeriesSpec("block_density", "Block density", "ratio"),
-    SeriesSpec("block_recycle_rate", "Block recycle rate", "per_s"),
+SERIES = tuple(SeriesSpec(r.key, r.title, r.unit) for r in catalogue.RATIOS) + (
     SeriesSpec("kv_free_blocks_ratio", "Free blocks / pool limit", "ratio"),
     SeriesSpec("active_blocks", "Active blocks", "blocks"),
     SeriesSpec("pool_blocks", "Pool size", "blocks"),
@@ -205,8 +195,8 @@ class Deriver:
         self._recal = recal
         if self._win:
             prev = self._win[-1][1]
-            for attr, name in (("anchor_hits", "anchor_hits"), ("anchor_lookups", "anchor_lookups"),
-                               ("evictions", "evictions")):
+            for attr, name in (("anchor_hits", "hisparse_anchor_hits_total"),
+                               ("anchor_lookups", "hisparse_anchor_lookups_total"), ("evictions", "evictions")):
                 d = counters[_CI[name]] - prev[_CI[name]]
                 if d > 0:
                     setattr(out, attr, d)
@@ -225,20 +215,17 @@ class Deriver:
                     return None
                 return max(0.0, min(1.0, dn / dd))
 
-            for key, num, den in (("anchor_hit_rate", "anchor_hits", "anchor_lookups"),
-                                  ("prefetch_efficiency", "prefetch_used", "prefetch_issued"),
-                                  ("hot_buffer_hit_rate", "hb_hits", "hb_lookups"),
-                                  ("block_density", "tokens_used", "tokens_loaded")):
-                r = ratio(num, den)
+            for rate in _RATES:
+                r = ratio(rate.numerator, rate.denominator)
                 if r is not None:
-                    v[key] = r
+                    v[rate.key] = r
             d_tok = counters[_CI["decode_tokens"]] - c0[_CI["decode_tokens"]]
             if not math.isnan(d_tok):
                 v["decode_tokens_per_s"] = d_tok / span
             active = _num(metrics.get(K_ACTIVE))
             d_rec = counters[_CI["recycles"]] - c0[_CI["recycles"]]
             if not math.isnan(d_rec) and active > 0:
-                v["block_recycle_rate"] = d_rec / span / active
+                v[_RECYCLE.key] = d_rec / span / active
             for i, (name, _) in enumerate(_HISTOGRAMS):
                 h, old = hists[i], h0[i]
                 if h and len(old) == len(h):

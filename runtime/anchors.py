@@ -1,0 +1,50 @@
+"""Anchors: the tokens pinned into every selection, per KV head; the one place they are merged.
+
+Each row of a layer's bank keeps up to ``global_tokens`` anchor positions per KV head (-1
+padded) with the probability that earned each its place. New tokens that the fitted importance
+probe scores above the context-dependent threshold compete with them, and the most probable
+``global_tokens`` stay (:func:`merge`). Recalibration replaces them wholesale from exact
+attention mass (recalibration.pick_anchors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .probe import ImportanceProbe, probe_threshold
+from .row_bank import RowBank
+
+
+def merge(anchor_p: torch.Tensor, anchors: torch.Tensor, p: torch.Tensor, pos: torch.Tensor) -> None:
+    """Keep the most probable of the anchors (anchor_p, anchors (..., A)) and the candidates
+    (p, pos (..., M); p < 0 for none), in place."""
+    top_p, i = torch.cat([anchor_p, p], -1).topk(anchors.shape[-1], dim=-1)
+    pos = torch.cat([anchors, pos], -1).gather(-1, i)
+    anchors.copy_(torch.where(top_p >= 0, pos, -1))
+    anchor_p.copy_(top_p)
+
+
+def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.Tensor, start: torch.Tensor,
+                   first: torch.Tensor, threshold: tuple[float, float, float]) -> None:
+    """Score new keys k (B, Hkv, T, D) at positions start (B,) + t of the sequences in ``rows``
+    with the layer's probe and merge those above the threshold at each sequence's length (and
+    after its left padding, first (B,)) into its anchors. A no-op until the probe is fitted, and
+    with no anchor slots. No host sync."""
+    A = bank.size("anchors", 1)
+    if A == 0 or not probe.fitted:
+        return
+    B, H, T, _ = k.shape
+    pos = (start[:, None] + torch.arange(T, device=k.device))[:, None, :].expand(B, H, T)
+    base, lo, hi = threshold
+    thr = probe_threshold(start + T, base, lo, hi)[:, None, None]                  # (B, 1, 1)
+    p = probe.predict(k).to(k.device)                                                # (B, H, T)
+    p = torch.where((p > thr) & (pos >= first[:, None, None]), p, -1.0)
+    if T > A:
+        p, i = p.topk(A, dim=2)
+        pos = pos.gather(2, i)
+    merge(bank.t["anchor_p"][rows], bank.t["anchors"][rows], p, pos)
+
+
+def count(banks: list[RowBank]) -> list[torch.Tensor]:
+    """Pinned anchors of every row (0-dim count per bank; freed rows are reset and count none)."""
+    return [(b.t["anchors"] >= 0).sum() for b in banks]

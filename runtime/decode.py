@@ -1,0 +1,255 @@
+"""The append and the decode step: one path for every batch, graph-capturable, eager on the CPU.
+
+A call appends to (or attends for) B sequences at one layer. Host-side bookkeeping runs first:
+pages, the quantization of blocks the new tokens complete, bank growth, the batch's rows made
+consecutive, its per-sequence positions and the LRU clock set into device tensors. Then a
+*body* does the device work, every shape known on the host and every step-to-step value read
+from device tensors, so the graph runner (batch_step.py) can capture and replay a decode body:
+
+- :func:`append_body`: back the new tokens up into the host pool, widen the key bounds, make
+  them hot (most recently used), score them as anchors;
+- :func:`attend_body`: block bounds -> selection (window + anchors + ranked blocks) -> hot
+  buffer lookup (hits, LRU misses) -> prefetch of the next-ranked blocks -> swap-in of misses
+  and prefetches from the host pool (dequantized) -> counters on the device -> importance and
+  recent queries -> sparse attention over the selected slots.
+
+Sequences of different lengths, left padding, holes, contexts shorter than top_k, any
+quantization policy and layers on several GPUs all take these two bodies: a batch of one is a
+batch, and per-sequence values are device tensors padded to the batch's widths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hi_sparse.kernels import sparse_decode_attention, two_level_pays
+
+from . import anchors, key_bounds
+from .batch_step import GraphRunner
+from .config import HiSparseConfig
+from .host_pool import HostPool, QuantEvents
+from .hot_buffer import ticks
+from .layers import KVShape, LayerRows
+from .metrics import RuntimeMetrics
+from .page_table import PageTable
+from .recalibration import remember_queries
+from .selection import bound_scores, candidate_blocks, select
+from .sequences import Sequence, SequenceTable
+from .storage import Storage
+
+
+class Batch:
+    """Device state of one batch of sequences in consecutive rows, on one device: block tables
+    and tail slots (refreshed in place: a captured graph keeps their addresses), first positions,
+    per-layer positions and LRU clock, and the batch's graphs."""
+
+    def __init__(self, seqs: list[Sequence], device: torch.device, shape: KVShape, max_seq_len: int,
+                 graphs: bool) -> None:
+        B, H = len(seqs), shape.num_kv_heads
+        self.seq_ids = tuple(s.seq_id for s in seqs)
+        self.first_row, self.size = seqs[0].row, B
+        self.rows = slice(self.first_row, self.first_row + B)
+        self.tables = torch.full((B, -(-max_seq_len // shape.block_size)), -1, dtype=torch.int64, device=device)
+        self.versions: tuple | None = None
+        self.tails = torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64).to(device)
+        firsts = [s.first_token for s in seqs]
+        self.first = torch.tensor(firsts, dtype=torch.int64).to(device)                    # (B,)
+        self.first_lo = min(firsts)
+        heads = torch.arange(B * H, device=device)
+        self.seq_of_head, self.kv_head = (heads // H)[:, None], (heads % H)[:, None]        # (B*H, 1)
+        self.head_rows = ((self.first_row * H + heads) * shape.slots)[:, None]             # first slot's row
+        # per layer: each sequence's first new position (append) or token count (attend), clock
+        self.positions = torch.zeros(shape.num_layers, B, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(shape.num_layers, dtype=torch.int64, device=device)
+        self.runner = GraphRunner(graphs)
+
+    def refresh_tables(self, pages: PageTable) -> None:
+        """Block tables into the fixed buffer, when a sequence's page list changed."""
+        versions = tuple(pages.seqs[i].version for i in self.seq_ids)
+        if versions == self.versions:
+            return
+        ids = [pages.block_ids(i) for i in self.seq_ids]
+        w = max(len(x) for x in ids)
+        self.tables[:, :w].copy_(torch.tensor([x + [-1] * (w - len(x)) for x in ids], dtype=torch.int64))
+        self.versions = versions
+
+    def set(self, layer: int, positions: list[int], clock: int) -> None:
+        """This step's positions (one per sequence) and first LRU stamp at ``layer``."""
+        if len(set(positions)) == 1:
+            self.positions[layer].fill_(positions[0])       # a fill launches no host -> device copy
+        else:
+            self.positions[layer].copy_(torch.tensor(positions))
+        self.clock[layer].fill_(clock)
+
+
+def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConfig, shape: KVShape,
+                k: torch.Tensor, v: torch.Tensor) -> None:
+    """New tokens k, v (B, Hkv, T, D) of the batch at ``rows``' layer: backed up into the host
+    pool, key bounds widened, made hot, scored as anchors."""
+    layer = rows.index
+    B, H, T, D = k.shape
+    start = batch.positions[layer]
+    host.backup(layer, batch.tables, batch.tails, start, k, v)
+    key_bounds.update(rows.bank, batch.rows, start, k, shape.block_size, cfg.bound_group)
+    pos = (start[:, None] + torch.arange(T, device=k.device))[:, None, :].expand(B, H, T).reshape(B * H, T)
+    slots = rows.hot.rows(batch.first_row, B).insert(pos, batch.clock[layer])          # (B*H, T')
+    # flat (Hkv*S, D) rows + index_copy_: several times cheaper on CPU than a scatter_ with an
+    # index expanded over D (slots are unique per head, so the writes agree)
+    flat = (batch.head_rows + slots).reshape(-1)
+    new = slice(T - slots.shape[1], T)
+    rows.k.view(-1, D).index_copy_(0, flat, k[:, :, new].reshape(-1, D))
+    rows.v.view(-1, D).index_copy_(0, flat, v[:, :, new].reshape(-1, D))
+    anchors.pin_new_tokens(rows.probe, rows.bank, batch.rows, k, start, batch.first,
+                           (cfg.threshold_base, cfg.threshold_min, cfg.threshold_max))
+
+
+def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConfig, shape: KVShape,
+                n_super: int, q: torch.Tensor, nb: int, n_cand: int, mixed_levels: bool,
+                holes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse decode attention of the batch at ``rows``' layer, q (B, Hq, D) -> ((B, Hq, D), the
+    selected positions (B*Hkv, K)). nb: blocks of the longest sequence; n_cand: a host bound on
+    the candidate blocks (selection.candidate_blocks); mixed_levels: some sequences are too short
+    for two-level scoring to pay on their own (they are scored as they would be alone); holes:
+    some sequence lost blocks to streaming mode. Block hits add to the importance in streaming
+    mode only (only its eviction reads them)."""
+    layer, bank = rows.index, rows.bank.t
+    B, H, D, S, bs = batch.size, shape.num_kv_heads, shape.head_dim, shape.slots, shape.block_size
+    r = batch.rows
+    n = batch.positions[layer]                                                          # (B,)
+    window_block = torch.div(n - cfg.window_size + bs - 1, bs, rounding_mode="floor").clamp(min=0)
+    row_blocks = torch.div(n + bs - 1, bs, rounding_mode="floor")[:, None] if mixed_levels else None
+    scores = bound_scores(q.view(B, H, shape.group_size, D), bank["kmin"][r, :, :nb], bank["kmax"][r, :, :nb],
+                          bank["smin"][r], bank["smax"][r], cfg.bound_group, n_super, window_block[:, None],
+                          row_blocks)
+    sel = select(scores.reshape(B * H, nb), n[batch.seq_of_head], batch.first[batch.seq_of_head],
+                 cfg.window_size, cfg.top_k, bs, bank["anchors"][r].reshape(B * H, -1),
+                 bank["holes"][r, :nb].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks, n_cand)
+    K = sel.tokens.shape[1]
+    state = rows.hot.rows(batch.first_row, B)
+    clock = batch.clock[layer]
+    slots, miss, lookups, hits, prefetch_used = state.lookup(sel.tokens, clock)
+    used = (sel.tokens >= 0).sum(1)
+    loaded, prefetch_slots = state.prefetch(sel.prefetch, S - used, clock + ticks(selected=K))
+    # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
+    tokens = torch.cat([sel.tokens, sel.prefetch], 1).clamp(min=0)
+    take = torch.cat([miss, loaded], 1)
+    dst = (batch.head_rows + torch.cat([slots, prefetch_slots], 1)).reshape(-1)
+    main = host.main_rows(batch.tables, batch.kv_head, tokens, seq=batch.seq_of_head)
+    if host.quantized:
+        in_tail = tokens // bs >= (n // bs)[batch.seq_of_head]       # the unfilled last block: the float tail
+        tail = host.tail_rows(batch.tails[batch.seq_of_head], batch.kv_head, tokens)
+        src, src_tail = torch.where(take & ~in_tail, main, -1), torch.where(take & in_tail, tail, -1)
+    else:
+        src, src_tail = torch.where(take, main, -1), None
+    nbytes = host.load(layer, src.reshape(-1), None if src_tail is None else src_tail.reshape(-1),
+                       rows.k.view(-1, D), rows.v.view(-1, D), dst)
+    rows.counters.add(lookups, hits, prefetch_used, used.sum(), sel.loaded, loaded.sum(), nbytes)
+    if cfg.streaming:
+        bank["importance"][r, :nb] += sel.block_hits.view(B, H, nb).sum(1)
+    remember_queries(rows.bank, r, q[:, None])
+    out = sparse_decode_attention(q.to(shape.dtype), rows.k[r], rows.v[r], slots.view(B, H, -1), shape.scale)
+    return out.to(q.dtype), sel.tokens
+
+
+class Decoder:
+    """The host side of appends and decode steps, and the device state of each batch."""
+
+    def __init__(self, cfg: HiSparseConfig, shape: KVShape, layers: list[LayerRows], host: HostPool,
+                 storage: Storage, sequences: SequenceTable, metrics: RuntimeMetrics) -> None:
+        self.cfg, self.shape, self.layers, self.host = cfg, shape, layers, host
+        self.storage, self.sequences, self.metrics = storage, sequences, metrics
+        self.n_super = key_bounds.n_super(cfg.top_k, cfg.window_size, cfg.global_tokens, cfg.cache_block_size,
+                                          cfg.prefetch_blocks)
+        # graphs on CUDA with decode_graphs, when every layer is on one GPU (graphs per layer and
+        # device have not been run on the hardware yet: a split decodes through the same bodies
+        # without them)
+        self._graphs = cfg.decode_graphs and len({layer.device for layer in layers}) == 1
+        self._batches: dict[tuple, Batch] = {}
+
+    def batch(self, seqs: list[Sequence], device: torch.device) -> Batch:
+        """The batch state of these sequences on ``device`` (their rows made consecutive)."""
+        if self.sequences.make_consecutive(seqs):
+            self.forget([s.seq_id for s in seqs])
+        key = (device, tuple(s.seq_id for s in seqs))
+        batch = self._batches.get(key)
+        if batch is None or batch.first_row != seqs[0].row:
+            if len(self._batches) > 8:
+                self._batches.clear()
+            graphs = self._graphs and device.type == "cuda"
+            batch = self._batches[key] = Batch(seqs, device, self.shape, self.cfg.max_seq_len, graphs)
+        batch.refresh_tables(self.storage.pages)
+        return batch
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Drop the state (graphs, buffers) of batches that held any of these sequences."""
+        gone = set(seq_ids)
+        for key in [k for k in self._batches if gone & set(k[1])]:
+            del self._batches[key]
+
+    def graph_key(self, rows: LayerRows, batch: Batch | None, *shape: int) -> tuple | None:
+        """What a captured body depends on beyond its device tensors: host-side shapes, whether the
+        layer's probe is fitted (the append scores new tokens as anchors only then; a refit updates
+        the weights in place) and the addresses of every buffer it touches (a bank or pool that grew
+        moved them). None for a batch that runs without graphs (nothing to key)."""
+        if batch is not None and batch.runner.no_graphs:
+            return None
+        buffers = rows.buffers() + self.host.buffers(rows.index)
+        return shape + (rows.probe.fitted,) + tuple(t.data_ptr() for t in buffers)
+
+    def append(self, rows: LayerRows, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor) -> None:
+        """New tokens k, v (B, Hkv, T, D), on the layer's device in the KV dtype."""
+        cfg, bs, layer = self.cfg, self.shape.block_size, rows.index
+        T = k.shape[2]
+        starts = [s.lengths[layer] for s in seqs]
+        self.storage.extend(seqs, [p + T for p in starts])
+        n_max = max(starts) + T
+        if self.host.quantized:          # blocks the tokens complete: quantized on the host first
+            for b, (s, p) in enumerate(zip(seqs, starts)):
+                if (p + T) // bs > p // bs:
+                    self._count_write(*self.host.seal(layer, self.storage.block_table(s).cpu(), s.tail_slot, p,
+                                                      k[b], v[b]))
+        key_bounds.grow(rows.bank, -(-n_max // bs), bs, cfg.bound_group, cfg.max_seq_len)
+        rows.hot.ensure_tokens(n_max)
+        batch = self.batch(seqs, rows.device)
+        batch.set(layer, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
+        body = functools.partial(append_body, rows, self.host, batch, cfg, self.shape)
+        if T == 1:
+            batch.runner.run((layer, "append"), self.graph_key(rows, batch, T), body, k, v)
+        else:                            # prefill: run once per shape, not worth a graph
+            body(k, v)
+        self.host.note_device_writes(rows.device)
+        self.metrics.backup_bytes.inc(self.host.backup_bytes(starts, T))
+        for s, p in zip(seqs, starts):
+            s.lengths[layer] = p + T
+
+    def _count_write(self, nbytes: int, events: QuantEvents) -> None:
+        m = self.metrics
+        m.backup_bytes.inc(nbytes)
+        for bits, c in events.counts.items():
+            m.quant_blocks[bits].inc(c)
+        for e in events.errors:
+            m.quant_error.observe(e)
+
+    def attend(self, rows: LayerRows, seqs: list[Sequence], q: torch.Tensor) -> torch.Tensor:
+        """The decode step's attention, q (B, Hq, D) on the layer's device -> (B, Hq, D)."""
+        cfg, bs, layer = self.cfg, self.shape.block_size, rows.index
+        lengths = [s.lengths[layer] for s in seqs]
+        n_max = max(lengths)
+        nb = -(-n_max // bs)
+        batch = self.batch(seqs, rows.device)
+        n_cand = candidate_blocks(nb, n_max - cfg.window_size, batch.first_lo, bs)
+        self.host.prepare(layer, rows.device)
+        mixed = len({two_level_pays(-(-n // bs), cfg.bound_group, self.n_super) for n in lengths}) > 1
+        holes = any(self.storage.has_holes(s) for s in seqs)
+        width = cfg.top_k + cfg.global_tokens                               # select's token width
+        batch.set(layer, lengths, rows.hot.reserve(ticks(selected=width, prefetched=cfg.prefetch_blocks * bs)))
+        body = functools.partial(attend_body, rows, self.host, batch, cfg, self.shape, self.n_super)
+        key = self.graph_key(rows, batch, nb, n_cand, mixed, holes)
+        out, tokens = batch.runner.run((layer, "attend"), key, body, q, nb, n_cand, mixed, holes)
+        H, R = self.shape.num_kv_heads, cfg.recalibrate_queries
+        for b, s in enumerate(seqs):
+            s.last_selection[layer] = tokens[b * H:(b + 1) * H]
+            s.queries_kept[layer] = min(R, s.queries_kept[layer] + 1)
+        return out

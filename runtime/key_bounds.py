@@ -1,0 +1,88 @@
+"""Per-block key bounds of every row: the one place they are laid out, grown and updated.
+
+Per KV head, each row keeps the elementwise min and max key of each block of ``block_size``
+tokens (kmin / kmax (Hkv, NB, D)) and of each super-block of ``bound_group`` blocks (smin / smax
+(Hkv, NS, D)); selection scores blocks by them (selection.bound_scores). Two more per-block kinds
+share their growth: importance (selected tokens per block, summed over layers by streaming
+eviction) and holes (blocks streaming mode overwrote).
+
+Bounds only widen as tokens arrive, so an update folds the new tokens into per-block bounds and
+widens the stored ones with them; the super-blocks are widened with the blocks' new bounds,
+which equals a refold of their blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .row_bank import RowBank
+
+PER_BLOCK = ("kmin", "kmax", "importance", "holes")
+PER_SUPER_BLOCK = ("smin", "smax")
+
+
+def add_kinds(bank: RowBank, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Declare the bound kinds of a bank (no blocks yet: :func:`grow` makes room)."""
+    inf = float("inf")
+    for name, fill in (("kmin", inf), ("kmax", -inf), ("smin", inf), ("smax", -inf)):
+        bank.add(name, (num_kv_heads, 0, head_dim), dtype, fill)
+    bank.add("importance", (0,), torch.float32, 0.0)
+    bank.add("holes", (0,), torch.bool, False)
+
+
+def n_super(top_k: int, window: int, global_tokens: int, block_size: int, prefetch_blocks: int) -> int:
+    """Super-blocks two-level scoring keeps per KV head: enough for every block the selection can
+    take (its budget, anchors that may overlap it, rank slack and prefetch)."""
+    return -(-(top_k - window + global_tokens) // block_size) + 2 + prefetch_blocks
+
+
+def grow(bank: RowBank, blocks: int, block_size: int, group: int, max_seq_len: int) -> None:
+    """Room for ``blocks`` blocks in every row, in whole super-blocks plus two spare ones (an
+    update's folds may reach a block and a super-block past the last token, with nothing in them)."""
+    need = (-(-blocks // group) + 2) * group
+    cap = bank.size("kmin", 1)
+    if need <= cap:
+        return
+    limit = (-(-max_seq_len // block_size) // group + 3) * group
+    new = -(-max(need, min(max(2 * cap, 8), limit)) // group) * group   # geometric, whole super-blocks
+    for name in PER_BLOCK:
+        bank.grow(name, 1 if bank.t[name].dim() == 4 else 0, new)
+    for name in PER_SUPER_BLOCK:
+        bank.grow(name, 1, new // group)
+
+
+def update(bank: RowBank, rows: slice, start: torch.Tensor, k: torch.Tensor, block_size: int, group: int) -> None:
+    """Widen the bounds of rows ``rows`` by new keys k (B, Hkv, T, D) at positions start (B,) + t
+    (a device tensor: no host sync; a decode token is its own bounds, so T = 1 folds nothing)."""
+    lo, hi, first = _fold(k, k, start, block_size)
+    _widen(bank.t["kmin"][rows], first, lo, torch.minimum)
+    _widen(bank.t["kmax"][rows], first, hi, torch.maximum)
+    slo, shi, sfirst = _fold(lo, hi, first, group)
+    _widen(bank.t["smin"][rows], sfirst, slo, torch.minimum)
+    _widen(bank.t["smax"][rows], sfirst, shi, torch.maximum)
+
+
+def _fold(lo: torch.Tensor, hi: torch.Tensor, start: torch.Tensor,
+          size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Elementwise min of lo and max of hi (B, H, T, D), items at positions start (B,) + t, over
+    each cell of ``size`` positions they touch: (min (B, H, C, D), max, first cell (B,)), C cells
+    from each row's first (cells past a row's items hold +inf / -inf)."""
+    B, H, T, D = lo.shape
+    first = torch.div(start, size, rounding_mode="floor")
+    if T == 1:
+        return lo, hi, first
+    cells = -(-(size - 1 + T) // size)
+    at = (start - first * size)[:, None] + torch.arange(T, device=lo.device)           # (B, T)
+    idx = at[:, None, :, None].expand(B, H, T, D)
+    runs = []
+    for x, fill, op in ((lo, float("inf"), torch.amin), (hi, float("-inf"), torch.amax)):
+        buf = torch.full((B, H, cells * size, D), fill, dtype=x.dtype, device=x.device).scatter_(2, idx, x)
+        runs.append(op(buf.view(B, H, cells, size, D), dim=3))
+    return runs[0], runs[1], first
+
+
+def _widen(stored: torch.Tensor, first: torch.Tensor, new: torch.Tensor, op) -> None:
+    """stored (B, H, N, D) at cells first (B,) + c takes op(stored, new (B, H, C, D)) in place."""
+    B, H, C, D = new.shape
+    idx = (first[:, None] + torch.arange(C, device=new.device))[:, None, :, None].expand(B, H, C, D)
+    stored.scatter_(2, idx, op(stored.gather(2, idx), new))

@@ -1,0 +1,110 @@
+"""Exact attention for prefill (a forward of several new tokens), and reading a whole context.
+
+A prefill chunk attends causally over everything its sequence holds: earlier tokens read back
+from the host pool (dequantized when quantized), this step's own new tokens as appended (kept
+exactly: a quantized pool would round them). The audit and recalibration read contexts the
+same way (:class:`ContextReader`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .host_pool import HostPool
+from .layers import KVShape, LayerRows
+from .page_table import PageTable
+from .recalibration import remember_queries
+from .sequences import Sequence
+from .storage import Storage
+
+_PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk (CPU: math kernel)
+_PREFILL_MASK_BUDGET = 1 << 29   # bytes of one prefill boolean mask chunk (CUDA: fused kernels)
+
+
+class ContextReader:
+    """A sequence's K/V and visibility as the host pool holds them."""
+
+    def __init__(self, host: HostPool, pages: PageTable, storage: Storage, block_size: int) -> None:
+        self.host, self.pages, self.storage, self.block_size = host, pages, storage, block_size
+
+    def read(self, s: Sequence, layer: LayerRows, heads: torch.Tensor, pos: torch.Tensor,
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of tokens pos at KV heads heads (broadcast: (*S,)) -> two (*S, D) on the layer's device."""
+        full = self.pages.num_tokens(s.seq_id) // self.block_size
+        dev = layer.device
+        # on a GPU the rows are gathered by the GPU from the pinned pool (no host-side gather)
+        k, v = self.host.read(layer.index, self.storage.block_table(s).cpu(), s.tail_slot, full, heads.cpu(),
+                              pos.cpu(), dtype, device=dev if dev.type == "cuda" else None)
+        return k.to(dev), v.to(dev)
+
+    def visible(self, s: Sequence, layer: LayerRows, n: int) -> torch.Tensor:
+        """(n,) bool on the layer's device: positions after the left padding and outside holes."""
+        pos = torch.arange(n, device=layer.device)
+        return (pos >= s.first_token) & ~layer.bank.t["holes"][s.row][pos // self.block_size]
+
+
+class PrefillAttention:
+    """Exact causal attention of a prefill chunk, over its sequence's whole context."""
+
+    def __init__(self, shape: KVShape, reader: ContextReader) -> None:
+        self.shape, self.reader = shape, reader
+        # per layer: exact copies of this step's new K/V (Hkv, T, D) by sequence id
+        self._new: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(shape.num_layers)]
+
+    def keep(self, layer: int, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's new K/V of the sequences, k, v (B, Hkv, T, D) as appended."""
+        for b, s in enumerate(seqs):
+            self._new[layer][s.seq_id] = (k[b], v[b])
+
+    def end_step(self) -> None:
+        for kept in self._new:
+            kept.clear()
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for kept in self._new:
+            for seq_id in seq_ids:
+                kept.pop(seq_id, None)
+
+    def attend(self, layer: LayerRows, s: Sequence, q: torch.Tensor) -> torch.Tensor:
+        """Exact causal attention of q (Hq, Tq, D), the sequence's last Tq tokens -> (Hq, Tq, D)."""
+        shape = self.shape
+        n, Tq = s.lengths[layer.index], q.shape[1]
+        kl, vl = self._new[layer.index].get(s.seq_id, (None, None))
+        new = kl.shape[1] if kl is not None else 0
+        old = n - new
+        if old > 0:
+            ko, vo = self.reader.read(s, layer, torch.arange(shape.num_kv_heads)[:, None], torch.arange(old)[None],
+                                      shape.dtype)
+            k = torch.cat([ko, kl], 1) if new else ko
+            v = torch.cat([vo, vl], 1) if new else vo
+        else:
+            k, v = kl, vl
+        out = _causal(q, k.to(q.dtype), v.to(q.dtype), self.reader.visible(s, layer, n), shape.group_size)
+        remember_queries(layer.bank, slice(s.row, s.row + 1), q.transpose(0, 1)[None])
+        kept = layer.bank.size("queries", 0)
+        s.queries_kept[layer.index] = min(kept, s.queries_kept[layer.index] + Tq)
+        return out
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, group: int) -> torch.Tensor:
+    """q (Hq, Tq, D) at the last Tq of n positions over k, v (Hkv, n, D); visible (n,) bool (a
+    query always sees itself). Chunked over queries so that scores or masks stay bounded."""
+    n, Tq = k.shape[1], q.shape[1]
+    kpos = torch.arange(n, device=q.device)
+    qpos = torch.arange(n - Tq, n, device=q.device)
+    gqa = group > 1
+    if q.is_cuda:
+        # the memory-efficient kernel takes a mask without materialising scores, so chunks
+        # are bounded by the mask; it wants equal head counts, so K/V are expanded
+        chunk = max(1, _PREFILL_MASK_BUDGET // n)
+        if gqa:
+            k, v, gqa = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), False
+    else:
+        chunk = max(1, _PREFILL_SCORE_BUDGET // max(1, q.shape[0] * n))
+    outs = []
+    for c in range(0, Tq, chunk):
+        qp = qpos[c:c + chunk]
+        mask = ((kpos[None] <= qp[:, None]) & visible[None]) | (kpos[None] == qp[:, None])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[None, :, c:c + chunk], k[None], v[None], attn_mask=mask[None, None], enable_gqa=gqa)[0])
+    return torch.cat(outs, 1)

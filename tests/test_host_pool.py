@@ -1,0 +1,109 @@
+"""The host pool through the entry points the decode path uses: seal and backup to store, load
+and read to get rows back, with one address formula (main rows, tail rows) for all of them."""
+
+import pytest
+import torch
+
+from hi_sparse.host_pool import HostPool
+from hi_sparse.kernels import packed_width
+from hi_sparse.quant_policy import relative_error
+
+H, D, BS = 2, 16, 4
+
+
+def _pool(bits, blocks=8, tails=3):
+    hp = HostPool(1, H, D, BS, torch.float32, pin=False, host_kv_bits=bits)
+    hp.grow(blocks=blocks, tails=tails)
+    return hp
+
+
+def _append(hp, table, tail, start, k, v):
+    """What an append of one sequence stores: blocks its tokens complete sealed, the rest backed up."""
+    hp.seal(0, table, tail, start, k, v)
+    hp.backup(0, table[None], torch.tensor([tail]), torch.tensor([start]), k[None], v[None])
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8, "auto", "budget"])
+def test_round_trip_across_tail_and_quantized_blocks(bits):
+    g = torch.Generator().manual_seed(2)
+    hp = _pool(bits)
+    table = torch.tensor([5, 2, 7, 0, 3])
+    k, v = torch.randn(H, 19, D, generator=g), torch.randn(H, 19, D, generator=g)
+    for lo, hi in ((0, 3), (3, 4), (4, 13), (13, 19)):  # partial, completing, multi-block, tail
+        _append(hp, table, 1, lo, k[:, lo:hi], v[:, lo:hi])
+    rk, rv = hp.read(0, table, 1, 19 // BS, torch.arange(H)[:, None], torch.arange(19)[None])
+    if bits is None:
+        assert torch.equal(rk, k) and torch.equal(rv, v)
+    else:
+        tol = {4: 0.2, 8: 0.02, "auto": 0.12, "budget": 0.021}[bits]
+        full = slice(0, 16)
+        assert relative_error(k[None, :, full], rk[None, :, full]).item() <= tol
+        assert torch.equal(rk[:, 16:], k[:, 16:])  # the tail block stays exact until it fills
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf", "int4"])
+def test_a_batch_backup_at_different_positions_equals_one_sequence_at_a_time(bits):
+    g = torch.Generator().manual_seed(3)
+    tables = torch.tensor([[0, 1, 2, -1], [3, 4, 5, 6]])
+    tails, starts = torch.tensor([0, 2]), [6, 13]
+    k, v = torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g)
+    both, one = _pool(bits), _pool(bits)
+    both.backup(0, tables, tails, torch.tensor(starts), k, v)
+    for b in range(2):
+        one.backup(0, tables[b:b + 1], tails[b:b + 1], torch.tensor(starts[b:b + 1]), k[b:b + 1], v[b:b + 1])
+    for name, t in both.layers[0].items():
+        assert torch.equal(t, one.layers[0][name]), name
+    rows = (both.tail_rows(tails[:, None, None], torch.arange(H)[None, :, None], torch.tensor(starts)[:, None, None])
+            if bits else both.main_rows(tables, torch.arange(H)[None, :, None], torch.tensor(starts)[:, None, None]))
+    store = both.layers[0]["k_tail" if bits else "k"]
+    assert torch.equal(store[rows.reshape(-1)], k.reshape(-1, D))
+    assert both.backup_bytes(starts, 1) == 2 * 2 * H * D * 4
+
+
+def test_the_row_formula_is_the_one_every_address_uses():
+    hp = _pool(None)
+    table = torch.tensor([[5, -1, 2]])
+    pos = torch.tensor([[1, 5, 9]])
+    assert hp.main_rows(table, torch.tensor([[1]]), pos).tolist() == [[(5 * H + 1) * BS + 1, (0 * H + 1) * BS + 1,
+                                                                      (2 * H + 1) * BS + 1]]   # a hole reads block 0
+    assert hp.main_rows(table, 0, pos, seq=torch.tensor([[0]])).tolist() == hp.main_rows(table, 0, pos).tolist()
+    assert int(hp.tail_rows(3, 1, torch.tensor(6))) == (3 * H + 1) * BS + 2
+
+
+def test_mixed_widths_load_each_unit_at_its_own_bits_and_count_what_they_read():
+    """A budget pool holds units at several widths; a load with -1 entries copies only the rest,
+    dequantizes each row at its unit's width and counts the packed bytes (+ scale and zero) read."""
+    g = torch.Generator().manual_seed(5)
+    hp = _pool("budget")
+    table = torch.tensor([0, 1, 2])
+    x = torch.randn(H, 12, D, generator=g)
+    x[:, 4:8] = x[:, 4:8] * 0.01 + 3.0               # a nearly constant block: few bits suffice
+    _append(hp, table, 0, 0, x, x)
+    bits = hp.layers[0]["k_bits"][: 3 * H]
+    assert len(set(bits.tolist())) > 1
+    rows = hp.main_rows(table[None], torch.arange(H)[:, None].reshape(1, -1, 1), torch.arange(12)[None, None])
+    rows = rows.reshape(-1)
+    rows[::3] = -1                                    # entries of a fixed-width list that load nothing
+    dst = torch.full((rows.numel(), D), float("nan"))
+    dst_v = dst.clone()
+    nbytes = hp.load(0, rows, torch.full_like(rows, -1), dst, dst_v, torch.arange(rows.numel()))
+    kept = rows >= 0
+    assert torch.isnan(dst[~kept]).all() and torch.isfinite(dst[kept]).all()
+    want = x.reshape(-1, D)[kept]
+    assert relative_error(want[None], dst[kept][None]).item() < 0.1
+    unit_bits = lambda name: hp.layers[0][name][rows[kept] // BS].tolist()   # noqa: E731
+    expect = sum(packed_width(D, b) + 8 for b in unit_bits("k_bits") + unit_bits("v_bits"))
+    assert int(nbytes) == expect
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_copy_blocks_copies_every_tensor_of_the_blocks(consecutive):
+    g = torch.Generator().manual_seed(6)
+    hp = _pool(4)
+    src, dst = ([0, 1], [4, 5]) if consecutive else ([0, 1], [6, 3])
+    x = torch.randn(H, 8, D, generator=g)
+    _append(hp, torch.tensor(src), 0, 0, x, x)
+    hp.copy_blocks(src, dst)
+    a = hp.read(0, torch.tensor(src), 0, 2, torch.arange(H)[:, None], torch.arange(8)[None])[0]
+    b = hp.read(0, torch.tensor(dst), 0, 2, torch.arange(H)[:, None], torch.arange(8)[None])[0]
+    assert torch.equal(a, b)

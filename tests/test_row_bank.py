@@ -1,0 +1,55 @@
+"""Row bank: one tensor per kind of per-row metadata; rows and per-row dims grow with contents kept."""
+
+import torch
+
+from hi_sparse.row_bank import RowBank, RowView
+
+
+def _bank(rows: int = 2) -> RowBank:
+    bank = RowBank("cpu")
+    bank.add("bounds", (2, 0, 3), torch.float32, float("inf"))
+    bank.add("anchors", (2, 4), torch.int64, -1)
+    bank.grow_rows(rows)
+    return bank
+
+
+def test_growth_keeps_contents_and_fills_what_is_new():
+    bank = _bank()
+    bank.grow("bounds", 1, 5)
+    bank.t["bounds"][1, :, :2] = 7.0
+    bank.grow_rows(4)
+    bank.grow("bounds", 1, 8)
+    assert bank.t["bounds"].shape == (4, 2, 8, 3) and bank.size("bounds", 1) == 8
+    assert (bank.t["bounds"][1, :, :2] == 7.0).all() and torch.isinf(bank.t["bounds"][1, :, 2:]).all()
+    assert torch.isinf(bank.t["bounds"][2:]).all() and (bank.t["anchors"][2:] == -1).all()
+    bank.grow("bounds", 1, 4)                        # never shrinks
+    assert bank.size("bounds", 1) == 8
+
+
+def test_reset_copy_save_and_load_a_row():
+    bank = _bank(3)
+    bank.grow("bounds", 1, 2)
+    bank.t["anchors"][0] = torch.arange(8).view(2, 4)
+    bank.t["bounds"][0] = 1.5
+    saved = bank.save(0)
+    bank.copy_row(0, 2)
+    assert torch.equal(bank.t["anchors"][2], bank.t["anchors"][0])
+    bank.reset(0)
+    assert (bank.t["anchors"][0] == -1).all() and torch.isinf(bank.t["bounds"][0]).all()
+    bank.grow("bounds", 1, 6)                        # the bank grew while the row was saved
+    bank.load(1, saved)
+    assert torch.equal(bank.t["anchors"][1], torch.arange(8).view(2, 4))
+    assert (bank.t["bounds"][1, :, :2] == 1.5).all() and torch.isinf(bank.t["bounds"][1, :, 2:]).all()
+    assert bank.memory_bytes() == sum(t.numel() * t.element_size() for t in bank.t.values())
+
+
+def test_a_row_view_reads_and_writes_one_sequence_s_row_in_each_layer():
+    banks = [_bank(), _bank()]
+
+    class Seq:
+        row = 1
+
+    view = RowView(banks, "anchors", Seq())
+    view[1] = torch.full((2, 4), 5)
+    assert (banks[1].t["anchors"][1] == 5).all() and (banks[0].t["anchors"][1] == -1).all()
+    assert len(view) == 2 and [int(a.sum()) for a in view] == [-8, 40]
