@@ -15,6 +15,8 @@ from typing import Any
 
 import click
 
+from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
+
 LAZY_SUBCOMMANDS: dict[str, str] = {
     "ls": "easymats.ls:ls",
     "demo": "easymats.demo:demo",
@@ -23,19 +25,7 @@ LAZY_SUBCOMMANDS: dict[str, str] = {
     "recalibrate": "easymats.webhook:recalibrate",
 }
 
-INTERVAL_MIN_S = 0.01
-INTERVAL_MAX_S = 60.0
-DEFAULT_LISTEN = "127.0.0.1:9464"
 _PID_LIST_RE = re.compile(r"^[\d,\s]+$")
-
-
-class UsageFailure(click.ClickException):
-    """A mistake the user can fix: one line on stderr, exit status 2, never a traceback."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"easymats: {self.format_message()}", err=True)
 
 
 def _unavailable(name: str, target: str, why: str) -> click.Command:
@@ -122,25 +112,6 @@ def parse_pids(values: tuple[str, ...] | list[str]) -> list[int]:
             if int(word) not in pids:
                 pids.append(int(word))
     return pids
-
-
-def parse_listen(value: str | None, option: str = "--listen") -> tuple[str, int] | None:
-    """``HOST:PORT`` -> (host, port); ``''`` or ``none`` -> None (off)."""
-    if value is None or value.strip().lower() in ("", "none", "off"):
-        return None
-    host, sep, port = value.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageFailure(f"{option} {value!r} is not HOST:PORT (e.g. {DEFAULT_LISTEN}; "
-                           f"'none' turns it off)")
-    return host or "0.0.0.0", int(port)
-
-
-def check_interval(value: float, option: str = "--interval") -> float:
-    if not INTERVAL_MIN_S <= value <= INTERVAL_MAX_S:
-        raise UsageFailure(f"{option} {value:g} is out of range: allowed {INTERVAL_MIN_S:g}.."
-                           f"{INTERVAL_MAX_S:g} seconds")
-    return value
 
 
 @click.group(cls=LazyGroup, lazy=LAZY_SUBCOMMANDS, invoke_without_command=True,

@@ -1,4 +1,4 @@
-"""Byte layout of the telemetry segment and the control file (version 1.0).
+"""Byte layout of the telemetry segment and the control file (version 1.0), and where they live.
 
 docs/segment.md is the normative description, written so that a runtime in any language can
 produce the files; this module is the Python rendering of the same tables. Everything is
@@ -17,6 +17,7 @@ Segment file::
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -25,6 +26,27 @@ CONTROL_MAGIC = b"EZMATCTL"
 MAJOR = 1
 MINOR = 0
 BYTE_ORDER_MARK = 0x01020304
+
+# ---- where the files live (docs/segment.md 1) -------------------------------------------------
+ENV_DIR = "EASYMATS_SEGMENT_DIR"
+
+
+def segment_dir() -> str:
+    """The segment directory: $EASYMATS_SEGMENT_DIR, else /dev/shm/easymats-<uid>."""
+    return os.environ.get(ENV_DIR) or f"/dev/shm/easymats-{os.geteuid()}"
+
+
+def control_path(segment_path: str) -> str:
+    """The control file paired with a segment: same stem, ``.ctl``."""
+    return segment_path[:-4] + ".ctl" if segment_path.endswith(".seg") else segment_path + ".ctl"
+
+
+# Limits a valid segment stays within (docs/segment.md 2.1): anything beyond is corruption, and
+# the bounds keep a garbage header from making the reader allocate or read gigabytes.
+MAX_ENTRIES = 65536
+MAX_FILE_BYTES = 64 << 20
+MAX_HEADER_BYTES = 65536
+MAX_ENTRY_BYTES = 4096
 
 # ---- segment header -------------------------------------------------------------------------
 HEADER_SIZE = 512

@@ -16,19 +16,14 @@ import struct
 import time
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 from . import layout as L
 from . import procinfo
-
-ENV_DIR = "EASYMATS_SEGMENT_DIR"
-
-# Limits a valid segment stays within (docs/segment.md 2.1): anything beyond is corruption, and
-# the bounds keep a garbage header from making the reader allocate or read gigabytes.
-MAX_ENTRIES = 65536
-MAX_FILE_BYTES = 64 << 20
-MAX_HEADER_BYTES = 65536
-MAX_ENTRY_BYTES = 4096
+# Where segments live and the limits of a valid one are part of the contract: layout.py holds them
+# for the writer (telemetry.py) and this reader alike; re-exported here for the reader's callers.
+from .layout import (ENV_DIR, MAX_ENTRIES, MAX_ENTRY_BYTES, MAX_FILE_BYTES,  # noqa: F401
+                     MAX_HEADER_BYTES, control_path, segment_dir)
 
 # Retry pacing while the seq word is odd or moving: yield first, then short sleeps (~5 ms total).
 _YIELD_RETRIES = 16
@@ -42,11 +37,6 @@ _U64_UNPACK_FROM = L.U64.unpack_from
 _tuple_new = tuple.__new__
 _dict_copy = dict.copy
 _HISTOGRAM = L.TYPE_NAMES[L.TYPE_HISTOGRAM]
-
-
-def segment_dir() -> str:
-    """The segment directory: $EASYMATS_SEGMENT_DIR, else /dev/shm/easymats-<uid>."""
-    return os.environ.get(ENV_DIR) or f"/dev/shm/easymats-{os.geteuid()}"
 
 
 class SegmentError(Exception):
@@ -513,14 +503,3 @@ def require_segments(pid: int, directory: str | None = None) -> list[str]:
                        f"{ENV_DIR} to that directory ('easymats ls' lists segments)")
 
 
-def control_path(segment_path: str) -> str:
-    """The control file paired with a segment: same stem, ``.ctl``."""
-    return segment_path[:-4] + ".ctl" if segment_path.endswith(".seg") else segment_path + ".ctl"
-
-
-def iter_snapshots(paths: list[str]) -> Iterator[tuple[str, Snapshot | SegmentError]]:
-    for p in paths:
-        try:
-            yield p, read_segment(p)
-        except SegmentError as exc:
-            yield p, exc

@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator
 import click
 
 from .segment import SegmentError, control_path, read_segment, require_segments
-from .telemetry import ControlFile
+from .usage import UsageFailure, parse_listen
+from .control import ControlFile
 
 log = logging.getLogger("easymats.webhook")
 
@@ -316,8 +317,6 @@ class WebhookCollector:
 
 def read_token(token_file: str | None) -> str:
     """The bearer token from ``token_file`` (surrounding whitespace stripped); UsageFailure if unusable."""
-    from .cli import UsageFailure
-
     if not token_file:
         raise UsageFailure("--webhook-listen needs --webhook-token-file FILE: a file holding the bearer "
                            "token that Alertmanager sends (http_config.authorization.credentials_file)")
@@ -338,8 +337,6 @@ def start_webhook(listen: str, token_file: str | None, agent: Any) -> Webhook:
 
     Raises UsageFailure for a bad address or token file, OSError when the port cannot be bound.
     """
-    from .cli import parse_listen
-
     addr = parse_listen(listen, "--webhook-listen")
     if addr is None:
         raise ValueError("start_webhook needs HOST:PORT")
@@ -365,8 +362,6 @@ class RecalibrationFailed(click.ClickException):
 
 
 def _control_files(pid: int) -> list[tuple[str, ControlFile]]:
-    from .cli import UsageFailure
-
     try:
         paths = require_segments(pid)
     except SegmentError as exc:

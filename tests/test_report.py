@@ -447,7 +447,7 @@ def test_any_log_content_is_read_without_crashing(tmp_path_factory, items):
             f.write(line + b"\n")
     a, stats = analyse_file(str(path))
     from easymats.report import html
-    from easymats.report.cli import format_findings
+    from easymats.report.findings import format_findings
 
     format_findings(diagnose_all(a.targets))
     html.render(title="t", stats=stats, targets=a.targets, findings=[], plots=[], window_s=10.0)
