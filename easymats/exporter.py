@@ -317,11 +317,6 @@ class AgentRegistry:
                 raise ValueError(f"duplicated metric families: {sorted(clash)}")
             self.extras.append(collector)
 
-    def unregister(self, collector) -> None:
-        with self._lock:
-            if collector in self.extras:
-                self.extras.remove(collector)
-
     def collect(self) -> Iterator["Metric"]:
         yield from self.agent_collector.collect()
         for c in list(self.extras):

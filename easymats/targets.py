@@ -336,8 +336,3 @@ class Target:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
-
-
-def _jf(x: float) -> str:
-    """A float as JSON: repr when finite, null otherwise."""
-    return repr(float(x)) if math.isfinite(x) else "null"

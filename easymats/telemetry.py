@@ -89,10 +89,6 @@ class Histogram:
         self.counts[i] += 1.0
         self.sum += value
 
-    def observe_many(self, values) -> None:
-        for v in values:
-            self.observe(float(v))
-
 
 def _write_at(mm: mmap.mmap, offset: int, data: bytes) -> None:
     mm[offset:offset + len(data)] = data

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers_targets import free_port, start_target  # noqa: E402
 
-from easymats.logwriter import validate_line  # noqa: E402
+from helpers_logformat import validate_line  # noqa: E402
 
 AGENT = [sys.executable, "-c", "from easymats.cli import main; main()"]
 

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers_logs as H  # noqa: E402
+from helpers_logformat import validate_line  # noqa: E402
 
 from easymats import thresholds  # noqa: E402
-from easymats.logwriter import validate_line  # noqa: E402
 from easymats.report import reader  # noqa: E402
 from easymats.report.accum import Downsampler, Episodes, Sketch  # noqa: E402
 from easymats.report.analyse import Analysis  # noqa: E402
