@@ -9,8 +9,11 @@ PIP_INSTALL = $(PY) -m pip install -q -c constraints-dev.txt
 
 .PHONY: venv demo test test-gpu system-deps clean
 
-# The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages.
-SYSTEM_TOOLS = prometheus promtool prometheus-alertmanager
+# The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages;
+# the fault-injection tests (marker `fault`) drive the real logrotate and shift the wall clock of
+# an agent with libfaketime. TOOL:PACKAGE pairs.
+SYSTEM_DEPS = prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
+              logrotate:logrotate faketime:faketime
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
@@ -25,12 +28,14 @@ demo: venv
 	$(VENV)/bin/easymats demo
 
 system-deps:
-	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	@missing=""; for pair in $(SYSTEM_DEPS); do tool=$${pair%%:*}; pkg=$${pair#*:}; \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v $$tool >/dev/null || case " $$missing " in *" $$pkg "*) ;; *) missing="$$missing $$pkg";; esac; \
+	done; \
 	if [ -n "$$missing" ]; then \
-	  echo "installing Debian packages prometheus prometheus-alertmanager (missing:$$missing)"; \
+	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus prometheus-alertmanager \
-	  || { echo "could not install them: apt-get install prometheus prometheus-alertmanager, then make test"; exit 1; }; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing \
+	  || { echo "could not install them: apt-get install$$missing, then make test"; exit 1; }; \
 	fi
 
 test: venv system-deps

@@ -171,6 +171,11 @@ def alert_rules() -> list[Alert]:
               f"easymats at {{{{ $labels.instance }}}} samples over {T.SAMPLE_LAG_P99_MAX_S * 1000:g} ms late",
               "The 99th percentile of how late sampling ticks run is {{ $value | humanizeDuration }} "
               "at {{ $labels.instance }}: the agent cannot keep its interval, so peaks are missed."),
+        Alert("EasymatsLogFailing", "easymats_log_failing == 1", T.LOG_FAILING_FOR_S, "warning",
+              "easymats at {{ $labels.instance }} cannot write its log",
+              "The agent at {{ $labels.instance }} cannot write its --output log (full disk, file "
+              "size limit, I/O error): sampling and /metrics go on, but the 100 ms record has a gap "
+              "(easymats_log_dropped_lines_total counts the lost lines)."),
         Alert("EasymatsAgentDown", f"up{{job=\"{AGENT_JOB}\"}} == 0", T.TARGET_DOWN_FOR_S, "critical",
               "Prometheus cannot scrape the easymats agent at {{ $labels.instance }}",
               "The scrape of job {{ $labels.job }} at {{ $labels.instance }} fails: no HiSparse "

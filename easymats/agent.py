@@ -42,6 +42,11 @@ DISCOVERY_INTERVAL_S = 1.0
 # alert can fire, then it is dropped: a long-lived --keep-serving sidecar must not grow forever.
 DOWN_RETENTION_S = 600.0
 PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
+# /metrics reports a target up only if its last sample is this recent (or 10 intervals).
+SAMPLE_MAX_AGE_S = 2.0
+# After SIGINT/SIGTERM the sampler finishes its tick and stops; one stuck in a system call (a hung
+# file system under the log) gets this long before the process exits without it.
+STOP_TIMEOUT_S = 5.0
 
 
 # Segment errors that no retry can fix: the file is skipped until its inode changes.
@@ -81,8 +86,9 @@ class Agent:
         self.down_retention_s = DOWN_RETENTION_S
 
         self.lag = LagHistogram()
-        self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu,
-                                        peak_window)
+        self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu, peak_window,
+                                        log=lambda: self.log,
+                                        sample_max_age_s=max(SAMPLE_MAX_AGE_S, 10 * interval))
         self.registry = make_registry(self.collector)  # the webhook may register its own collector
         self.log: LogWriter | None = None
         self.port: int | None = None
@@ -103,6 +109,7 @@ class Agent:
         self._next_discovery = 0.0
         self._paths_cache: tuple[tuple[int, int], list[str], bool] | None = None
         self._next_process = 0.0
+        self.failure: str | None = None  # why the agent could not do its job (exit status 1)
 
     # -- public ------------------------------------------------------------------------------------
     @property
@@ -128,7 +135,7 @@ class Agent:
         if self.output:
             try:
                 self.log = LogWriter(self.output, interval_s=self.interval, max_bytes=self.max_bytes,
-                                     backups=self.backups, argv=self.argv)
+                                     backups=self.backups, argv=self.argv, warn=self._say)
             except OSError as exc:
                 raise AgentError(f"cannot write the log {self.output}: {exc.strerror or exc}; "
                                  "choose another --output") from None
@@ -173,7 +180,9 @@ class Agent:
         return True
 
     def run(self) -> int:
-        """Sample until stopped (SIGINT/SIGTERM, --duration, or every target gone); exit status."""
+        """Sample until stopped (SIGINT/SIGTERM, --duration, or every target gone); exit status:
+        0, or 1 when the agent could not do all of its job (the sampler failed or did not stop,
+        or log lines were dropped)."""
         restore = self._install_signals()
         try:
             self.start()
@@ -181,6 +190,8 @@ class Agent:
             view = LiveView(colour=mode == "table")
             period = 0.25 if mode == "table" else 1.0
             while not self._done.wait(period if mode != "none" else 0.5):
+                if self._stop.is_set():
+                    break
                 if mode == "none":
                     continue
                 targets = self._targets
@@ -193,10 +204,21 @@ class Agent:
                               flush=True)
                 except (BrokenPipeError, ValueError):  # the reader of our stdout went away
                     mode = "none"
-            self.wait()
+            if not self.wait(STOP_TIMEOUT_S):
+                # Threads are daemons: the process ends without the stuck sampler.
+                self.failure = self.failure or f"the sampler did not stop within {STOP_TIMEOUT_S:g} s"
+                self._say(self.failure)
         finally:
             restore()
-        return 0
+        return self.exit_status()
+
+    def exit_status(self) -> int:
+        code = 1 if self.failure else 0
+        if self.log is not None and self.log.dropped_lines:
+            self._say(f"{self.log.dropped_lines} lines of the log {self.output} were dropped while it "
+                      "could not be written: the log is incomplete")
+            code = 1
+        return code
 
     def close(self) -> None:
         """Stop everything and flush the log; idempotent."""
@@ -231,11 +253,18 @@ class Agent:
             raise AgentError(f"permission denied for PID {pid}: it belongs to {owner_of(pid)}; run "
                              f"easymats as that user (segments are readable only by their owner)") from None
 
+    def _say(self, message: str) -> None:
+        try:
+            print(f"easymats: warning: {message}", file=self.err, flush=True)
+        except (OSError, ValueError):  # stderr gone (a closed pipe): the log and /metrics still say it
+            pass
+
     def _warn(self, key: str, message: str) -> None:
+        """Say ``message`` once per ``key``."""
         if key in self._warned:
             return
         self._warned.add(key)
-        print(f"easymats: warning: {message}", file=self.err, flush=True)
+        self._say(message)
 
     def _watched_pids(self) -> set[int]:
         pids = set(self.pids)
@@ -383,13 +412,21 @@ class Agent:
                     break
                 # Drift-free: the next tick is on the grid; ticks missed while late are skipped.
                 k = max(k + 1, int((time.monotonic() - start) / interval) + 1)
-        except Exception as exc:  # a bug must not leave a silent agent behind
-            print(f"easymats: internal error in the sampler: {type(exc).__name__}: {exc}", file=self.err)
-            raise
+        except BaseException as exc:  # a bug must not leave a silent agent behind
+            # Nothing is sampled any more: no target may stay "up" on /metrics.
+            self.failure = f"internal error in the sampler: {type(exc).__name__}: {exc}"
+            for tg in self._targets:
+                tg.up = False
+            self._say(self.failure)
+            import traceback
+            traceback.print_exc(file=self.err)
         finally:
-            self._event("agent_stop", detail=f"ticks={self.ticks}")
+            # Stop first: whatever the last event does, stop() and run() must see the end.
             self._stop.set()
-            self._done.set()
+            try:
+                self._event("agent_stop", detail=f"ticks={self.ticks}")
+            finally:
+                self._done.set()
 
     def _tick(self, mono: float, lag: float) -> None:
         t = time.time()
@@ -405,13 +442,18 @@ class Agent:
         for tg in self._targets:
             if tg.gone:
                 continue
-            went_down, _ = tg.sample(t)
-            if read_process or tg.process is None:
-                tg.read_process()
-            if gpu is not None and gpu is not tg.gpu_source:
-                tg.gpu, tg.gpu_source = gpu.for_pid(tg.pid), gpu
-            if self.log is not None:
-                lines.append(tg.log_json(t, lag))
+            try:
+                went_down, _ = tg.sample(t, mono)
+                if read_process or tg.process is None:
+                    tg.read_process()
+                if gpu is not None and gpu is not tg.gpu_source:
+                    tg.gpu, tg.gpu_source = gpu.for_pid(tg.pid), gpu
+                if self.log is not None:
+                    lines.append(tg.log_json(t, lag))
+            except Exception as exc:  # one target's surprise (a bug) must not stop the others
+                tg.up, tg.error = False, f"internal error sampling this target: {type(exc).__name__}: {exc}"
+                self._warn(f"bug-{id(tg)}", f"target {tg.name!r}: {tg.error}")
+                continue
             if went_down:
                 downs.append(tg)
         if self.log is not None:
@@ -466,6 +508,9 @@ class Agent:
 
         def handler(signum: int, frame: object) -> None:
             self.stop()
+            # A second SIGINT/SIGTERM ends the process at once, whatever the agent is doing.
+            for sig in previous:
+                signal.signal(sig, signal.SIG_DFL)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, handler)

@@ -151,6 +151,12 @@ _AGENT_METRICS = (
     _m("easymats_recalibration_requests_total", COUNTER,
        "Recalibration requests written to a target's control file.", labels=("target",), source=AGENT),
     _m("easymats_build_info", INFO, "easymats version.", labels=("version",), source=AGENT),
+    _m("easymats_log_failing", GAUGE,
+       "1 while the agent cannot write its log (--output): full disk, file size limit, I/O error. "
+       "Sampling and /metrics go on; the lines are dropped and the log is retried every few seconds.",
+       source=AGENT),
+    _m("easymats_log_dropped_lines_total", COUNTER,
+       "Log lines the agent could not write because the log was failing.", source=AGENT),
 )
 
 CATALOGUE: dict[str, MetricSpec] = {m.name: m for m in _RUNTIME_METRICS + _AGENT_METRICS}

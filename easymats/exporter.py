@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from . import __version__, catalogue
 from .nvml import NvmlSnapshot
-from .logwriter import escape_label_value
+from .logwriter import LogWriter, escape_label_value
 from .segment import Histogram, Series, Snapshot
 from .targets import Target
 
@@ -92,11 +92,17 @@ class AgentCollector:
     """
 
     def __init__(self, targets: Callable[[], Iterable[Target]], lag: LagHistogram,
-                 gpu: Callable[[], NvmlSnapshot | None], peak_window_s: float):
+                 gpu: Callable[[], NvmlSnapshot | None], peak_window_s: float, *,
+                 log: Callable[[], LogWriter | None] = lambda: None,
+                 sample_max_age_s: float | None = None):
         self._targets = targets
         self._lag = lag
         self._gpu = gpu
         self._peak_window_s = peak_window_s
+        self._log = log
+        # A target is up only if it was sampled this recently: should the sampler ever stop,
+        # /metrics says every target is down rather than serving its last values as healthy.
+        self._sample_max_age_s = sample_max_age_s
         self._warned: set[str] = set()
         self.last_render_s = 0.0
 
@@ -116,9 +122,16 @@ class AgentCollector:
         yield "easymats_build_info", {"version": __version__}, 1.0
         yield "easymats_sample_lag_seconds", {}, self._lag.snapshot()
         yield "easymats_peak_window_seconds", {}, self._peak_window_s
+        log = self._log()
+        if log is not None:
+            yield "easymats_log_failing", {}, 0.0 if log.failing is None else 1.0
+            yield "easymats_log_dropped_lines_total", {}, float(log.dropped_lines)
+        now = time.monotonic()
+        max_age = self._sample_max_age_s
         for tg in targets:
             tl = {"target": tg.name}
-            yield "easymats_target_up", tl, 1.0 if tg.up else 0.0
+            fresh = max_age is None or (tg.sample_mono is not None and now - tg.sample_mono <= max_age)
+            yield "easymats_target_up", tl, 1.0 if tg.up and fresh else 0.0
             yield "easymats_target_info", {"target": tg.name, "pid": str(tg.pid), "labels": ",".join(
                 f"{k}={v}" for k, v in sorted(tg.labels.items()))}, 1.0
             yield "easymats_samples_total", tl, float(tg.samples)

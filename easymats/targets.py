@@ -11,6 +11,7 @@ import collections
 import json
 import math
 import operator
+import time
 from typing import Any
 
 from . import procinfo
@@ -86,7 +87,8 @@ class Target:
         self.gone = False  # the process exited (or the pid was reused): sampling stopped for good
         self.error: str | None = None if path else "no telemetry segment"
         self.snapshot: Snapshot | None = None
-        self.sample_t: float | None = None
+        self.sample_t: float | None = None  # unix time of the last sample (for the log)
+        self.sample_mono: float | None = None  # monotonic time of the last sample (for staleness)
         self.samples = 0
         self.errors = 0
         self.retries = 0
@@ -134,10 +136,12 @@ class Target:
         if reading is not None:
             self.process = reading
 
-    def sample(self, t: float) -> tuple[bool, str | None]:
-        """Take one sample. Returns (went_down, error). A dead process marks the target gone."""
+    def sample(self, t: float, mono: float | None = None) -> tuple[bool, str | None]:
+        """Take one sample at unix time ``t`` (monotonic ``mono``, default now). Returns
+        (went_down, error). A dead process marks the target gone."""
         if self.gone:
             return False, self.error
+        self.sample_mono = time.monotonic() if mono is None else mono
         snap = None
         if self.reader is not None:
             try:

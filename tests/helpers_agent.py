@@ -65,5 +65,11 @@ def read_log(path: str) -> list[dict]:
 
 
 def finish(agent: subprocess.Popen, timeout: float = 15) -> tuple[int, str, str]:
-    out, err = agent.communicate(timeout=timeout)
+    """Wait for the agent to exit; one that does not within ``timeout`` is killed and fails."""
+    try:
+        out, err = agent.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        out, err = agent.communicate()
+        raise AssertionError(f"the agent did not exit within {timeout:g} s; stderr: {err[-2000:]}") from None
     return agent.returncode, out, err

@@ -11,7 +11,8 @@ from easymats.logwriter import LOG_VERSION
 SERIES_KEY_RE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*"'
                            r'(,[a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*")*)\})?$')
 # Every event the agent writes (docs/log-format.md).
-EVENTS = ("attach", "down", "restart", "agent_start", "agent_stop")
+EVENTS = ("attach", "down", "restart", "agent_start", "agent_stop", "log_reopened", "log_truncated",
+          "log_recovered")
 
 
 def validate_line(obj: Any) -> list[str]:

@@ -1,0 +1,88 @@
+"""Real faults for the fault-injection tests (marker ``fault``): a full file system, a file size
+limit, a wall clock that jumps. Each produces the error the kernel gives in production; nothing
+here fakes an errno.
+
+- :func:`small_filesystem`: a tmpfs of a few KiB mounted on a temporary directory (needs root, as
+  CI has; ENOSPC when full);
+- :func:`file_size_limit`: RLIMIT_FSIZE for a child process (EFBIG past the limit; Python ignores
+  SIGXFSZ, so the write fails instead of killing the process): works for any user;
+- :func:`jumping_clock_env`: libfaketime in a child process, with its offset read from a file
+  the test rewrites, so CLOCK_REALTIME jumps while CLOCK_MONOTONIC does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import subprocess
+import tempfile
+from typing import Callable, Iterator
+
+import pytest
+
+FAKETIME_LIBS = ("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+                 "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+                 "/usr/lib/faketime/libfaketimeMT.so.1")
+
+
+@contextlib.contextmanager
+def small_filesystem(size_kib: int) -> Iterator[str]:
+    """A fresh tmpfs of ``size_kib`` KiB; skips (naming why) where mounting is not allowed."""
+    where = tempfile.mkdtemp(prefix="easymats-smallfs-")
+    if os.geteuid() != 0:
+        os.rmdir(where)
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root); the RLIMIT_FSIZE test "
+                    "covers a failing log write for other users")
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0755", "tmpfs", where],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        os.rmdir(where)
+        pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip()}): a container without "
+                    "CAP_SYS_ADMIN; the RLIMIT_FSIZE test covers a failing log write")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", where], capture_output=True)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def fill(directory: str, leave_bytes: int = 0) -> str:
+    """Fill the file system of ``directory`` up to ``leave_bytes`` free; returns the filler path."""
+    path = os.path.join(directory, "filler")
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    with open(path, "wb") as f:
+        try:
+            f.write(b"\0" * max(0, free - leave_bytes))
+            f.flush()
+        except OSError:  # ENOSPC: full is what we wanted
+            pass
+    return path
+
+
+def file_size_limit(limit_bytes: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that caps every file the child writes at ``limit_bytes`` (EFBIG past it)."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
+def faketime_library() -> str:
+    for path in FAKETIME_LIBS:
+        if os.path.exists(path):
+            return path
+    pytest.skip("libfaketime is not installed: apt-get install faketime (make system-deps does)")
+    raise AssertionError  # unreachable: skip raises
+
+
+def jumping_clock_env(offset_file: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child whose wall clock is shifted by the offset written in ``offset_file``
+    (e.g. "+0", then "-3600" to jump back an hour); the monotonic clock is left alone."""
+    with open(offset_file, "w") as f:
+        f.write("+0\n")
+    env = dict(base if base is not None else os.environ)
+    env.update(LD_PRELOAD=faketime_library(), FAKETIME_TIMESTAMP_FILE=offset_file,
+               FAKETIME_NO_CACHE="1", DONT_FAKE_MONOTONIC="1")
+    return env
