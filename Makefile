@@ -11,9 +11,9 @@ PIP_INSTALL = $(PY) -m pip install -q -c constraints-dev.txt
 
 # The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages;
 # the fault-injection tests (marker `fault`) drive the real logrotate and shift the wall clock of
-# an agent with libfaketime. TOOL:PACKAGE pairs.
+# an agent with libfaketime, and read listen backlogs with ss. TOOL:PACKAGE pairs.
 SYSTEM_DEPS = prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
-              logrotate:logrotate faketime:faketime
+              logrotate:logrotate faketime:faketime ss:iproute2
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(VENV)/.installed: pyproject.toml constraints-dev.txt

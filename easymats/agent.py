@@ -116,14 +116,21 @@ class Agent:
     def targets(self) -> list[Target]:
         return self._targets
 
-    def resolve_target(self, name: str) -> str | None:
-        """Control-file path of the live target declared as ``name`` (or with that pid)."""
+    def resolve(self, name: str) -> tuple[str, str] | None:
+        """(declared name, control-file path) of the live target declared as ``name`` or with
+        that pid; None if no attached target is."""
+        wanted = str(name).strip()
         for tg in self._targets:
             if tg.gone or not tg.path:
                 continue
-            if tg.name == name or str(tg.pid) == str(name).strip():
-                return control_path(tg.path)
+            if tg.name == name or str(tg.pid) == wanted:
+                return tg.name, control_path(tg.path)
         return None
+
+    def resolve_target(self, name: str) -> str | None:
+        """Control-file path of the live target declared as ``name`` (or with that pid)."""
+        found = self.resolve(name)
+        return found[1] if found else None
 
     def open(self) -> None:
         """Check the PIDs, attach, open the log and the HTTP server. AgentError on user mistakes."""

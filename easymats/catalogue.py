@@ -150,6 +150,9 @@ _AGENT_METRICS = (
        labels=("code",), source=AGENT),
     _m("easymats_recalibration_requests_total", COUNTER,
        "Recalibration requests written to a target's control file.", labels=("target",), source=AGENT),
+    _m("easymats_webhook_write_failures_total", COUNTER,
+       "Recalibration requests the webhook could not write into a target's control file (answered "
+       "503, so Alertmanager retries).", labels=("target",), source=AGENT),
     _m("easymats_build_info", INFO, "easymats version.", labels=("version",), source=AGENT),
     _m("easymats_log_failing", GAUGE,
        "1 while the agent cannot write its log (--output): full disk, file size limit, I/O error. "

@@ -22,7 +22,7 @@ LAZY_SUBCOMMANDS: dict[str, str] = {
     "demo": "easymats.demo:demo",
     "report": "easymats.report.cli:report",
     "doctor": "easymats.report.cli:doctor",
-    "recalibrate": "easymats.webhook:recalibrate",
+    "recalibrate": "easymats.recalibrate:recalibrate",
 }
 
 _PID_LIST_RE = re.compile(r"^[\d,\s]+$")

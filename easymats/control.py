@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from . import layout as L
 
-__all__ = ["ControlFile", "ControlRequest"]
+__all__ = ["ControlFile", "ControlRequest", "RECALIBRATE"]
+
+RECALIBRATE = "recalibrate"  # the action a runtime recalibrates its anchors and probe on
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from . import __version__, catalogue
-from .nvml import NvmlSnapshot
 from .logwriter import LogWriter, escape_label_value
+from .nvml import NvmlSnapshot
 from .segment import Histogram, Series, Snapshot
 from .targets import Target
 
@@ -300,7 +300,8 @@ _HEADERS = {name: _header(spec) for name, spec in catalogue.CATALOGUE.items()}
 
 
 # Agent metrics that other parts of easymats own (the webhook registers its own collector).
-_NOT_OURS = {"easymats_webhook_requests_total", "easymats_recalibration_requests_total"}
+_NOT_OURS = {"easymats_webhook_requests_total", "easymats_recalibration_requests_total",
+             "easymats_webhook_write_failures_total"}
 
 
 class AgentRegistry:
@@ -377,13 +378,12 @@ def serve(registry: AgentRegistry, host: str, port: int):
     A small handler on ``socketserver`` rather than ``http.server``: http.server imports
     http.client, email and ssl, ~7 MB of resident memory in every agent, to parse what is here
     one request line and a few headers (GET only; one request per connection, as http.server's
-    HTTP/1.0 default did)."""
-    import socket
+    HTTP/1.0 default did). The server bounds connections and time (easymats.httpserve)."""
     import socketserver
 
-    class Handler(socketserver.StreamRequestHandler):
-        timeout = 10.0  # a client that connects and sends nothing must not hold a thread forever
+    from .httpserve import BoundedServer, serve_in_thread
 
+    class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
             try:
                 out = self._answer()
@@ -420,17 +420,5 @@ def serve(registry: AgentRegistry, host: str, port: int):
                 return _response(200, "OK", "text/plain", b"easymats agent: see /metrics\n")
             return _response(404, "Not Found", "text/plain", b"not found: try /metrics\n")
 
-    class Server(socketserver.ThreadingTCPServer):
-        daemon_threads = True
-        allow_reuse_address = True
-
-        @property
-        def server_port(self) -> int:
-            return self.server_address[1]
-
-    if ":" in host:
-        Server.address_family = socket.AF_INET6
-    server = Server((host, port), Handler)
-    thread = threading.Thread(target=server.serve_forever, name="easymats-http", daemon=True)
-    thread.start()
-    return server, thread
+    server = BoundedServer((host, port), Handler)
+    return server, serve_in_thread(server, "easymats-http")

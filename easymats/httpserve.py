@@ -1,0 +1,105 @@
+"""The threaded TCP server under /metrics and the webhook: bounded in threads and in time.
+
+``socketserver.ThreadingTCPServer`` as it comes listens with a backlog of 5 (50 concurrent
+scrapers overflowed it: connections waited for SYN retransmits, seconds each), starts a thread for
+every connection however many there are, and lets a client that never sends a byte hold its thread
+for ever. :class:`BoundedServer` changes three things:
+
+- the listen backlog is :data:`LISTEN_BACKLOG` (the kernel caps it at ``net.core.somaxconn``);
+- at most ``max_connections`` connections are served at once; the accept loop waits for a free
+  slot, so further connections wait in the kernel's backlog, not in threads;
+- every request gets at most ``timeout_s`` seconds: each read waits that long at most (the
+  socket timeout), and a connection whose request (counted from its accept, or from the last
+  answer on a keep-alive connection, see :meth:`BoundedServer.renew`) takes longer is shut down
+  by the accept loop, which also cuts a client that trickles one byte at a time.
+"""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import threading
+import time
+from typing import Any
+
+LISTEN_BACKLOG = 1024
+MAX_CONNECTIONS = 64
+TIMEOUT_S = 10.0
+
+
+class BoundedServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, address: tuple[str, int], handler: type[socketserver.BaseRequestHandler], *,
+                 max_connections: int = MAX_CONNECTIONS, timeout_s: float = TIMEOUT_S):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, float] = {}  # connection -> monotonic time it is cut at
+        self._closing = False
+        super().__init__(address, handler)
+
+    @property
+    def server_port(self) -> int:
+        return self.server_address[1]
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Runs in the accept loop: waiting here for a slot leaves later connections in the backlog.
+        while not self._slots.acquire(timeout=0.25):
+            self.service_actions()
+            if self._closing:
+                self.shutdown_request(request)
+                return
+        request.settimeout(self.timeout_s)
+        with self._lock:
+            self._open[request] = time.monotonic() + self.timeout_s
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: give the slot back here
+            self._forget(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def renew(self, request: Any) -> None:
+        """A request on this (keep-alive) connection was answered: its deadline starts again."""
+        with self._lock:
+            if request in self._open:
+                self._open[request] = time.monotonic() + self.timeout_s
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            known = self._open.pop(request, None) is not None
+        if known:
+            self._slots.release()
+
+    def service_actions(self) -> None:
+        """Called by the accept loop about twice a second: cut connections past their deadline."""
+        now = time.monotonic()
+        with self._lock:
+            late = [s for s, deadline in self._open.items() if deadline < now]
+        for s in late:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # the handler's next read or write fails; it ends
+            except OSError:
+                pass
+
+    def shutdown(self) -> None:
+        self._closing = True
+        super().shutdown()
+
+
+def serve_in_thread(server: BoundedServer, name: str) -> threading.Thread:
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.25}, name=name,
+                              daemon=True)
+    thread.start()
+    return thread
