@@ -44,6 +44,10 @@ DOWN_RETENTION_S = 600.0
 PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
 # /metrics reports a target up only if its last sample is this recent (or 10 intervals).
 SAMPLE_MAX_AGE_S = 2.0
+# run() owns the process (as the CLI does): the interpreter's thread switch interval drops from
+# 5 ms to this, so a sampler tick waiting for the GIL behind busy /metrics threads is late by
+# about a millisecond, not by several 5 ms turns.
+GIL_SWITCH_INTERVAL_S = 0.001
 # After SIGINT/SIGTERM the sampler finishes its tick and stops; one stuck in a system call (a hung
 # file system under the log) gets this long before the process exits without it.
 STOP_TIMEOUT_S = 5.0
@@ -88,7 +92,9 @@ class Agent:
         self.lag = LagHistogram()
         self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu, peak_window,
                                         log=lambda: self.log,
-                                        sample_max_age_s=max(SAMPLE_MAX_AGE_S, 10 * interval))
+                                        sample_max_age_s=max(SAMPLE_MAX_AGE_S, 10 * interval),
+                                        # Targets, lag, peaks and the log change only within a tick.
+                                        version=lambda: (self.ticks, id(self._gpu)))
         self.registry = make_registry(self.collector)  # the webhook may register its own collector
         self.log: LogWriter | None = None
         self.port: int | None = None
@@ -191,6 +197,8 @@ class Agent:
         0, or 1 when the agent could not do all of its job (the sampler failed or did not stop,
         or log lines were dropped)."""
         restore = self._install_signals()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, GIL_SWITCH_INTERVAL_S))
         try:
             self.start()
             mode = self._view_mode()
@@ -217,6 +225,7 @@ class Agent:
                 self._say(self.failure)
         finally:
             restore()
+            sys.setswitchinterval(switch)
         return self.exit_status()
 
     def exit_status(self) -> int:

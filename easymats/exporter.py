@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("easymats.exporter")
 
 
+# How long one rendering of /metrics may be served again to other scrapers, at most.
+RENDER_REUSE_S = 0.25
+
+
 class LagHistogram:
     """The agent's own sample-lag histogram (easymats_sample_lag_seconds); thread-safe."""
 
@@ -94,8 +98,10 @@ class AgentCollector:
     def __init__(self, targets: Callable[[], Iterable[Target]], lag: LagHistogram,
                  gpu: Callable[[], NvmlSnapshot | None], peak_window_s: float, *,
                  log: Callable[[], LogWriter | None] = lambda: None,
-                 sample_max_age_s: float | None = None):
+                 sample_max_age_s: float | None = None,
+                 version: Callable[[], object] | None = None):
         self._targets = targets
+        self._version = version
         self._lag = lag
         self._gpu = gpu
         self._peak_window_s = peak_window_s
@@ -105,6 +111,10 @@ class AgentCollector:
         self._sample_max_age_s = sample_max_age_s
         self._warned: set[str] = set()
         self.last_render_s = 0.0
+
+    def version(self) -> object:
+        """Changes whenever what :meth:`render_text` would give changes (None: unknown)."""
+        return None if self._version is None else self._version()
 
     def describe(self) -> list["Metric"]:
         # Registering must not read anything: describe every name this collector can export.
@@ -318,6 +328,8 @@ class AgentRegistry:
         self.agent_collector = agent_collector
         self.extras: list = []
         self._lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        self._cached: tuple[object, float, bytes] | None = None  # (version, monotonic time, body)
 
     def register(self, collector) -> None:
         """Add a collector; ValueError if it describes a family already exported here."""
@@ -336,14 +348,34 @@ class AgentRegistry:
         for c in list(self.extras):
             yield from c.collect()
 
-    def render(self) -> bytes:
-        text = self.agent_collector.render_text()
-        extras = list(self.extras)
-        if extras:
-            from prometheus_client import generate_latest
+    def _version(self, extras: list) -> object:
+        """What the body depends on, or None when some collector cannot say (no caching)."""
+        parts = [self.agent_collector.version()]
+        for c in extras:
+            version = getattr(c, "version", None)
+            parts.append(version() if version is not None else None)
+        return None if None in parts else tuple(parts)
 
-            text += generate_latest(_Collectors(extras)).decode("utf-8")
-        return text.encode("utf-8")
+    def render(self) -> bytes:
+        """The /metrics body. Many scrapers at once share one rendering: the body is reused while
+        nothing it depends on changed (no sampler tick, NVML reading or webhook call since), and
+        never longer than :data:`RENDER_REUSE_S`, so a staleness check always runs again soon."""
+        extras = list(self.extras)
+        with self._render_lock:
+            version = self._version(extras)
+            now = time.monotonic()
+            cached = self._cached
+            if (version is not None and cached is not None and cached[0] == version
+                    and now - cached[1] < RENDER_REUSE_S):
+                return cached[2]
+            text = self.agent_collector.render_text()
+            if extras:
+                from prometheus_client import generate_latest
+
+                text += generate_latest(_Collectors(extras)).decode("utf-8")
+            body = text.encode("utf-8")
+            self._cached = (version, now, body)
+            return body
 
 
 class _Collectors:

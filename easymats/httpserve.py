@@ -6,8 +6,9 @@ every connection however many there are, and lets a client that never sends a by
 for ever. :class:`BoundedServer` changes three things:
 
 - the listen backlog is :data:`LISTEN_BACKLOG` (the kernel caps it at ``net.core.somaxconn``);
-- at most ``max_connections`` connections are served at once; the accept loop waits for a free
-  slot, so further connections wait in the kernel's backlog, not in threads;
+- at most ``max_connections`` connections are served at once, by worker threads that are kept
+  and reused (starting a thread per connection cost as much as rendering /metrics); the accept
+  loop waits for a free slot, so further connections wait in the kernel's backlog, not in threads;
 - every request gets at most ``timeout_s`` seconds: each read waits that long at most (the
   socket timeout), and a connection whose request (counted from its accept, or from the last
   answer on a keep-alive connection, see :meth:`BoundedServer.renew`) takes longer is shut down
@@ -16,19 +17,22 @@ for ever. :class:`BoundedServer` changes three things:
 
 from __future__ import annotations
 
+import logging
+import queue
 import socket
 import socketserver
 import threading
 import time
 from typing import Any
 
+log = logging.getLogger("easymats.http")
+
 LISTEN_BACKLOG = 1024
 MAX_CONNECTIONS = 64
 TIMEOUT_S = 10.0
 
 
-class BoundedServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
+class BoundedServer(socketserver.TCPServer):
     allow_reuse_address = True
     request_queue_size = LISTEN_BACKLOG
 
@@ -41,6 +45,9 @@ class BoundedServer(socketserver.ThreadingTCPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._open: dict[socket.socket, float] = {}  # connection -> monotonic time it is cut at
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = 0
+        self._spare = 0  # workers waiting for work that no connection has claimed yet
         self._closing = False
         super().__init__(address, handler)
 
@@ -58,17 +65,37 @@ class BoundedServer(socketserver.ThreadingTCPServer):
         request.settimeout(self.timeout_s)
         with self._lock:
             self._open[request] = time.monotonic() + self.timeout_s
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread started: give the slot back here
-            self._forget(request)
-            raise
+            spawn = self._spare == 0
+            if spawn:
+                self._workers += 1
+            else:
+                self._spare -= 1
+        self._work.put((request, client_address))
+        if spawn:
+            threading.Thread(target=self._worker, name="easymats-http-worker", daemon=True).start()
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._forget(request)
+    def _worker(self) -> None:
+        first = True
+        while True:
+            if not first:
+                with self._lock:
+                    self._spare += 1
+            first = False
+            item = self._work.get()
+            if item is None:
+                return
+            request, client_address = item
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+                self._forget(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that resets or times out is not worth a traceback on the agent's stderr.
+        log.debug("request from %s failed", client_address, exc_info=True)
 
     def renew(self, request: Any) -> None:
         """A request on this (keep-alive) connection was answered: its deadline starts again."""
@@ -83,7 +110,7 @@ class BoundedServer(socketserver.ThreadingTCPServer):
             self._slots.release()
 
     def service_actions(self) -> None:
-        """Called by the accept loop about twice a second: cut connections past their deadline."""
+        """Called by the accept loop about four times a second: cut connections past their deadline."""
         now = time.monotonic()
         with self._lock:
             late = [s for s, deadline in self._open.items() if deadline < now]
@@ -96,6 +123,13 @@ class BoundedServer(socketserver.ThreadingTCPServer):
     def shutdown(self) -> None:
         self._closing = True
         super().shutdown()
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._lock:
+            workers, self._workers = self._workers, 0
+        for _ in range(workers):
+            self._work.put(None)
 
 
 def serve_in_thread(server: BoundedServer, name: str) -> threading.Thread:

@@ -113,6 +113,7 @@ class Webhook:
         self._codes: dict[str, int] = {}
         self._requests: dict[str, int] = {}
         self._failures: dict[str, int] = {}
+        self.version = 0  # bumped with every counter change (lets /metrics reuse a rendering)
         self._server: BoundedServer | None = None
         self.port: int | None = None
 
@@ -127,6 +128,7 @@ class Webhook:
     def count(self, code: int) -> None:
         with self._lock:
             self._codes[str(code)] = self._codes.get(str(code), 0) + 1
+            self.version += 1
 
     def handle(self, authorization: str | None, body: bytes) -> Outcome:
         """Decide one call and write its requests; counts the status code."""
@@ -192,6 +194,7 @@ class Webhook:
                 error = f"{path} does not exist (the runtime closed its telemetry or exited)"
             with self._lock:
                 self._failures[name] = self._failures.get(name, 0) + 1
+                self.version += 1
             log.warning("cannot ask %s to recalibrate: %s", name, error)
             return error
         finally:
@@ -199,6 +202,7 @@ class Webhook:
                 ctl.close()
         with self._lock:
             self._requests[name] = self._requests.get(name, 0) + 1
+            self.version += 1
         log.info("asked %s to recalibrate (request %d: %s)", name, req_id, reason)
         return None
 
@@ -331,6 +335,9 @@ class WebhookCollector:
 
     def collect(self) -> Iterator:
         return self._families(self._hook.counts())
+
+    def version(self) -> int:
+        return self._hook.version
 
     @staticmethod
     def _families(counts: dict[str, dict[str, int]]) -> Iterator:
