@@ -36,10 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
+import psutil  # noqa: E402
 from bench_agent import pct  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
-
-import psutil  # noqa: E402
 
 TOKEN = "bench-load-token"
 SCRAPE_TIMEOUT_S = 10.0
