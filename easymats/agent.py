@@ -28,19 +28,16 @@ import threading
 import time
 from typing import Iterable, TextIO
 
-from . import procinfo
+from .discovery import Discovery
 from .exporter import AgentCollector, LagHistogram, make_registry, serve
 from .liveview import WINDOW_S as view_window_s, LiveView
 from .logwriter import LogWriter
 from .nvml import Nvml, NvmlSnapshot
-from .procmetrics import descendants, owner_of
-from .segment import SegmentError, control_path, pid_of_path, segment_dir, segment_paths
+from .procmetrics import owner_of
+from .segment import control_path, segment_dir
 from .targets import Target
 
 DISCOVERY_INTERVAL_S = 1.0
-# A target that went down stays on /metrics (easymats_target_up 0) this long, so a TargetDown
-# alert can fire, then it is dropped: a long-lived --keep-serving sidecar must not grow forever.
-DOWN_RETENTION_S = 600.0
 PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
 # /metrics reports a target up only if its last sample is this recent (or 10 intervals).
 SAMPLE_MAX_AGE_S = 2.0
@@ -52,10 +49,6 @@ GIL_SWITCH_INTERVAL_S = 0.001
 # file system under the log) gets this long before the process exits without it.
 STOP_TIMEOUT_S = 5.0
 
-
-# Segment errors that no retry can fix: the file is skipped until its inode changes.
-PERMANENT_ERRORS = frozenset({"dead_pid", "pid_reused", "symlink", "not_regular", "bad_owner", "bad_mode",
-                              "future_version", "byte_order"})
 
 
 class AgentError(Exception):
@@ -87,7 +80,8 @@ class Agent:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.nvml = nvml or Nvml()
-        self.down_retention_s = DOWN_RETENTION_S
+        self.discovery = Discovery(self.directory, self.pids, children=children, keep_serving=keep_serving,
+                                   peak_window=peak_window, report=self._report)
 
         self.lag = LagHistogram()
         self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu, peak_window,
@@ -109,11 +103,8 @@ class Agent:
         self._server = None
         self._opened = False
         self._closed = False
-        self._rejected: set[tuple[str, int]] = set()  # (path, inode) of segments not ours
-        self._failing_since: dict[tuple[str, int], float] = {}
         self._warned: set[str] = set()
         self._next_discovery = 0.0
-        self._paths_cache: tuple[tuple[int, int], list[str], bool] | None = None
         self._next_process = 0.0
         self.failure: str | None = None  # why the agent could not do its job (exit status 1)
 
@@ -121,6 +112,15 @@ class Agent:
     @property
     def targets(self) -> list[Target]:
         return self._targets
+
+    @property
+    def down_retention_s(self) -> float:
+        """How long a target that went down stays on /metrics (easymats_target_up 0)."""
+        return self.discovery.down_retention_s
+
+    @down_retention_s.setter
+    def down_retention_s(self, seconds: float) -> None:
+        self.discovery.down_retention_s = seconds
 
     def resolve(self, name: str) -> tuple[str, str] | None:
         """(declared name, control-file path) of the live target declared as ``name`` or with
@@ -154,7 +154,7 @@ class Agent:
                                  "choose another --output") from None
         self._event("agent_start", detail=f"pids={','.join(map(str, self.pids))} "
                     f"interval={self.interval:g} dir={self.directory}")
-        self._discover(initial=True)
+        self._discover()
         if self.listen is not None:
             host, port = self.listen
             try:
@@ -282,128 +282,18 @@ class Agent:
         self._warned.add(key)
         self._say(message)
 
-    def _watched_pids(self) -> set[int]:
-        pids = set(self.pids)
-        if self.children:
-            for pid in self.pids:
-                pids.update(descendants(pid))
-        return pids
-
-    def _discover(self, initial: bool = False) -> None:
-        """Attach to new segments of watched processes (and, with --keep-serving, to segments
-        declaring the name of a target that went down: a restart)."""
-        watched = self._watched_pids()
-        current = list(self._targets)
-        attached = {tg.path for tg in current if tg.path and not tg.gone}
-        down_names = {tg.name for tg in current if tg.gone}
-        new: list[Target] = []
-        paths = self._segment_paths()
-        for path in paths:
-            if path in attached:
-                continue
-            pid = pid_of_path(path)
-            if pid is None:
-                continue
-            try:
-                ino = os.stat(path).st_ino
-            except OSError:
-                continue
-            if (path, ino) in self._rejected:
-                continue
-            watch_all = not self.pids  # --keep-serving without --pid: a sidecar for every runtime
-            if not watch_all and pid not in watched and not (self.keep_serving and down_names):
-                continue
-            try:
-                tg = Target(pid, path, peak_window_s=self.peak_window)
-            except SegmentError as exc:
-                if exc.kind in PERMANENT_ERRORS:
-                    self._rejected.add((path, ino))
-                    if (pid in watched or watch_all) and exc.kind not in ("dead_pid", "pid_reused"):
-                        self._warn(path, str(exc))
-                else:
-                    # A segment being created reads as empty or garbled for a moment: retry at the
-                    # next discovery, and only complain when it stays unreadable.
-                    since = self._failing_since.setdefault((path, ino), time.monotonic())
-                    if (pid in watched or watch_all) and time.monotonic() - since > 3.0:
-                        self._warn(path, str(exc))
-                continue
-            self._failing_since.pop((path, ino), None)
-            if not watch_all and pid not in watched and tg.name not in down_names:
-                tg.close()
-                self._rejected.add((path, ino))
-                continue
-            taken = {t.name for t in current + new if not t.gone}
-            if tg.name in taken:
-                # Two live processes declaring one name would make /metrics invalid (duplicate
-                # series): the later one gets its pid appended.
-                declared, tg.name = tg.name, f"{tg.name}.{pid}"
-                n = 1
-                while tg.name in taken:
-                    tg.name, n = f"{declared}.{pid}.{n}", n + 1
-                self._warn(f"dup-{path}", f"PID {pid} declares the target name {declared!r}, which a live "
-                           f"process already uses; exporting it as {tg.name!r} (give each process its "
-                           "own name in open_segment(name=...))")
-            new.append(tg)
-        # Watched pids with no segment: sample their process (and GPU) only, and say so once.
-        have_pid = {tg.pid for tg in current + new if not tg.gone and tg.path}
-        placeholders = {tg.pid for tg in current if not tg.gone and not tg.path}
-        for pid in self.pids:
-            if pid not in have_pid and pid not in placeholders and procinfo.pid_exists(pid):
-                if not any(tg.pid == pid for tg in current):
-                    self._warn(f"noseg-{pid}", f"PID {pid} has no telemetry segment in {self.directory} "
-                               "(is it a HiSparse process with telemetry on, and EASYMATS_SEGMENT_DIR "
-                               "the same for both?); sampling its process and GPU metrics only")
-                    new.append(Target(pid, None, peak_window_s=self.peak_window))
-        now = time.time()
-        expired = [tg for tg in current if tg.gone and (tg.sample_t or now) < now - self.down_retention_s]
-        if expired:
-            for tg in expired:
-                tg.close()
-            current = [tg for tg in current if tg not in expired]
-            self._targets = current
-        if not new:
+    def _report(self, key: str, message: str, pid: int | None = None) -> None:
+        """Say ``message`` once per ``key``: on stderr and as a ``warning`` event in the log."""
+        if key in self._warned:
             return
-        keep = []
-        new_names = {tg.name for tg in new if tg.path}
-        new_pids = {tg.pid for tg in new if tg.path}
-        for tg in current:
-            if not tg.path and tg.pid in new_pids:
-                continue  # the placeholder's process opened its segment: the real target replaces it
-            if tg.gone and tg.name in new_names:
-                tg.close()
-                continue  # replaced by its restart
-            keep.append(tg)
-        for tg in new:
-            if tg.path and tg.name in down_names:
-                self._event("restart", tg, detail=f"{tg.name} is back as pid {tg.pid} ({tg.path})")
-            else:
-                self._event("attach", tg, detail=tg.path or "no segment")
-        self._targets = keep + new
+        self._warn(key, message)
+        if self.log is not None:
+            self.log.event("warning", pid=pid, detail=message)
 
-    def _segment_paths(self) -> list[str]:
-        """The directory's segment files, listed again only when the directory changed.
-
-        Creating or removing a file changes the directory's mtime, so an unchanged mtime means
-        an unchanged listing, with one catch: file times come from a coarse clock, and a file
-        created within the same clock tick as the previous change would leave the mtime as it
-        was. A listing is therefore reused only once the mtime it was taken at is well in the
-        past (100 ms, many ticks of any kernel clock)."""
-        try:
-            st = os.stat(self.directory)
-        except OSError:
-            self._paths_cache = None
-            return []
-        key = (st.st_ino, st.st_mtime_ns)
-        cached = self._paths_cache
-        if cached is not None and cached[0] == key and cached[2]:
-            return cached[1]
-        settled = time.time_ns() - st.st_mtime_ns > 100_000_000
-        try:
-            paths = segment_paths(self.directory)
-        except OSError:
-            paths = []
-        self._paths_cache = (key, paths, settled)
-        return paths
+    def _discover(self) -> None:
+        self._targets, events = self.discovery.scan(self._targets)
+        for event, tg, detail in events:
+            self._event(event, tg, detail=detail)
 
     # -- threads -------------------------------------------------------------------------------------
     def _sampler_loop(self) -> None:
@@ -470,13 +360,16 @@ class Agent:
                 tg.up, tg.error = False, f"internal error sampling this target: {type(exc).__name__}: {exc}"
                 self._warn(f"bug-{id(tg)}", f"target {tg.name!r}: {tg.error}")
                 continue
+            if tg.error_kind is not None and tg.error_kind != "busy":
+                # A segment that reads badly (bad layout, over budget): named once, not per sample.
+                self._report(f"{tg.path}-{tg.error_kind}", f"target {tg.name!r}: {tg.error}", tg.pid)
             if went_down:
                 downs.append(tg)
         if self.log is not None:
             self.log.write_text_lines(lines)
         for tg in downs:
             self._event("down", tg, detail=tg.error or "")
-            self._rejected.clear()  # a segment skipped before may be this target's restart
+            self.discovery.forget_rejections()
         self.ticks += 1
         if self.first_sample_mono is None and self._targets:
             self.first_sample_mono = time.monotonic()

@@ -117,6 +117,13 @@ _AGENT_METRICS = (
        labels=("target",), source=AGENT),
     _m("easymats_segment_read_retries_total", COUNTER,
        "Segment reads retried because a publish was in progress.", labels=("target",), source=AGENT),
+    _m("easymats_target_sample_seconds_total", COUNTER,
+       "Time the sampler spent reading a target's source, all samples together.", unit="seconds",
+       labels=("target",), source=AGENT),
+    _m("easymats_target_over_budget", GAUGE,
+       "1 while a target's segment holds more series, or its live values span more bytes, than one "
+       "target may cost per sample (4096 series, 1 MiB); it is then not sampled (up 0).",
+       labels=("target",), source=AGENT),
     _m("easymats_sample_lag_seconds", HISTOGRAM,
        "How late each sampling tick ran against its schedule.", unit="seconds",
        buckets=SAMPLE_LAG_BUCKETS, source=AGENT),

@@ -147,6 +147,8 @@ class AgentCollector:
             yield "easymats_samples_total", tl, float(tg.samples)
             yield "easymats_sample_errors_total", tl, float(tg.errors)
             yield "easymats_segment_read_retries_total", tl, float(tg.retries)
+            yield "easymats_target_sample_seconds_total", tl, tg.sample_seconds
+            yield "easymats_target_over_budget", tl, 1.0 if tg.over_budget else 0.0
             snap = tg.snapshot
             if snap is not None:
                 yield "easymats_target_heartbeat_timestamp_seconds", tl, snap.heartbeat_unix_ns / 1e9

@@ -12,7 +12,7 @@ SERIES_KEY_RE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*
                            r'(,[a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*")*)\})?$')
 # Every event the agent writes (docs/log-format.md).
 EVENTS = ("attach", "down", "restart", "agent_start", "agent_stop", "log_reopened", "log_truncated",
-          "log_recovered")
+          "log_recovered", "warning")
 
 
 def validate_line(obj: Any) -> list[str]:
