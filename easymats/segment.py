@@ -276,10 +276,11 @@ class SegmentReader:
         if boot != bytes(16) and boot != procinfo.boot_id(self.proc_root):
             raise SegmentError("dead_pid", self.path, f"segment of pid {pid} is from an earlier boot; "
                                "it is stale: remove it (easymats ls --clean)")
-        now_start = procinfo.start_ticks(pid, self.proc_root)
-        if now_start is None:
+        found = procinfo.stat_state(f"{self.proc_root}/{pid}/stat")
+        if found is None or found[0] in (b"Z", b"X", b"x"):  # a zombie has exited too
             raise SegmentError("dead_pid", self.path, f"writer pid {pid} is not running: the segment is "
                                "stale (the process crashed); remove it (easymats ls --clean)")
+        now_start = found[1]
         if start and now_start != start:
             raise SegmentError("pid_reused", self.path, f"pid {pid} now belongs to another process (start "
                                f"time {now_start} != {start}): the segment is stale; remove it")

@@ -9,7 +9,6 @@ another process's name), the writer is the process whose liveness counts.
 from __future__ import annotations
 
 from . import procinfo
-from .procmetrics import read_small
 from .segment import SegmentReader
 from .source import Snapshot
 
@@ -43,26 +42,7 @@ class SegmentSource:
 
     def alive(self) -> bool:
         """The writer is running, not a zombie, and not a new process that reused its pid."""
-        return process_running(self._stat_path, self.start_ticks)
+        return procinfo.running(self._stat_path, self.start_ticks)
 
     def close(self) -> None:
         self.reader.close()
-
-
-def process_running(stat_path: str, start_ticks: int) -> bool:
-    """``/proc/<pid>/stat`` says running (not exited, not a zombie) with start time ``start_ticks``
-    (0: not checked)."""
-    try:
-        data = read_small(stat_path)
-    except OSError:
-        return False
-    # Fields after the command name (which may hold spaces and parentheses): state is first,
-    # start time the 20th. A zombie has exited; its parent just has not reaped it yet.
-    fields = data[data.rfind(b")") + 2:].split()
-    if not fields or fields[0] in (b"Z", b"X", b"x"):
-        return False
-    try:
-        now = int(fields[19])
-    except (IndexError, ValueError):
-        return False
-    return not start_ticks or now == start_ticks

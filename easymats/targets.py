@@ -24,7 +24,7 @@ from . import procinfo
 from .logwriter import LOG_VERSION, json_safe, series_key
 from .nvml import ProcessGpuReading
 from .procmetrics import ProcessProbe, ProcessReading
-from .segment_source import SegmentSource, process_running
+from .segment_source import SegmentSource
 from .source import Histogram, Snapshot, Source, SourceError
 
 NO_SEGMENT = "no telemetry segment"
@@ -129,7 +129,7 @@ class Target:
         """The producing process is running (not a zombie, not a new process under its pid)."""
         if self.source is not None:
             return self.source.alive()
-        return process_running(self._stat_path, self.start_ticks)
+        return procinfo.running(self._stat_path, self.start_ticks)
 
     def read_process(self) -> None:
         reading = self._probe.read()
@@ -164,6 +164,10 @@ class Target:
             self.gone, self.up = True, False
             self.sample_t = t
             self.error = f"process {self.pid} exited"
+            if self.source is not None:
+                # Its last snapshot stays on /metrics for the down retention; its descriptor need
+                # not (a sidecar watching many short-lived runtimes would run out of them).
+                self.source.close()
             return True, self.error
         self.sample_t = t
         if snap is None:

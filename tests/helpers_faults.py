@@ -77,12 +77,37 @@ def faketime_library() -> str:
     raise AssertionError  # unreachable: skip raises
 
 
+# libfaketime 0.9.10 (Debian 12) breaks Python 3.11's time.sleep when the monotonic clock is left
+# alone: sleep is clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME), which libfaketime hands to the
+# kernel as a negative time, EINVAL (wolfcw/libfaketime#426). This startup hook, loaded only by
+# the child under faketime, sleeps on an Event instead (a CLOCK_MONOTONIC wait libfaketime passes
+# through untouched). It works around the tool; the clocks the agent reads are the faked ones.
+_SLEEP_FIX = """\
+import threading
+import time
+
+
+def _sleep(seconds):
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    threading.Event().wait(seconds)
+
+
+time.sleep = _sleep
+"""
+
+
 def jumping_clock_env(offset_file: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a child whose wall clock is shifted by the offset written in ``offset_file``
     (e.g. "+0", then "-3600" to jump back an hour); the monotonic clock is left alone."""
     with open(offset_file, "w") as f:
         f.write("+0\n")
+    hook_dir = os.path.join(os.path.dirname(offset_file), "faketime-site")
+    os.makedirs(hook_dir, exist_ok=True)
+    with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
+        f.write(_SLEEP_FIX)
     env = dict(base if base is not None else os.environ)
     env.update(LD_PRELOAD=faketime_library(), FAKETIME_TIMESTAMP_FILE=offset_file,
-               FAKETIME_NO_CACHE="1", DONT_FAKE_MONOTONIC="1")
+               FAKETIME_NO_CACHE="1", DONT_FAKE_MONOTONIC="1",
+               PYTHONPATH=os.pathsep.join(p for p in (hook_dir, env.get("PYTHONPATH")) if p))
     return env

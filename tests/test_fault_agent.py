@@ -1,0 +1,126 @@
+"""What an operator meets around a running agent: the segment directory removed, targets
+starting and exiting in crowds, bursts of scrapes. Real processes, real sockets."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers_agent import AGENT, finish, read_log, scrape, value, wait_for  # noqa: E402
+from helpers_targets import free_port, start_target  # noqa: E402
+from test_fault_segment import exposition_problems  # noqa: E402
+
+pytestmark = pytest.mark.fault
+
+
+def agent_proc(procs: list, *args: str, env: dict | None = None) -> subprocess.Popen:
+    p = subprocess.Popen([*AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    procs.append(p)
+    return p
+
+
+def target_proc(procs: list, name: str = "decode-0", **kw) -> subprocess.Popen:
+    kw.setdefault("duration", 0)
+    p, _ = start_target(name, **kw)
+    procs.append(p)
+    return p
+
+
+def test_segment_directory_removed_under_a_running_agent(procs, segment_dir):
+    target = target_proc(procs, "decode-0")
+    port = free_port()
+    agent = agent_proc(procs, "--keep-serving", "--listen", f"127.0.0.1:{port}", "--quiet")
+    wait_for(lambda: value(scrape(port), "easymats_target_up", target="decode-0") == 1.0)
+    shutil.rmtree(segment_dir)
+    time.sleep(2.5)
+    m = scrape(port)
+    assert value(m, "easymats_target_up", target="decode-0") == 1.0, "its open segment still reads"
+    before = value(m, "easymats_samples_total", target="decode-0")
+    time.sleep(0.5)
+    assert value(scrape(port), "easymats_samples_total", target="decode-0") > before
+    later = target_proc(procs, "decode-1")  # its writer creates the directory again
+    wait_for(lambda: value(scrape(port), "easymats_target_up", target="decode-1") == 1.0, timeout=10)
+    target.send_signal(signal.SIGTERM)
+    later.send_signal(signal.SIGTERM)
+    agent.send_signal(signal.SIGTERM)
+    code, _, err = finish(agent)
+    assert code == 0, err
+    assert len([line for line in err.splitlines() if "does not exist" in line]) == 1, err
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_many_targets_starting_and_exiting_at_once(tmp_path, procs):
+    """40 short-lived targets in overlapping waves under a --keep-serving agent: every one is
+    attached and seen down, /metrics stays valid throughout, and nothing leaks."""
+    port = free_port()
+    log = str(tmp_path / "run.log")
+    agent = agent_proc(procs, "--keep-serving", "--interval", "0.05", "--listen", f"127.0.0.1:{port}",
+                       "--output", log, "--quiet")
+    wait_for(lambda: scrape(port) is not None)
+    fds_before = open_fds(agent.pid)
+    rng = random.Random(7)
+    names = [f"w{i}" for i in range(40)]
+    waves = [names[i:i + 10] for i in range(0, 40, 10)]
+    problems: list[str] = []
+    for wave in waves:
+        batch = [subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "helpers_targets.py"),
+                                   "--name", n, "--rate", "50", "--duration", f"{rng.uniform(1.0, 2.5):.2f}"],
+                                  stdout=subprocess.DEVNULL) for n in wave]
+        procs.extend(batch)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                problems += exposition_problems(resp.read().decode())
+            time.sleep(0.1)
+    for p in procs[1:]:
+        p.wait(timeout=30)
+    time.sleep(1.5)
+    assert problems == []
+    m = scrape(port)
+    assert {lab["target"] for lab, v in m["easymats_target_up"]} >= set(names)
+    assert all(v == 0.0 for lab, v in m["easymats_target_up"] if lab["target"] in names)
+    assert open_fds(agent.pid) <= fds_before + 2, "segment descriptors of exited targets are closed"
+    agent.send_signal(signal.SIGTERM)
+    code, _, err = finish(agent)
+    assert code == 0, err
+    assert "Traceback" not in err
+    lines = read_log(log)
+    attached = {x["target"] for x in lines if x["kind"] == "event" and x["event"] == "attach"}
+    downs = {x["target"] for x in lines if x["kind"] == "event" and x["event"] == "down"}
+    assert attached >= set(names) and downs >= set(names)
+
+
+def test_scrape_bursts_are_all_answered_and_sampling_goes_on(procs):
+    target = target_proc(procs)
+    port = free_port()
+    agent = agent_proc(procs, "--pid", str(target.pid), "--listen", f"127.0.0.1:{port}", "--quiet")
+    wait_for(lambda: value(scrape(port), "easymats_target_up", target="decode-0") == 1.0)
+    before = value(scrape(port), "easymats_samples_total", target="decode-0")
+
+    def one(_: int) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            body = resp.read().decode()
+            assert not exposition_problems(body)
+            return resp.status
+    for _ in range(3):  # three bursts of 200 scrapes opened at once
+        with concurrent.futures.ThreadPoolExecutor(max_workers=200) as pool:
+            assert list(pool.map(one, range(200))) == [200] * 200
+    m = scrape(port)
+    assert value(m, "easymats_samples_total", target="decode-0") > before
+    assert value(m, "easymats_target_up", target="decode-0") == 1.0
+    agent.send_signal(signal.SIGTERM)
+    code, _, err = finish(agent)
+    assert code == 0, err
