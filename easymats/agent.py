@@ -39,6 +39,9 @@ from .targets import Target
 
 DISCOVERY_INTERVAL_S = 1.0
 PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
+# A target whose heartbeat stands still this long (its process alive) is down: hung or stopped.
+# Writers publish at least once a second while idle (docs/segment.md 5).
+STALE_AFTER_S = 10.0
 # /metrics reports a target up only if its last sample is this recent (or 10 intervals).
 SAMPLE_MAX_AGE_S = 2.0
 # run() owns the process (as the CLI does): the interpreter's thread switch interval drops from
@@ -62,7 +65,7 @@ class Agent:
                  duration: float | None = None, keep_serving: bool = False, view: str = "auto",
                  peak_window: float = 15.0, directory: str | None = None,
                  argv: Iterable[str] = (), out: TextIO | None = None, err: TextIO | None = None,
-                 nvml: Nvml | None = None):
+                 nvml: Nvml | None = None, stale_after: float | None = STALE_AFTER_S):
         self.pids = list(dict.fromkeys(int(p) for p in pids))
         self.children = children
         self.interval = interval
@@ -81,7 +84,7 @@ class Agent:
         self.err = err or sys.stderr
         self.nvml = nvml or Nvml()
         self.discovery = Discovery(self.directory, self.pids, children=children, keep_serving=keep_serving,
-                                   peak_window=peak_window, report=self._report)
+                                   peak_window=peak_window, report=self._report, stale_after=stale_after)
 
         self.lag = LagHistogram()
         self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu, peak_window,

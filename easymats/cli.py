@@ -140,6 +140,9 @@ def parse_pids(values: tuple[str, ...] | list[str]) -> list[int]:
 @click.option("--quiet", "-q", is_flag=True, help="No live view and no summary lines.")
 @click.option("--peak-window", type=click.FloatRange(min=0, min_open=True), default=15.0,
               show_default=True, help="Seconds over which the *_max peak gauges take their maximum.")
+@click.option("--stale-after", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="A target whose heartbeat has not moved for this many seconds while its process "
+                   "lives is down (hung or stopped); 0 turns the check off.")
 @click.option("--webhook-listen", default=None, metavar="HOST:PORT",
               help="Serve the Alertmanager webhook for recalibration (off by default).")
 @click.option("--webhook-token-file", type=click.Path(dir_okay=False), default=None,
@@ -149,7 +152,7 @@ def parse_pids(values: tuple[str, ...] | list[str]) -> list[int]:
 def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, interval: float,
          output: str | None, max_bytes: int, backups: int, listen: str, nvml_interval: float,
          duration: float | None, keep_serving: bool, quiet: bool, peak_window: float,
-         webhook_listen: str | None, webhook_token_file: str | None) -> None:
+         stale_after: float, webhook_listen: str | None, webhook_token_file: str | None) -> None:
     """Attach to HiSparse processes by PID: sample their telemetry every --interval, log it,
     show it live and serve it to Prometheus."""
     if ctx.invoked_subcommand is not None:
@@ -172,7 +175,7 @@ def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, interv
                       max_bytes=max_bytes, backups=backups, listen=listen_addr,
                       nvml_interval=nvml_interval, duration=duration, keep_serving=keep_serving,
                       view="none" if quiet else "auto", peak_window=peak_window,
-                      argv=sys.argv)
+                      stale_after=stale_after or None, argv=sys.argv)
         agent.open()
         if webhook_addr:
             try:

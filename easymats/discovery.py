@@ -38,12 +38,13 @@ Events = list[tuple[str, Target, str]]
 
 class Discovery:
     def __init__(self, directory: str, pids: list[int], *, children: bool, keep_serving: bool,
-                 peak_window: float, report: Reporter):
+                 peak_window: float, report: Reporter, stale_after: float | None = None):
         self.directory = directory
         self.pids = pids
         self.children = children
         self.keep_serving = keep_serving
         self.peak_window = peak_window
+        self.stale_after = stale_after
         self.down_retention_s = DOWN_RETENTION_S
         self._report = report
         self._rejected: dict[tuple[str, int], str] = {}  # (path, inode) -> why it is not sampled
@@ -88,7 +89,7 @@ class Discovery:
             if not mine and not (self.keep_serving and down_names):
                 continue
             try:
-                tg = Target(pid, path, peak_window_s=self.peak_window)
+                tg = Target(pid, path, peak_window_s=self.peak_window, stale_after_s=self.stale_after)
             except SegmentError as exc:
                 if exc.kind in PERMANENT_ERRORS:
                     self._rejected[(path, ino)] = str(exc)

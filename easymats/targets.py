@@ -84,7 +84,7 @@ class Target:
     """
 
     def __init__(self, pid: int, path: str | None = None, *, peak_window_s: float, source: Source | None = None,
-                 error: str = NO_SEGMENT, proc_root: str = procinfo.PROC_ROOT):
+                 error: str = NO_SEGMENT, stale_after_s: float | None = None, proc_root: str = procinfo.PROC_ROOT):
         if source is None and path:
             source = SegmentSource(path, proc_root=proc_root)
         self.source = source
@@ -109,6 +109,9 @@ class Target:
         self.retries = 0
         self.sample_seconds = 0.0  # time spent reading the source, all samples together
         self.over_budget = False  # the source refused a read as costing more than a target may
+        # Down when the heartbeat stands still this long while the process lives (None: never).
+        self.stale_after_s = stale_after_s
+        self._heartbeat: tuple[int, float] = (-1, time.monotonic())  # (last seen, when it changed)
         self.process: ProcessReading | None = None
         self.gpu: list[ProcessGpuReading] | None = None
         self.peak_window_s = peak_window_s
@@ -178,6 +181,8 @@ class Target:
             return False, self.error
         self.samples += 1
         self.retries += snap.retries
+        if self._stale(snap, self.sample_mono):
+            return False, self.error
         self.snapshot, self.up, self.error, self.error_kind = snap, True, None, None
         values = snap.values
         if values is None:  # a snapshot built from series (not by a reader): slots are indices
@@ -193,6 +198,23 @@ class Target:
             peaks[name] = window.peek()
         self.peaks = peaks
         return False, None
+
+    def _stale(self, snap: Snapshot, mono: float) -> bool:
+        """True (and down, saying why) when the heartbeat has not moved for ``stale_after_s``.
+
+        Judged on the agent's own monotonic clock from when the heartbeat was last seen to move,
+        so neither the writer's clock nor a wall-clock jump matters."""
+        seen, changed = self._heartbeat
+        if snap.heartbeat_mono_ns != seen:
+            self._heartbeat = (snap.heartbeat_mono_ns, mono)
+            return False
+        if self.stale_after_s is None or self.stale_after_s <= 0 or mono - changed <= self.stale_after_s:
+            return False
+        self.snapshot, self.up, self.error_kind = snap, False, "stale"
+        self.error = (f"no publish for {mono - changed:.0f} s: process {self.pid} is alive but its heartbeat "
+                      "stopped (stopped, hung, or a writer that does not publish while idle: the segment "
+                      "contract asks for one publish a second)")
+        return True
 
     def _peak_plan(self, snap: Snapshot) -> tuple:
         """(value slots, layout generation, [(peak name, window, slots feeding it)]), per layout."""

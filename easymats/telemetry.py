@@ -10,8 +10,11 @@
     seg.close()                   # removes the segment and control file
 
 Updates (``inc``, ``set``, ``observe``) touch only Python objects; ``publish`` copies every value
-into the shared segment in one write under a seqlock. The writer never breaks its host program:
-if the segment cannot be created it warns once and carries on as a no-op publisher.
+into the shared segment in one write under a seqlock. A segment nobody published for
+:data:`IDLE_BEAT_S` is published by a background thread (the contract's "at least once a second
+while idle", so that an agent can tell an idle process from a hung one). The writer never breaks
+its host program: if the segment cannot be created it warns once and carries on as a no-op
+publisher.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = ["open_segment", "Segment", "Counter", "Gauge", "Histogram", "ControlR
 
 DEFAULT_CAPACITY = 512
 DEFAULT_VALUE_SLOTS = 8192
+IDLE_BEAT_S = 0.5  # a segment not published this long is published by the beat thread
 
 
 class TelemetryWarning(RuntimeWarning):
@@ -104,7 +108,8 @@ class Segment:
         self.path: str | None = None
         self.control: ControlFile | None = None
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        # Reentrant: a publish that fails tears the segment down while holding it.
+        self._lock = threading.RLock()
         self._series: dict[tuple, object] = {}
         self._order: list[tuple[str, object]] = []  # (type, metric) in value-slot order
         self._capacity = capacity
@@ -117,6 +122,7 @@ class Segment:
         self._pack: struct.Struct | None = None
         self._warned = False
         self._next_control_poll = 0.0
+        self._last_publish = time.monotonic()
         name_b = name.encode("utf-8")
         if len(name_b) > L.NAME_FIELD or not name:
             raise ValueError(f"segment name {name!r} must be 1..{L.NAME_FIELD} bytes of UTF-8")
@@ -187,6 +193,7 @@ class Segment:
         self._values_off = values_off
         self.control = ControlFile.create(control_path(path))
         _LIVE.add(self)
+        _start_beat()
 
     def _disable(self, why: str) -> None:
         if not self._warned:
@@ -277,10 +284,12 @@ class Segment:
 
     def publish(self) -> None:
         """Copy every value into the segment as one consistent snapshot and beat the heartbeat."""
-        mm = self._mm
-        if mm is None or os.getpid() != self._pid:
+        if self._mm is None or os.getpid() != self._pid:
             return
         with self._lock:
+            mm = self._mm
+            if mm is None:  # closed meanwhile (by the host, or the beat thread's failed publish)
+                return
             vals: list[float] = []
             append, extend = vals.append, vals.extend
             for type_, m in self._order:
@@ -292,6 +301,7 @@ class Segment:
                     append(m.value)
             if self._pack is None:
                 self._pack = struct.Struct(f"<{len(vals)}d")
+            self._last_publish = time.monotonic()
             try:
                 self._begin()
                 # Written in place while seq is odd: a reader that overlaps discards what it read.
@@ -344,7 +354,8 @@ class Segment:
         """Publish a last time, then remove the segment and its control file."""
         if self._mm is not None:
             self.publish()
-        self._teardown(unlink=True)
+        with self._lock:  # not while the beat thread publishes into the mapping
+            self._teardown(unlink=True)
 
     def __enter__(self) -> "Segment":
         return self
@@ -391,6 +402,34 @@ def _stale_own_file(path: str) -> bool:
 _LIVE: "set[Segment]" = set()
 
 
+_beat_pid = 0  # the process whose beat thread runs (a forked child starts its own)
+
+
+def _start_beat() -> None:
+    global _beat_pid
+    if _beat_pid == os.getpid():
+        return
+    _beat_pid = os.getpid()
+    threading.Thread(target=_beat, name="easymats-telemetry-beat", daemon=True).start()
+
+
+def _beat() -> None:
+    """Publish every live segment of this process that went :data:`IDLE_BEAT_S` without one.
+
+    An idle runtime (no decode steps, so no publish calls) then still moves its heartbeat. A
+    process stopped or hung hard enough to stall this thread (SIGSTOP, a GIL held in C) does not."""
+    me = os.getpid()
+    while _beat_pid == me:
+        time.sleep(IDLE_BEAT_S)
+        now = time.monotonic()
+        for seg in list(_LIVE):
+            try:
+                if now - seg._last_publish >= IDLE_BEAT_S:
+                    seg.publish()
+            except Exception:  # never fail the host program (e.g. during interpreter shutdown)
+                pass
+
+
 @atexit.register
 def _close_all() -> None:
     for seg in list(_LIVE):
@@ -406,7 +445,7 @@ def _after_fork_in_child() -> None:
     for seg in list(_LIVE):
         seg._mm = None
         seg.control = None
-        seg._lock = threading.Lock()  # another thread may have held it at the fork
+        seg._lock = threading.RLock()  # another thread may have held it at the fork
     _LIVE.clear()
 
 
