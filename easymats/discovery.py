@@ -152,8 +152,9 @@ class Discovery:
         return out
 
     def _expire(self, current: list[Target]) -> list[Target]:
-        now = time.time()
-        expired = [tg for tg in current if tg.gone and (tg.sample_t or now) < now - self.down_retention_s]
+        now = time.monotonic()  # an interval: a wall-clock step must not drop (or keep) targets
+        expired = [tg for tg in current
+                   if tg.gone and (tg.sample_mono or now) < now - self.down_retention_s]
         for tg in expired:
             tg.close()
         return [tg for tg in current if tg not in expired]

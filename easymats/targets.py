@@ -31,7 +31,8 @@ NO_SEGMENT = "no telemetry segment"
 
 
 class PeakWindow:
-    """Maximum over a trailing time window, O(1) amortised per sample (monotonic deque).
+    """Maximum over a trailing time window, O(1) amortised per sample (monotonic deque). Times
+    are monotonic seconds: a wall clock stepped back would keep a peak for as long as the step.
 
     Nothing is reset when it is read, so any number of scrapers, each scraping at an interval no
     longer than the window, sees every peak.
@@ -192,8 +193,9 @@ class Target:
                 or cached[0] is None):
             cached = self._peak_plan(snap)
         peaks = {}
+        mono = self.sample_mono  # peak windows are intervals: monotonic, whatever the wall clock does
         for name, window, slots in cached[2]:
-            window.push(t, values[slots[0]] if len(slots) == 1 else
+            window.push(mono, values[slots[0]] if len(slots) == 1 else
                         sum([values[i] for i in slots]))  # type: ignore[index]
             peaks[name] = window.peek()
         self.peaks = peaks
