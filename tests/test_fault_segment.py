@@ -357,3 +357,39 @@ def test_a_writer_pid_that_differs_from_the_file_name_is_followed(tmp_path, proc
     code, _, err = finish(agent)
     assert code == 0, err
     assert str(writer.pid) in err and str(sleeper.pid) in err  # said once, naming both
+
+
+def test_escape_sequences_in_a_target_name_never_reach_the_terminal(segment_dir):
+    """A segment name is the runtime's to choose: ESC, BEL and other controls in it are shown
+    escaped by the live view (table and summary line), never sent to the terminal."""
+    import io
+
+    from easymats.liveview import LiveView
+    from easymats.targets import Target
+
+    evil = "x\x1b[2J\x1b]0;pwned\x07\x9b31m"
+    seg = telemetry.open_segment(name=evil)
+    seg.gauge("hisparse_kv_blocks", state="active").set(3)
+    seg.publish()
+    try:
+        tg = Target(os.getpid(), seg.path, peak_window_s=15)
+        tg.sample(time.time())
+        for colour in (True, False):
+            view = LiveView(colour=colour)
+            out = io.StringIO()
+            view.observe([tg], time.monotonic())
+            view.draw(out, [tg], title="easymats")
+            drawn = out.getvalue()
+            assert drawn.startswith("\033[H\033[2J")  # the view's own cursor-home and clear
+            rest = drawn[len("\033[H\033[2J"):]
+            controls = {c for c in rest if (ord(c) < 32 and c != "\n") or 127 <= ord(c) < 160}
+            if colour:  # its own colours: ESC [ ... m, nothing else
+                import re
+                controls = {c for c in re.sub(r"\x1b\[[0-9;]*m", "", rest)
+                            if (ord(c) < 32 and c != "\n") or 127 <= ord(c) < 160}
+            assert not controls, repr(drawn)
+            line = view.summary_line([tg], "12:00:00")
+            assert not {c for c in line if ord(c) < 32 or 127 <= ord(c) < 160}, repr(line)
+            assert "\\x1b" in line  # shown, escaped
+    finally:
+        seg.close()
