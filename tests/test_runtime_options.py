@@ -4,15 +4,15 @@ max_seq_len is refused before it starts. Real (tiny, random-weight) transformers
 
 from __future__ import annotations
 
-import hi_sparse as hs
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hi_sparse as hs
+from easymats import layout as L
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.hf_options import HiSparseOptionError, build_config
 from hi_sparse.integration import binding_of
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from easymats import layout as L
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
