@@ -53,6 +53,11 @@ TARGET_DOWN_FOR_S = 60.0
 # samples are being dropped from the high-resolution record.
 LOG_FAILING_FOR_S = 300.0
 
+# Recalibration requests the webhook could not write into a runtime's control file
+# (easymats_webhook_write_failures_total), failing again within every 5 minutes for this long:
+# Alertmanager's retries are not getting through.
+WEBHOOK_WRITE_FAILING_FOR_S = 600.0
+
 # Warning band: a ratio within this fraction above its floor is shown yellow, not green.
 WARN_MARGIN = 0.05
 
