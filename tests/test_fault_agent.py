@@ -124,3 +124,49 @@ def test_scrape_bursts_are_all_answered_and_sampling_goes_on(procs):
     agent.send_signal(signal.SIGTERM)
     code, _, err = finish(agent)
     assert code == 0, err
+
+
+def test_a_target_not_sampled_recently_is_reported_down(segment_dir):
+    """/metrics never serves a target's last values as up once the sampler stopped reaching it."""
+    from easymats import telemetry
+    from easymats.exporter import AgentCollector, LagHistogram
+    from easymats.targets import Target
+
+    seg = telemetry.open_segment(name="w")
+    seg.publish()
+    try:
+        tg = Target(os.getpid(), seg.path, peak_window_s=15)
+        tg.sample(time.time())
+        col = AgentCollector(lambda: [tg], LagHistogram(), lambda: None, 15.0, sample_max_age_s=0.3)
+        assert 'easymats_target_up{target="w"} 1.0' in col.render_text()
+        time.sleep(0.4)
+        assert 'easymats_target_up{target="w"} 0.0' in col.render_text()
+    finally:
+        seg.close()
+
+
+def test_a_sampler_that_fails_takes_every_target_down_and_fails_the_run(procs):
+    """A bug in the sampler (injected here into discovery) must not leave a silent agent serving
+    its last values: every target goes down, /metrics says so, the run's status is 1."""
+    import io
+
+    from easymats.agent import Agent
+
+    target = target_proc(procs)
+    err = io.StringIO()
+    agent = Agent([target.pid], interval=0.05, listen=("127.0.0.1", 0), view="none", nvml_interval=0, err=err)
+    agent.start()
+    try:
+        wait_for(lambda: value(scrape(agent.port), "easymats_target_up", target="decode-0") == 1.0)
+
+        def broken(current):
+            raise RuntimeError("injected bug")
+        agent.discovery.scan = broken
+        agent._next_discovery = 0.0
+        assert agent.wait(timeout=5), "the sampler stopped"
+        assert agent.failure and "injected bug" in agent.failure
+        assert all(not tg.up for tg in agent.targets)
+        assert agent.exit_status() == 1
+        assert "internal error in the sampler" in err.getvalue()
+    finally:
+        agent.close()
