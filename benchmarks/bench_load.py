@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
 import psutil  # noqa: E402
-from bench_agent import pct  # noqa: E402
+from bench_agent import pct, use_private_segment_dir  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
 
 TOKEN = "bench-load-token"
@@ -205,9 +205,7 @@ def main() -> int:
     ap.add_argument("--webhook-requests", type=int, default=500)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    seg_dir = tempfile.mkdtemp(prefix="bench-seg-")
-    os.chmod(seg_dir, 0o700)
-    os.environ["EASYMATS_SEGMENT_DIR"] = seg_dir
+    use_private_segment_dir()
     workdir = tempfile.mkdtemp(prefix="bench-load-")
     load = os.getloadavg()
     r = run(args, workdir)

@@ -232,6 +232,15 @@ class Webhook:
             self._server = None
 
 
+def _drop(read: Callable[[int], bytes], left: int) -> None:
+    """Read and discard up to ``left`` bytes with ``read`` (fewer at end of stream)."""
+    while left > 0:
+        chunk = read(min(left, 1 << 16))
+        if not chunk:
+            break
+        left -= len(chunk)
+
+
 def _handler(hook: Webhook) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "easymats-webhook"
@@ -257,12 +266,7 @@ def _handler(hook: Webhook) -> type[BaseHTTPRequestHandler]:
                 if MAX_BODY_BYTES < length <= DRAIN_BYTES:
                     # Read and drop the body so the client finishes sending and reads the 413,
                     # instead of failing with a broken pipe.
-                    left = length
-                    while left > 0:
-                        chunk = self.rfile.read(min(left, 1 << 16))
-                        if not chunk:
-                            break
-                        left -= len(chunk)
+                    _drop(self.rfile.read, length)
                 code = 413 if length > 0 else 400
                 hook.count(code)
                 self._reply(Outcome(code, {"error": f"body must be 0..{MAX_BODY_BYTES} bytes with a "
@@ -308,12 +312,7 @@ def _handler(hook: Webhook) -> type[BaseHTTPRequestHandler]:
                 self.wfile.flush()
                 self.connection.shutdown(socket.SHUT_WR)
                 self.connection.settimeout(LINGER_S)
-                left = LINGER_BYTES
-                while left > 0:
-                    chunk = self.connection.recv(min(left, 1 << 14))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
+                _drop(self.connection.recv, LINGER_BYTES)
             except OSError:
                 pass
 

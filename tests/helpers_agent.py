@@ -19,6 +19,26 @@ def start_agent(*args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([*AGENT, *args], stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
+def agent_proc(procs: list, *args: str, env: dict | None = None, preexec_fn=None) -> subprocess.Popen:
+    """The agent CLI (stdout dropped, stderr kept), added to ``procs`` (the conftest fixture that
+    kills whatever a failed test leaves running)."""
+    p = subprocess.Popen([*AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=preexec_fn)
+    procs.append(p)
+    return p
+
+
+def target_proc(procs: list, name: str = "decode-0", **kw) -> tuple[subprocess.Popen, str]:
+    """A tests/helpers_targets.py process (running until stopped, unless ``duration`` says
+    otherwise), added to ``procs``; (process, segment path)."""
+    from helpers_targets import start_target
+
+    kw.setdefault("duration", 0)
+    p, path = start_target(name, **kw)
+    procs.append(p)
+    return p, path
+
+
 def scrape(port: int, timeout: float = 5.0) -> dict[str, list]:
     """name -> samples [(sample name, labels, value)] from a real HTTP scrape."""
     deadline = time.monotonic() + timeout

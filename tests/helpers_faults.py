@@ -28,19 +28,17 @@ FAKETIME_LIBS = ("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
 
 
 @contextlib.contextmanager
-def small_filesystem(size_kib: int) -> Iterator[str]:
-    """A fresh tmpfs of ``size_kib`` KiB; skips (naming why) where mounting is not allowed."""
+def small_filesystem(size_kib: int, mode: int = 0o755,
+                     instead: str = "the RLIMIT_FSIZE test covers a failing write") -> Iterator[str]:
+    """A fresh tmpfs of ``size_kib`` KiB; skipped where mounting is not allowed, saying why and
+    which test covers the same code path (``instead``)."""
     where = tempfile.mkdtemp(prefix="easymats-smallfs-")
-    if os.geteuid() != 0:
-        os.rmdir(where)
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root); the RLIMIT_FSIZE test "
-                    "covers a failing log write for other users")
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0755", "tmpfs", where],
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode={mode:04o}", "tmpfs", where],
                          capture_output=True, text=True)
     if out.returncode != 0:
         os.rmdir(where)
-        pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip()}): a container without "
-                    "CAP_SYS_ADMIN; the RLIMIT_FSIZE test covers a failing log write")
+        who = "mounting a tmpfs needs root (CI runs as root)" if os.geteuid() else out.stderr.strip()
+        pytest.skip(f"cannot mount a small tmpfs here ({who}); {instead}")
     try:
         yield where
     finally:

@@ -16,28 +16,15 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_agent import AGENT, finish, read_log, scrape, value, wait_for  # noqa: E402
-from helpers_targets import free_port, start_target  # noqa: E402
+from helpers_agent import agent_proc, finish, read_log, scrape, target_proc, value, wait_for  # noqa: E402
+from helpers_targets import free_port  # noqa: E402
 from test_fault_segment import exposition_problems  # noqa: E402
 
 pytestmark = pytest.mark.fault
 
 
-def agent_proc(procs: list, *args: str, env: dict | None = None) -> subprocess.Popen:
-    p = subprocess.Popen([*AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    procs.append(p)
-    return p
-
-
-def target_proc(procs: list, name: str = "decode-0", **kw) -> subprocess.Popen:
-    kw.setdefault("duration", 0)
-    p, _ = start_target(name, **kw)
-    procs.append(p)
-    return p
-
-
 def test_segment_directory_removed_under_a_running_agent(procs, segment_dir):
-    target = target_proc(procs, "decode-0")
+    target, _ = target_proc(procs, "decode-0")
     port = free_port()
     agent = agent_proc(procs, "--keep-serving", "--listen", f"127.0.0.1:{port}", "--quiet")
     wait_for(lambda: value(scrape(port), "easymats_target_up", target="decode-0") == 1.0)
@@ -48,7 +35,7 @@ def test_segment_directory_removed_under_a_running_agent(procs, segment_dir):
     before = value(m, "easymats_samples_total", target="decode-0")
     time.sleep(0.5)
     assert value(scrape(port), "easymats_samples_total", target="decode-0") > before
-    later = target_proc(procs, "decode-1")  # its writer creates the directory again
+    later, _ = target_proc(procs, "decode-1")  # its writer creates the directory again
     wait_for(lambda: value(scrape(port), "easymats_target_up", target="decode-1") == 1.0, timeout=10)
     target.send_signal(signal.SIGTERM)
     later.send_signal(signal.SIGTERM)
@@ -104,7 +91,7 @@ def test_many_targets_starting_and_exiting_at_once(tmp_path, procs):
 
 
 def test_scrape_bursts_are_all_answered_and_sampling_goes_on(procs):
-    target = target_proc(procs)
+    target, _ = target_proc(procs)
     port = free_port()
     agent = agent_proc(procs, "--pid", str(target.pid), "--listen", f"127.0.0.1:{port}", "--quiet")
     wait_for(lambda: value(scrape(port), "easymats_target_up", target="decode-0") == 1.0)
@@ -152,7 +139,7 @@ def test_a_sampler_that_fails_takes_every_target_down_and_fails_the_run(procs):
 
     from easymats.agent import Agent
 
-    target = target_proc(procs)
+    target, _ = target_proc(procs)
     err = io.StringIO()
     agent = Agent([target.pid], interval=0.05, listen=("127.0.0.1", 0), view="none", nvml_interval=0, err=err)
     agent.start()

@@ -17,24 +17,11 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_agent import AGENT, finish, scrape, value, wait_for  # noqa: E402
+from helpers_agent import agent_proc, finish, scrape, target_proc, value, wait_for  # noqa: E402
 from helpers_faults import jumping_clock_env  # noqa: E402
-from helpers_targets import free_port, start_target  # noqa: E402
+from helpers_targets import free_port  # noqa: E402
 
 pytestmark = pytest.mark.fault
-
-
-def agent_proc(procs: list, *args: str, env: dict | None = None) -> subprocess.Popen:
-    p = subprocess.Popen([*AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    procs.append(p)
-    return p
-
-
-def target_proc(procs: list, name: str = "decode-0", **kw) -> subprocess.Popen:
-    kw.setdefault("duration", 0)
-    p, _ = start_target(name, **kw)
-    procs.append(p)
-    return p
 
 
 PEAK_RUNTIME = textwrap.dedent("""
@@ -62,7 +49,7 @@ def test_wall_clock_jumps_change_no_interval(tmp_path, procs, jump):
     peaky = subprocess.Popen([sys.executable, "-c", PEAK_RUNTIME], stdout=subprocess.PIPE, text=True)
     procs.append(peaky)
     assert peaky.stdout.readline().strip() == "ready"
-    victim = target_proc(procs, "victim")
+    victim, _ = target_proc(procs, "victim")
     port = free_port()
     agent = agent_proc(procs, "--pid", f"{peaky.pid},{victim.pid}", "--listen", f"127.0.0.1:{port}", "--quiet",
                        "--peak-window", "2", "--keep-serving", env=env)

@@ -17,8 +17,8 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_agent import AGENT, finish, scrape, value, wait_for  # noqa: E402
-from helpers_targets import free_port, start_target  # noqa: E402
+from helpers_agent import agent_proc, finish, scrape, target_proc, value, wait_for  # noqa: E402
+from helpers_targets import free_port  # noqa: E402
 
 from easymats import telemetry  # noqa: E402
 from easymats.segment import SegmentReader  # noqa: E402
@@ -26,21 +26,8 @@ from easymats.segment import SegmentReader  # noqa: E402
 pytestmark = pytest.mark.fault
 
 
-def agent_proc(procs: list, *args: str, env: dict | None = None) -> subprocess.Popen:
-    p = subprocess.Popen([*AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    procs.append(p)
-    return p
-
-
-def target_proc(procs: list, name: str = "decode-0", **kw) -> subprocess.Popen:
-    kw.setdefault("duration", 0)
-    p, _ = start_target(name, **kw)
-    procs.append(p)
-    return p
-
-
 def test_a_target_that_stops_publishing_but_lives_is_not_up(procs):
-    target = target_proc(procs)
+    target, _ = target_proc(procs)
     port = free_port()
     agent = agent_proc(procs, "--pid", str(target.pid), "--listen", f"127.0.0.1:{port}", "--quiet",
                        "--stale-after", "1")

@@ -21,25 +21,12 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_agent import AGENT, finish, scrape, value, wait_for  # noqa: E402
+from helpers_agent import agent_proc, finish, scrape, target_proc, value, wait_for  # noqa: E402
 from helpers_faults import file_size_limit, fill, small_filesystem  # noqa: E402
 from helpers_logformat import validate_line  # noqa: E402
-from helpers_targets import free_port, start_target  # noqa: E402
+from helpers_targets import free_port  # noqa: E402
 
 pytestmark = pytest.mark.fault
-
-
-def agent_proc(procs: list, *args: str, preexec_fn=None) -> subprocess.Popen:
-    p = subprocess.Popen([*AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=preexec_fn)
-    procs.append(p)
-    return p
-
-
-def target_proc(procs: list, name: str = "decode-0") -> subprocess.Popen:
-    p, _ = start_target(name, duration=0)
-    procs.append(p)
-    return p
 
 
 def lines_of(*paths: str) -> list[dict]:
@@ -72,7 +59,7 @@ def samples_advance(port: int, target: str = "decode-0") -> float:
 
 
 def test_full_disk_the_agent_samples_on_counts_dropped_lines_and_recovers(procs):
-    target = target_proc(procs)
+    target, _ = target_proc(procs)
     with small_filesystem(192) as fs:
         filler = fill(fs, leave_bytes=24 << 10)
         log = os.path.join(fs, "run.log")
@@ -107,7 +94,7 @@ def test_full_disk_the_agent_samples_on_counts_dropped_lines_and_recovers(procs)
 
 
 def test_file_size_limit_never_wedges_the_agent_and_sigterm_stops_it(tmp_path, procs):
-    target = target_proc(procs)
+    target, _ = target_proc(procs)
     log = str(tmp_path / "run.log")
     port = free_port()
     # Every file the agent writes stops at 32 KiB: each later log write fails with EFBIG.
@@ -130,7 +117,7 @@ def test_file_size_limit_never_wedges_the_agent_and_sigterm_stops_it(tmp_path, p
 @pytest.mark.parametrize("rotation", [[], ["--max-bytes", "40000", "--backups", "2"]],
                          ids=["no-rotation", "own-rotation"])
 def test_a_deleted_log_is_noticed_reopened_and_said_so(tmp_path, rotation, procs):
-    target = target_proc(procs)
+    target, _ = target_proc(procs)
     log = str(tmp_path / "run.log")
     port = free_port()
     agent = agent_proc(procs, "--pid", str(target.pid), "--interval", "0.05", "--output", log,
@@ -170,7 +157,7 @@ def test_logrotate_rotates_the_log_under_a_running_agent(tmp_path, mode, procs):
     logrotate = shutil.which("logrotate") or ("/usr/sbin/logrotate" if os.path.exists("/usr/sbin/logrotate") else None)
     if logrotate is None:
         pytest.skip("logrotate is not installed: apt-get install logrotate (make system-deps does)")
-    target = target_proc(procs)
+    target, _ = target_proc(procs)
     log = str(tmp_path / "run.log")
     conf = tmp_path / "logrotate.conf"
     conf.write_text(textwrap.dedent(LOGROTATE_CONF.format(log=log, mode=mode)))

@@ -24,25 +24,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_agent import AGENT, finish, read_log, scrape, value, wait_for  # noqa: E402
-from helpers_targets import free_port, start_target  # noqa: E402
+from helpers_agent import AGENT, agent_proc, finish, read_log, scrape, target_proc, value, wait_for  # noqa: E402
+from helpers_targets import free_port  # noqa: E402
 
 from easymats import layout as L  # noqa: E402
 from easymats import segment, telemetry  # noqa: E402
 
 pytestmark = pytest.mark.fault
-
-
-def agent_proc(procs: list, *args: str) -> subprocess.Popen:
-    p = subprocess.Popen([*AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    procs.append(p)
-    return p
-
-
-def target_proc(procs: list, name: str = "decode-0", **kw) -> tuple[subprocess.Popen, str]:
-    p, path = start_target(name, duration=0, **kw)
-    procs.append(p)
-    return p, path
 
 
 def entries(raw: bytes) -> list[tuple]:
