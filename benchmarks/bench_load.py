@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -137,14 +138,9 @@ def lags_between(log: str, t0: float, t1: float) -> list[float]:
 
 
 def requests_in_control_file(seg_path: str) -> int:
-    from easymats.control import ControlFile
-    from easymats.segment import control_path
-
-    ctl = ControlFile.open_existing(control_path(seg_path))
-    try:
-        return ctl._read()[4]  # request_seq: requests ever written
-    finally:
-        ctl.close()
+    """request_seq of the target's control file (docs/segment.md 6): requests ever written."""
+    with open(seg_path[:-4] + ".ctl", "rb") as f:
+        return struct.unpack_from("<Q", f.read(24), 16)[0]
 
 
 def run(args: argparse.Namespace, workdir: str) -> dict:
@@ -155,7 +151,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
     with open(token, "w") as f:
         f.write(TOKEN)
     port, hook_port = free_port(), free_port()
-    agent = subprocess.Popen([sys.executable, "-c", "from easymats.cli import main; main()",
+    agent = subprocess.Popen([args.agent_python, "-P", "-c", "from easymats.cli import main; main()",
                               "--pid", ",".join(str(p.pid) for p in procs), "--interval", "0.1",
                               "--output", log, "--listen", f"127.0.0.1:{port}", "--quiet",
                               "--webhook-listen", f"127.0.0.1:{hook_port}", "--webhook-token-file", token],
@@ -203,6 +199,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--targets", type=int, default=1)
     ap.add_argument("--webhook-requests", type=int, default=500)
+    ap.add_argument("--agent-python", default=sys.executable,
+                    help="interpreter that runs the agent (another install of easymats, to compare)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     use_private_segment_dir()
