@@ -21,7 +21,6 @@ import http.client
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time

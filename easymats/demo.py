@@ -25,7 +25,7 @@ import time
 import click
 
 from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
-from .segment import control_path, segment_dir, segments_for_pid
+from .segment import segment_dir, segments_for_pid
 
 STARTUP_TIMEOUT_S = 180.0  # importing torch + transformers on a slow cold machine
 STOP_TIMEOUT_S = 20.0
