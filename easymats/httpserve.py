@@ -1,4 +1,5 @@
-"""The threaded TCP server under /metrics and the webhook: bounded in threads and in time.
+"""The threaded TCP server under /metrics and the webhook, bounded in threads and in time, and
+the /metrics endpoint itself (:func:`serve_metrics`).
 
 ``socketserver.ThreadingTCPServer`` as it comes listens with a backlog of 5 (50 concurrent
 scrapers overflowed it: connections waited for SYN retransmits, seconds each), starts a thread for
@@ -137,3 +138,65 @@ def serve_in_thread(server: BoundedServer, name: str) -> threading.Thread:
                               daemon=True)
     thread.start()
     return thread
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+MAX_REQUEST_LINE = 8192
+MAX_HEADER_LINES = 100
+
+
+def _response(code: int, reason: str, ctype: str, body: bytes) -> bytes:
+    return (f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode("latin-1") + body
+
+
+def serve_metrics(registry: Any, host: str, port: int) -> tuple[BoundedServer, threading.Thread]:
+    """Serve ``registry.render()`` (easymats.exporter.AgentRegistry) as /metrics on a threaded
+    HTTP/1.0 server; returns (server, thread). OSError if it cannot bind.
+
+    A small handler on ``socketserver`` rather than ``http.server``: http.server imports
+    http.client, email and ssl, ~7 MB of resident memory in every agent, to parse what is here
+    one request line and a few headers (GET only; one request per connection, as http.server's
+    HTTP/1.0 default did)."""
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            try:
+                out = self._answer()
+            except (OSError, ValueError):  # timed out or reset: nothing to answer
+                return
+            try:
+                self.wfile.write(out)
+            except OSError:
+                pass  # the scraper went away
+
+        def _answer(self) -> bytes:
+            line = self.rfile.readline(MAX_REQUEST_LINE + 1)
+            if len(line) > MAX_REQUEST_LINE:
+                return _response(414, "Request-URI Too Long", "text/plain", b"request line too long\n")
+            words = line.decode("latin-1").split()
+            if len(words) != 3 or not words[2].startswith("HTTP/"):
+                return _response(400, "Bad Request", "text/plain", b"bad request line\n")
+            for _ in range(MAX_HEADER_LINES):  # headers: read and ignored
+                h = self.rfile.readline(MAX_REQUEST_LINE + 1)
+                if h in (b"\r\n", b"\n", b""):
+                    break
+            else:
+                return _response(431, "Request Header Fields Too Large", "text/plain", b"too many headers\n")
+            method, path = words[0], words[1].split("?", 1)[0]
+            if method != "GET":
+                return _response(501, "Not Implemented", "text/plain", f"unsupported method {method}\n".encode())
+            if path == "/metrics":
+                try:
+                    return _response(200, "OK", CONTENT_TYPE, registry.render())
+                except Exception as exc:  # a scrape must never take the agent down
+                    log.exception("rendering /metrics failed")
+                    return _response(500, "Internal Server Error", "text/plain", f"error: {exc}\n".encode())
+            if path == "/":
+                return _response(200, "OK", "text/plain", b"easymats agent: see /metrics\n")
+            return _response(404, "Not Found", "text/plain", b"not found: try /metrics\n")
+
+    server = BoundedServer((host, port), Handler)
+    return server, serve_in_thread(server, "easymats-http")
