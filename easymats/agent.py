@@ -20,6 +20,7 @@ Use from the CLI (``easymats --pid ...``) or as a library::
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import signal
@@ -35,6 +36,7 @@ from .logwriter import LogWriter
 from .nvml import Nvml, NvmlSnapshot
 from .procmetrics import owner_of
 from .segment import control_path, segment_dir
+from .source import Source
 from .targets import Target
 
 DISCOVERY_INTERVAL_S = 1.0
@@ -109,6 +111,7 @@ class Agent:
         self._warned: set[str] = set()
         self._next_discovery = 0.0
         self._next_process = 0.0
+        self._added: collections.deque[Target] = collections.deque()  # from add_source, any thread
         self.failure: str | None = None  # why the agent could not do its job (exit status 1)
 
     # -- public ------------------------------------------------------------------------------------
@@ -124,6 +127,14 @@ class Agent:
     @down_retention_s.setter
     def down_retention_s(self, seconds: float) -> None:
         self.discovery.down_retention_s = seconds
+
+    def add_source(self, source: Source) -> Target:
+        """Sample ``source`` (any kind of :class:`easymats.source.Source`) as one more target from
+        the next tick: exported, logged, bounded and judged up or down like a segment's."""
+        tg = Target(source.pid, source=source, peak_window_s=self.peak_window,
+                    stale_after_s=self.discovery.stale_after)
+        self._added.append(tg)  # the sampler thread owns the target list: it takes it from here
+        return tg
 
     def resolve(self, name: str) -> tuple[str, str] | None:
         """(declared name, control-file path) of the live target declared as ``name`` or with
@@ -297,6 +308,10 @@ class Agent:
         self._targets, events = self.discovery.scan(self._targets)
         for event, tg, detail in events:
             self._event(event, tg, detail=detail)
+        while self._added:
+            tg = self._added.popleft()
+            self._targets = self._targets + [tg]  # replaced whole: readers keep iterating the old list
+            self._event("attach", tg, detail=tg.path or tg.name)
 
     # -- threads -------------------------------------------------------------------------------------
     def _sampler_loop(self) -> None:
@@ -339,7 +354,7 @@ class Agent:
 
     def _tick(self, mono: float, lag: float) -> None:
         t = time.time()
-        if mono >= self._next_discovery:
+        if mono >= self._next_discovery or self._added:
             self._next_discovery = mono + DISCOVERY_INTERVAL_S
             self._discover()
         read_process = mono >= self._next_process

@@ -17,7 +17,10 @@ way by :class:`easymats.targets.Target`:
   ``close()`` frees it.
 
 A target is *up* while reads succeed and the snapshot's heartbeat moves (a source with no
-heartbeat of its own reports the time of its read as ``heartbeat_mono_ns``).
+heartbeat of its own reports the time of its read as ``heartbeat_mono_ns``). ``alive()`` is asked
+only while the heartbeat stands still: a moving heartbeat proves the producer was alive moments
+ago. Plug a source in with ``Agent.add_source(source)`` (tests/test_fault_agent.py has a
+twenty-line example that is sampled, exported, failed and ended like a segment).
 """
 
 from __future__ import annotations

@@ -157,3 +157,57 @@ def test_a_sampler_that_fails_takes_every_target_down_and_fails_the_run(procs):
         assert "internal error in the sampler" in err.getvalue()
     finally:
         agent.close()
+
+
+class CountingSource:
+    """Another kind of source, in a few lines: what a vLLM endpoint or SGLang file reader would
+    implement (easymats.source.Source). It fails on demand and can 'exit'."""
+
+    def __init__(self, name: str):
+        self.name, self.labels, self.pid, self.path = name, {"kind": "test"}, os.getpid(), None
+        self.n, self.fail, self.exited, self.last = 0, False, False, None
+
+    def read(self):
+        from easymats.source import Series, Snapshot, SourceError
+
+        if self.exited:  # what is left of an exited producer: its last snapshot, heartbeat still
+            return self.last
+        if self.fail:
+            err = SourceError(f"{self.name}: endpoint answered 500; check the server")
+            err.kind = "io"
+            raise err
+        self.n += 1
+        now = time.monotonic_ns()
+        self.last = Snapshot(None, self.pid, self.name, dict(self.labels), 0, 0, time.time_ns(), now, self.n, 1,
+                             [Series("hisparse_sequences", "gauge", "", {}, float(self.n))])
+        return self.last
+
+    def alive(self) -> bool:
+        return not self.exited
+
+    def close(self) -> None:
+        pass
+
+
+def test_another_kind_of_source_is_sampled_and_judged_like_a_segment():
+    from easymats.agent import Agent
+
+    src = CountingSource("other-0")
+    agent = Agent([], keep_serving=True, interval=0.05, listen=("127.0.0.1", 0), view="none", nvml_interval=0)
+    agent.start()
+    try:
+        agent.add_source(src)
+        m = wait_for(lambda: (lambda s: s if value(s, "easymats_target_up", target="other-0") == 1.0 else None)(
+            scrape(agent.port)))
+        assert value(m, "hisparse_sequences", target="other-0") >= 1.0
+        assert value(m, "easymats_target_info", target="other-0", labels="kind=test") == 1.0
+        src.fail = True
+        wait_for(lambda: value(scrape(agent.port), "easymats_target_up", target="other-0") == 0.0)
+        assert next(tg for tg in agent.targets if tg.name == "other-0").error.endswith("check the server")
+        src.fail = False
+        wait_for(lambda: value(scrape(agent.port), "easymats_target_up", target="other-0") == 1.0)
+        src.exited = True
+        wait_for(lambda: next(tg for tg in agent.targets if tg.name == "other-0").gone)
+    finally:
+        agent.stop()
+        agent.wait(timeout=5)
