@@ -10,9 +10,11 @@ PIP_INSTALL = $(PY) -m pip install -q -c constraints-dev.txt
 .PHONY: venv demo test test-gpu system-deps clean
 
 # The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages;
-# the Kubernetes tests render deploy/kubernetes with `kubectl kustomize` (Debian's kubernetes-client
-# when no kubectl is installed).
-SYSTEM_TOOLS = prometheus promtool prometheus-alertmanager
+# the Kubernetes tests render deploy/kubernetes with `kubectl kustomize` (Debian's kubernetes-client);
+# the fault-injection tests (marker `fault`) drive the real logrotate and shift the wall clock of
+# an agent with libfaketime, and read listen backlogs with ss. TOOL:PACKAGE pairs.
+SYSTEM_DEPS = prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
+              logrotate:logrotate faketime:faketime ss:iproute2 kubectl:kubernetes-client
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
@@ -27,18 +29,14 @@ demo: venv
 	$(VENV)/bin/easymats demo
 
 system-deps:
-	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	@missing=""; for pair in $(SYSTEM_DEPS); do tool=$${pair%%:*}; pkg=$${pair#*:}; \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v $$tool >/dev/null || case " $$missing " in *" $$pkg "*) ;; *) missing="$$missing $$pkg";; esac; \
+	done; \
 	if [ -n "$$missing" ]; then \
-	  echo "installing Debian packages prometheus prometheus-alertmanager (missing:$$missing)"; \
+	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus prometheus-alertmanager \
-	  || { echo "could not install them: apt-get install prometheus prometheus-alertmanager, then make test"; exit 1; }; \
-	fi
-	@if ! command -v kubectl >/dev/null; then \
-	  echo "installing Debian package kubernetes-client (kubectl, for kubectl kustomize)"; \
-	  $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends kubernetes-client \
-	  || { echo "could not install kubectl: apt-get install kubernetes-client (or any kubectl >= 1.14), then make test"; exit 1; }; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing \
+	  || { echo "could not install them: apt-get install$$missing, then make test"; exit 1; }; \
 	fi
 
 test: venv system-deps

@@ -275,6 +275,18 @@ def alert_rules() -> list[Alert]:
               f"easymats at {{{{ $labels.instance }}}} samples over {T.SAMPLE_LAG_P99_MAX_S * 1000:g} ms late",
               "The 99th percentile of how late sampling ticks run is {{ $value | humanizeDuration }} "
               "at {{ $labels.instance }}: the agent cannot keep its interval, so peaks are missed."),
+        Alert("EasymatsLogFailing", "easymats_log_failing == 1", T.LOG_FAILING_FOR_S, "warning",
+              "easymats at {{ $labels.instance }} cannot write its log",
+              "The agent at {{ $labels.instance }} cannot write its --output log (full disk, file "
+              "size limit, I/O error): sampling and /metrics go on, but the 100 ms record has a gap "
+              "(easymats_log_dropped_lines_total counts the lost lines)."),
+        Alert("EasymatsRecalibrationNotDelivered",
+              f"sum by ({BY}) (increase(easymats_webhook_write_failures_total[5m])) > 0",
+              T.WEBHOOK_WRITE_FAILING_FOR_S, "warning",
+              "Recalibration requests for {{ $labels.target }} cannot be delivered",
+              "The easymats webhook at {{ $labels.instance }} keeps failing to write recalibration "
+              "requests into the control file of {{ $labels.target }} (answered 503; Alertmanager "
+              "retries): the runtime is not recalibrating on its alerts."),
         Alert("EasymatsAgentDown", f"up{{job=\"{AGENT_JOB}\"}} == 0", T.TARGET_DOWN_FOR_S, "critical",
               "Prometheus cannot scrape the easymats agent at {{ $labels.instance }}",
               "The scrape of job {{ $labels.job }} at {{ $labels.instance }} fails: no HiSparse "

@@ -43,6 +43,14 @@ TARGETS = {"cpu_pct_1": 0.5, "cpu_pct_64": 5.0, "lag_p99_ms": 10.0, "scrape_ms_6
            "first_sample_s": 0.5}
 
 
+def use_private_segment_dir() -> str:
+    """Targets and agents of this run publish and read in a fresh 0700 directory of their own."""
+    seg_dir = tempfile.mkdtemp(prefix="bench-seg-")
+    os.chmod(seg_dir, 0o700)
+    os.environ["EASYMATS_SEGMENT_DIR"] = seg_dir
+    return seg_dir
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -213,9 +221,7 @@ def main() -> None:
     ap.add_argument("--no-multiprocess", action="store_true", help="skip the prometheus_client comparison")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    seg_dir = tempfile.mkdtemp(prefix="bench-seg-")
-    os.chmod(seg_dir, 0o700)
-    os.environ["EASYMATS_SEGMENT_DIR"] = seg_dir
+    use_private_segment_dir()
     workdir = tempfile.mkdtemp(prefix="bench-agent-")
     print(f"log: {'off' if args.no_log else 'on'}; machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
           f"python {platform.python_version()}; targets publish at {args.target_rate:g} Hz; agent at 10 Hz")

@@ -20,6 +20,7 @@ Use from the CLI (``easymats --pid ...``) or as a library::
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import signal
@@ -28,26 +29,32 @@ import threading
 import time
 from typing import Iterable, TextIO
 
-from . import procinfo
+from .discovery import Discovery
 from .exporter import AgentCollector, LagHistogram, make_registry, serve
 from .liveview import WINDOW_S as view_window_s, LiveView
 from .logwriter import LogWriter
 from .nvml import Nvml, NvmlSnapshot
-from .procmetrics import descendants, owner_of
-from .segment import SegmentError, control_path, pid_of_path, segment_dir, segment_paths
-from .sources.attach import EngineAttach, is_engine
+from .procmetrics import owner_of
+from .segment import control_path, segment_dir
+from .source import Source
+from .sources.attach import EngineAttach
 from .targets import Target
 
 DISCOVERY_INTERVAL_S = 1.0
-# A target that went down stays on /metrics (easymats_target_up 0) this long, so a TargetDown
-# alert can fire, then it is dropped: a long-lived --keep-serving sidecar must not grow forever.
-DOWN_RETENTION_S = 600.0
 PROCESS_INTERVAL_S = 1.0  # psutil reads: CPU and RSS move slowly, no need for every tick
+# A target whose heartbeat stands still this long (its process alive) is down: hung or stopped.
+# Writers publish at least once a second while idle (docs/segment.md 5).
+STALE_AFTER_S = 10.0
+# /metrics reports a target up only if its last sample is this recent (or 10 intervals).
+SAMPLE_MAX_AGE_S = 2.0
+# run() owns the process (as the CLI does): the interpreter's thread switch interval drops from
+# 5 ms to this, so a sampler tick waiting for the GIL behind busy /metrics threads is late by
+# about a millisecond, not by several 5 ms turns.
+GIL_SWITCH_INTERVAL_S = 0.001
+# After SIGINT/SIGTERM the sampler finishes its tick and stops; one stuck in a system call (a hung
+# file system under the log) gets this long before the process exits without it.
+STOP_TIMEOUT_S = 5.0
 
-
-# Segment errors that no retry can fix: the file is skipped until its inode changes.
-PERMANENT_ERRORS = frozenset({"dead_pid", "pid_reused", "symlink", "not_regular", "bad_owner", "bad_mode",
-                              "future_version", "byte_order"})
 
 
 class AgentError(Exception):
@@ -61,9 +68,15 @@ class Agent:
                  duration: float | None = None, keep_serving: bool = False, view: str = "auto",
                  peak_window: float = 15.0, directory: str | None = None,
                  argv: Iterable[str] = (), out: TextIO | None = None, err: TextIO | None = None,
-                 nvml: Nvml | None = None, scrapes: Iterable[str] = (), follow_logs: Iterable[str] = (),
-                 scrape_timeout: float | None = None):
+                 nvml: Nvml | None = None, stale_after: float | None = STALE_AFTER_S,
+                 scrapes: Iterable[str] = (), follow_logs: Iterable[str] = (), scrape_timeout: float | None = None):
         self.pids = list(dict.fromkeys(int(p) for p in pids))
+        # Engine sources (vLLM/SGLang endpoints, SGLang PIDs, decode logs): easymats/sources/.
+        try:
+            self.engines = EngineAttach(scrapes, follow_logs, self.pids, interval=interval,
+                                        timeout=scrape_timeout, peak_window_s=peak_window)
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
         # Engine sources (vLLM/SGLang endpoints, SGLang PIDs, decode logs): easymats/sources/.
         try:
             self.engines = EngineAttach(scrapes, follow_logs, self.pids, interval=interval,
@@ -86,11 +99,16 @@ class Agent:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.nvml = nvml or Nvml()
-        self.down_retention_s = DOWN_RETENTION_S
+        self.discovery = Discovery(self.directory, self.pids, children=children, keep_serving=keep_serving,
+                                   peak_window=peak_window, report=self._report, stale_after=stale_after,
+                                   engines=self.engines)
 
         self.lag = LagHistogram()
-        self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu,
-                                        peak_window)
+        self.collector = AgentCollector(lambda: self._targets, self.lag, lambda: self._gpu, peak_window,
+                                        log=lambda: self.log,
+                                        sample_max_age_s=max(SAMPLE_MAX_AGE_S, 10 * interval),
+                                        # Targets, lag, peaks and the log change only within a tick.
+                                        version=lambda: (self.ticks, id(self._gpu)))
         self.registry = make_registry(self.collector)  # the webhook may register its own collector
         self.log: LogWriter | None = None
         self.port: int | None = None
@@ -105,26 +123,49 @@ class Agent:
         self._server = None
         self._opened = False
         self._closed = False
-        self._rejected: set[tuple[str, int]] = set()  # (path, inode) of segments not ours
-        self._failing_since: dict[tuple[str, int], float] = {}
         self._warned: set[str] = set()
         self._next_discovery = 0.0
-        self._paths_cache: tuple[tuple[int, int], list[str], bool] | None = None
         self._next_process = 0.0
+        self._added: collections.deque[Target] = collections.deque()  # from add_source, any thread
+        self.failure: str | None = None  # why the agent could not do its job (exit status 1)
 
     # -- public ------------------------------------------------------------------------------------
     @property
     def targets(self) -> list[Target]:
         return self._targets
 
-    def resolve_target(self, name: str) -> str | None:
-        """Control-file path of the live target declared as ``name`` (or with that pid)."""
+    @property
+    def down_retention_s(self) -> float:
+        """How long a target that went down stays on /metrics (easymats_target_up 0)."""
+        return self.discovery.down_retention_s
+
+    @down_retention_s.setter
+    def down_retention_s(self, seconds: float) -> None:
+        self.discovery.down_retention_s = seconds
+
+    def add_source(self, source: Source) -> Target:
+        """Sample ``source`` (any kind of :class:`easymats.source.Source`) as one more target from
+        the next tick: exported, logged, bounded and judged up or down like a segment's."""
+        tg = Target(source.pid, source=source, peak_window_s=self.peak_window,
+                    stale_after_s=self.discovery.stale_after)
+        self._added.append(tg)  # the sampler thread owns the target list: it takes it from here
+        return tg
+
+    def resolve(self, name: str) -> tuple[str, str] | None:
+        """(declared name, control-file path) of the live target declared as ``name`` or with
+        that pid; None if no attached target is."""
+        wanted = str(name).strip()
         for tg in self._targets:
             if tg.gone or not tg.path:
                 continue
-            if tg.name == name or str(tg.pid) == str(name).strip():
-                return control_path(tg.path)
+            if tg.name == name or str(tg.pid) == wanted:
+                return tg.name, control_path(tg.path)
         return None
+
+    def resolve_target(self, name: str) -> str | None:
+        """Control-file path of the live target declared as ``name`` (or with that pid)."""
+        found = self.resolve(name)
+        return found[1] if found else None
 
     def open(self) -> None:
         """Check the PIDs, attach, open the log and the HTTP server. AgentError on user mistakes."""
@@ -136,13 +177,13 @@ class Agent:
         if self.output:
             try:
                 self.log = LogWriter(self.output, interval_s=self.interval, max_bytes=self.max_bytes,
-                                     backups=self.backups, argv=self.argv)
+                                     backups=self.backups, argv=self.argv, warn=self._say)
             except OSError as exc:
                 raise AgentError(f"cannot write the log {self.output}: {exc.strerror or exc}; "
                                  "choose another --output") from None
         self._event("agent_start", detail=f"pids={','.join(map(str, self.pids))} "
                     f"interval={self.interval:g} dir={self.directory}")
-        self._discover(initial=True)
+        self._discover()
         self._attach_engines()
         if self.listen is not None:
             host, port = self.listen
@@ -182,14 +223,20 @@ class Agent:
         return True
 
     def run(self) -> int:
-        """Sample until stopped (SIGINT/SIGTERM, --duration, or every target gone); exit status."""
+        """Sample until stopped (SIGINT/SIGTERM, --duration, or every target gone); exit status:
+        0, or 1 when the agent could not do all of its job (the sampler failed or did not stop,
+        or log lines were dropped)."""
         restore = self._install_signals()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, GIL_SWITCH_INTERVAL_S))
         try:
             self.start()
             mode = self._view_mode()
             view = LiveView(colour=mode == "table")
             period = 0.25 if mode == "table" else 1.0
             while not self._done.wait(period if mode != "none" else 0.5):
+                if self._stop.is_set():
+                    break
                 if mode == "none":
                     continue
                 targets = self._targets
@@ -202,10 +249,22 @@ class Agent:
                               flush=True)
                 except (BrokenPipeError, ValueError):  # the reader of our stdout went away
                     mode = "none"
-            self.wait()
+            if not self.wait(STOP_TIMEOUT_S):
+                # Threads are daemons: the process ends without the stuck sampler.
+                self.failure = self.failure or f"the sampler did not stop within {STOP_TIMEOUT_S:g} s"
+                self._say(self.failure)
         finally:
             restore()
-        return 0
+            sys.setswitchinterval(switch)
+        return self.exit_status()
+
+    def exit_status(self) -> int:
+        code = 1 if self.failure else 0
+        if self.log is not None and self.log.dropped_lines:
+            self._say(f"{self.log.dropped_lines} lines of the log {self.output} were dropped while it "
+                      "could not be written: the log is incomplete")
+            code = 1
+        return code
 
     def close(self) -> None:
         """Stop everything and flush the log; idempotent."""
@@ -241,7 +300,7 @@ class Agent:
                              f"easymats as that user (segments are readable only by their owner)") from None
 
     def _attach_engines(self) -> None:
-        """Scrape and stand-alone decode-log targets (engine PIDs attach in _discover)."""
+        """Scrape and stand-alone decode-log targets (engine PIDs attach in discovery)."""
         try:
             engines = self.engines.start(taken={tg.name for tg in self._targets})
         except ValueError as exc:
@@ -251,141 +310,35 @@ class Agent:
             self._event("attach", tg, detail=f"{tg.kind} {tg.where}")
         self._targets = self._targets + engines
 
+    def _say(self, message: str) -> None:
+        try:
+            print(f"easymats: warning: {message}", file=self.err, flush=True)
+        except (OSError, ValueError):  # stderr gone (a closed pipe): the log and /metrics still say it
+            pass
+
     def _warn(self, key: str, message: str) -> None:
+        """Say ``message`` once per ``key``."""
         if key in self._warned:
             return
         self._warned.add(key)
-        print(f"easymats: warning: {message}", file=self.err, flush=True)
+        self._say(message)
 
-    def _watched_pids(self) -> set[int]:
-        pids = set(self.pids)
-        if self.children:
-            for pid in self.pids:
-                pids.update(descendants(pid))
-        return pids
-
-    def _discover(self, initial: bool = False) -> None:
-        """Attach to new segments of watched processes (and, with --keep-serving, to segments
-        declaring the name of a target that went down: a restart)."""
-        watched = self._watched_pids()
-        current = list(self._targets)
-        attached = {tg.path for tg in current if tg.path and not tg.gone}
-        down_names = {tg.name for tg in current if tg.gone}
-        new: list[Target] = []
-        paths = self._segment_paths()
-        for path in paths:
-            if path in attached:
-                continue
-            pid = pid_of_path(path)
-            if pid is None:
-                continue
-            try:
-                ino = os.stat(path).st_ino
-            except OSError:
-                continue
-            if (path, ino) in self._rejected:
-                continue
-            # --keep-serving without --pid (and without engine sources): a sidecar for every runtime
-            watch_all = not self.pids and not self.engines.active
-            if not watch_all and pid not in watched and not (self.keep_serving and down_names):
-                continue
-            try:
-                tg = Target(pid, path, peak_window_s=self.peak_window)
-            except SegmentError as exc:
-                if exc.kind in PERMANENT_ERRORS:
-                    self._rejected.add((path, ino))
-                    if (pid in watched or watch_all) and exc.kind not in ("dead_pid", "pid_reused"):
-                        self._warn(path, str(exc))
-                else:
-                    # A segment being created reads as empty or garbled for a moment: retry at the
-                    # next discovery, and only complain when it stays unreadable.
-                    since = self._failing_since.setdefault((path, ino), time.monotonic())
-                    if (pid in watched or watch_all) and time.monotonic() - since > 3.0:
-                        self._warn(path, str(exc))
-                continue
-            self._failing_since.pop((path, ino), None)
-            if not watch_all and pid not in watched and tg.name not in down_names:
-                tg.close()
-                self._rejected.add((path, ino))
-                continue
-            taken = {t.name for t in current + new if not t.gone}
-            if tg.name in taken:
-                # Two live processes declaring one name would make /metrics invalid (duplicate
-                # series): the later one gets its pid appended.
-                declared, tg.name = tg.name, f"{tg.name}.{pid}"
-                n = 1
-                while tg.name in taken:
-                    tg.name, n = f"{declared}.{pid}.{n}", n + 1
-                self._warn(f"dup-{path}", f"PID {pid} declares the target name {declared!r}, which a live "
-                           f"process already uses; exporting it as {tg.name!r} (give each process its "
-                           "own name in open_segment(name=...))")
-            new.append(tg)
-        # Watched pids with no segment: an engine process (SGLang's metric files) if it shows one,
-        # else sample their process (and GPU) only, and say so once.
-        have_pid = {tg.pid for tg in current + new if not tg.gone and (tg.path or is_engine(tg))}
-        placeholders = {tg.pid for tg in current if not tg.gone and not tg.path}
-        for pid in self.pids:
-            if pid not in have_pid and procinfo.pid_exists(pid):
-                engine = self.engines.pid_target(pid, current)
-                if engine is not None:
-                    new.append(engine)
-                elif pid not in placeholders and not any(tg.pid == pid for tg in current):
-                    self._warn(f"noseg-{pid}", f"PID {pid} has no telemetry segment in {self.directory} "
-                               "(is it a HiSparse process with telemetry on, and EASYMATS_SEGMENT_DIR "
-                               "the same for both?) and no prometheus_client metric files (an SGLang "
-                               "server with --enable-metrics?); sampling its process and GPU metrics only")
-                    new.append(Target(pid, None, peak_window_s=self.peak_window))
-        now = time.time()
-        expired = [tg for tg in current if tg.gone and (tg.sample_t or now) < now - self.down_retention_s]
-        if expired:
-            for tg in expired:
-                tg.close()
-            current = [tg for tg in current if tg not in expired]
-            self._targets = current
-        if not new:
+    def _report(self, key: str, message: str, pid: int | None = None) -> None:
+        """Say ``message`` once per ``key``: on stderr and as a ``warning`` event in the log."""
+        if key in self._warned:
             return
-        keep = []
-        new_names = {tg.name for tg in new if tg.path}
-        new_pids = {tg.pid for tg in new if tg.path or is_engine(tg)}
-        for tg in current:
-            if not tg.path and not is_engine(tg) and tg.pid in new_pids:
-                continue  # the placeholder's process opened its segment: the real target replaces it
-            if tg.gone and tg.name in new_names:
-                tg.close()
-                continue  # replaced by its restart
-            keep.append(tg)
-        for tg in new:
-            if tg.path and tg.name in down_names:
-                self._event("restart", tg, detail=f"{tg.name} is back as pid {tg.pid} ({tg.path})")
-            else:
-                self._event("attach", tg, detail=tg.path or (f"{tg.kind} {tg.where}" if is_engine(tg)
-                                                             else "no segment"))
-        self._targets = keep + new
+        self._warn(key, message)
+        if self.log is not None:
+            self.log.event("warning", pid=pid, detail=message)
 
-    def _segment_paths(self) -> list[str]:
-        """The directory's segment files, listed again only when the directory changed.
-
-        Creating or removing a file changes the directory's mtime, so an unchanged mtime means
-        an unchanged listing, with one catch: file times come from a coarse clock, and a file
-        created within the same clock tick as the previous change would leave the mtime as it
-        was. A listing is therefore reused only once the mtime it was taken at is well in the
-        past (100 ms, many ticks of any kernel clock)."""
-        try:
-            st = os.stat(self.directory)
-        except OSError:
-            self._paths_cache = None
-            return []
-        key = (st.st_ino, st.st_mtime_ns)
-        cached = self._paths_cache
-        if cached is not None and cached[0] == key and cached[2]:
-            return cached[1]
-        settled = time.time_ns() - st.st_mtime_ns > 100_000_000
-        try:
-            paths = segment_paths(self.directory)
-        except OSError:
-            paths = []
-        self._paths_cache = (key, paths, settled)
-        return paths
+    def _discover(self) -> None:
+        self._targets, events = self.discovery.scan(self._targets)
+        for event, tg, detail in events:
+            self._event(event, tg, detail=detail)
+        while self._added:
+            tg = self._added.popleft()
+            self._targets = self._targets + [tg]  # replaced whole: readers keep iterating the old list
+            self._event("attach", tg, detail=tg.path or tg.name)
 
     # -- threads -------------------------------------------------------------------------------------
     def _sampler_loop(self) -> None:
@@ -410,17 +363,25 @@ class Agent:
                     break
                 # Drift-free: the next tick is on the grid; ticks missed while late are skipped.
                 k = max(k + 1, int((time.monotonic() - start) / interval) + 1)
-        except Exception as exc:  # a bug must not leave a silent agent behind
-            print(f"easymats: internal error in the sampler: {type(exc).__name__}: {exc}", file=self.err)
-            raise
+        except BaseException as exc:  # a bug must not leave a silent agent behind
+            # Nothing is sampled any more: no target may stay "up" on /metrics.
+            self.failure = f"internal error in the sampler: {type(exc).__name__}: {exc}"
+            for tg in self._targets:
+                tg.up = False
+            self._say(self.failure)
+            import traceback
+            traceback.print_exc(file=self.err)
         finally:
-            self._event("agent_stop", detail=f"ticks={self.ticks}")
+            # Stop first: whatever the last event does, stop() and run() must see the end.
             self._stop.set()
-            self._done.set()
+            try:
+                self._event("agent_stop", detail=f"ticks={self.ticks}")
+            finally:
+                self._done.set()
 
     def _tick(self, mono: float, lag: float) -> None:
         t = time.time()
-        if mono >= self._next_discovery:
+        if mono >= self._next_discovery or self._added:
             self._next_discovery = mono + DISCOVERY_INTERVAL_S
             self._discover()
         read_process = mono >= self._next_process
@@ -432,20 +393,28 @@ class Agent:
         for tg in self._targets:
             if tg.gone:
                 continue
-            went_down, _ = tg.sample(t)
-            if read_process or tg.process is None:
-                tg.read_process()
-            if gpu is not None and gpu is not tg.gpu_source:
-                tg.gpu, tg.gpu_source = gpu.for_pid(tg.pid), gpu
-            if self.log is not None:
-                lines.append(tg.log_json(t, lag))
+            try:
+                went_down, _ = tg.sample(t, mono)
+                if read_process or tg.process is None:
+                    tg.read_process()
+                if gpu is not None and gpu is not tg.gpu_source:
+                    tg.gpu, tg.gpu_source = gpu.for_pid(tg.pid), gpu
+                if self.log is not None:
+                    lines.append(tg.log_json(t, lag))
+            except Exception as exc:  # one target's surprise (a bug) must not stop the others
+                tg.up, tg.error = False, f"internal error sampling this target: {type(exc).__name__}: {exc}"
+                self._warn(f"bug-{id(tg)}", f"target {tg.name!r}: {tg.error}")
+                continue
+            if tg.error_kind is not None and tg.error_kind != "busy":
+                # A segment that reads badly (bad layout, over budget): named once, not per sample.
+                self._report(f"{tg.path}-{tg.error_kind}", f"target {tg.name!r}: {tg.error}", tg.pid)
             if went_down:
                 downs.append(tg)
         if self.log is not None:
             self.log.write_text_lines(lines)
         for tg in downs:
             self._event("down", tg, detail=tg.error or "")
-            self._rejected.clear()  # a segment skipped before may be this target's restart
+            self.discovery.forget_rejections()
         self.ticks += 1
         if self.first_sample_mono is None and self._targets:
             self.first_sample_mono = time.monotonic()
@@ -493,6 +462,9 @@ class Agent:
 
         def handler(signum: int, frame: object) -> None:
             self.stop()
+            # A second SIGINT/SIGTERM ends the process at once, whatever the agent is doing.
+            for sig in previous:
+                signal.signal(sig, signal.SIG_DFL)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, handler)

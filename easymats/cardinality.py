@@ -17,7 +17,7 @@ from . import catalogue
 # per GPU or per (target, GPU), never more.
 PER_GPU_LABELS = frozenset({"gpu", "uuid"})
 # Status codes the webhook answers with (easymats/webhook.py): easymats_webhook_requests_total{code}.
-WEBHOOK_CODES = ("200", "400", "401", "404", "413")
+WEBHOOK_CODES = ("200", "400", "401", "404", "413", "500", "503")
 
 
 def series_of(spec: catalogue.MetricSpec, gpus: int = 1) -> int:

@@ -129,6 +129,13 @@ _AGENT_METRICS = (
        labels=("target",), source=AGENT),
     _m("easymats_segment_read_retries_total", COUNTER,
        "Segment reads retried because a publish was in progress.", labels=("target",), source=AGENT),
+    _m("easymats_target_sample_seconds_total", COUNTER,
+       "Time the sampler spent reading a target's source, all samples together.", unit="seconds",
+       labels=("target",), source=AGENT),
+    _m("easymats_target_over_budget", GAUGE,
+       "1 while a target's segment holds more series, or its live values span more bytes, than one "
+       "target may cost per sample (4096 series, 1 MiB); it is then not sampled (up 0).",
+       labels=("target",), source=AGENT),
     _m("easymats_sample_lag_seconds", HISTOGRAM,
        "How late each sampling tick ran against its schedule.", unit="seconds",
        buckets=SAMPLE_LAG_BUCKETS, source=AGENT),
@@ -162,6 +169,9 @@ _AGENT_METRICS = (
        labels=("code",), source=AGENT),
     _m("easymats_recalibration_requests_total", COUNTER,
        "Recalibration requests written to a target's control file.", labels=("target",), source=AGENT),
+    _m("easymats_webhook_write_failures_total", COUNTER,
+       "Recalibration requests the webhook could not write into a target's control file (answered "
+       "503, so Alertmanager retries).", labels=("target",), source=AGENT),
     _m("easymats_build_info", INFO, "easymats version.", labels=("version",), source=AGENT),
     # Engine targets (vLLM, SGLang; easymats/sources): what the target is, and what it cannot give.
     _m("easymats_target_source_info", INFO,
@@ -171,6 +181,12 @@ _AGENT_METRICS = (
     _m("easymats_target_not_provided_info", INFO,
        "A runtime catalogue metric the target's engine cannot provide (docs/engines.md).",
        labels=("target", "engine", "metric"), source=AGENT),
+    _m("easymats_log_failing", GAUGE,
+       "1 while the agent cannot write its log (--output): full disk, file size limit, I/O error. "
+       "Sampling and /metrics go on; the lines are dropped and the log is retried every few seconds.",
+       source=AGENT),
+    _m("easymats_log_dropped_lines_total", COUNTER,
+       "Log lines the agent could not write because the log was failing.", source=AGENT),
 )
 
 CATALOGUE: dict[str, MetricSpec] = {m.name: m for m in _RUNTIME_METRICS + _AGENT_METRICS}

@@ -15,27 +15,17 @@ from typing import Any
 
 import click
 
+from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
+
 LAZY_SUBCOMMANDS: dict[str, str] = {
     "ls": "easymats.ls:ls",
     "demo": "easymats.demo:demo",
     "report": "easymats.report.cli:report",
     "doctor": "easymats.report.cli:doctor",
-    "recalibrate": "easymats.webhook:recalibrate",
+    "recalibrate": "easymats.recalibrate:recalibrate",
 }
 
-INTERVAL_MIN_S = 0.01
-INTERVAL_MAX_S = 60.0
-DEFAULT_LISTEN = "127.0.0.1:9464"
 _PID_LIST_RE = re.compile(r"^[\d,\s]+$")
-
-
-class UsageFailure(click.ClickException):
-    """A mistake the user can fix: one line on stderr, exit status 2, never a traceback."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"easymats: {self.format_message()}", err=True)
 
 
 def _unavailable(name: str, target: str, why: str) -> click.Command:
@@ -124,25 +114,6 @@ def parse_pids(values: tuple[str, ...] | list[str]) -> list[int]:
     return pids
 
 
-def parse_listen(value: str | None, option: str = "--listen") -> tuple[str, int] | None:
-    """``HOST:PORT`` -> (host, port); ``''`` or ``none`` -> None (off)."""
-    if value is None or value.strip().lower() in ("", "none", "off"):
-        return None
-    host, sep, port = value.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageFailure(f"{option} {value!r} is not HOST:PORT (e.g. {DEFAULT_LISTEN}; "
-                           f"'none' turns it off)")
-    return host or "0.0.0.0", int(port)
-
-
-def check_interval(value: float, option: str = "--interval") -> float:
-    if not INTERVAL_MIN_S <= value <= INTERVAL_MAX_S:
-        raise UsageFailure(f"{option} {value:g} is out of range: allowed {INTERVAL_MIN_S:g}.."
-                           f"{INTERVAL_MAX_S:g} seconds")
-    return value
-
-
 @click.group(cls=LazyGroup, lazy=LAZY_SUBCOMMANDS, invoke_without_command=True,
              context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--pid", "pid_values", multiple=True, metavar="PID",
@@ -178,6 +149,9 @@ def check_interval(value: float, option: str = "--interval") -> float:
 @click.option("--quiet", "-q", is_flag=True, help="No live view and no summary lines.")
 @click.option("--peak-window", type=click.FloatRange(min=0, min_open=True), default=15.0,
               show_default=True, help="Seconds over which the *_max peak gauges take their maximum.")
+@click.option("--stale-after", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="A target whose heartbeat has not moved for this many seconds while its process "
+                   "lives is down (hung or stopped); 0 turns the check off.")
 @click.option("--webhook-listen", default=None, metavar="HOST:PORT",
               help="Serve the Alertmanager webhook for recalibration (off by default).")
 @click.option("--webhook-token-file", type=click.Path(dir_okay=False), default=None,
@@ -188,7 +162,7 @@ def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, scrape
          scrape_timeout: float | None, follow_logs: tuple[str, ...], interval: float,
          output: str | None, max_bytes: int, backups: int, listen: str, nvml_interval: float,
          duration: float | None, keep_serving: bool, quiet: bool, peak_window: float,
-         webhook_listen: str | None, webhook_token_file: str | None) -> None:
+         stale_after: float, webhook_listen: str | None, webhook_token_file: str | None) -> None:
     """Attach to HiSparse processes by PID (or to vLLM/SGLang with --scrape, an SGLang PID,
     --follow-log): sample their telemetry every --interval, log it, show it live and serve it to
     Prometheus."""
@@ -213,7 +187,8 @@ def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, scrape
                       max_bytes=max_bytes, backups=backups, listen=listen_addr,
                       nvml_interval=nvml_interval, duration=duration, keep_serving=keep_serving,
                       view="none" if quiet else "auto", peak_window=peak_window,
-                      argv=sys.argv, scrapes=scrapes, follow_logs=follow_logs, scrape_timeout=scrape_timeout)
+                      stale_after=stale_after or None, argv=sys.argv, scrapes=scrapes,
+                      follow_logs=follow_logs, scrape_timeout=scrape_timeout)
         agent.open()
         if webhook_addr:
             try:

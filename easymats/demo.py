@@ -24,8 +24,8 @@ import time
 
 import click
 
-from .cli import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
-from .segment import control_path, segment_dir, segments_for_pid
+from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
+from .segment import segment_dir, segments_for_pid
 
 STARTUP_TIMEOUT_S = 180.0  # importing torch + transformers on a slow cold machine
 STOP_TIMEOUT_S = 20.0
@@ -82,7 +82,7 @@ def _request_recalibration(agent, delay_s: float, stop: threading.Event, notes: 
     """After ``delay_s``, ask the long-context driver to recalibrate through its control file."""
     if stop.wait(delay_s):
         return
-    from .telemetry import ControlFile
+    from .control import ControlFile
 
     ctl = agent.resolve_target(REQUEST_TARGET)
     if ctl is None:

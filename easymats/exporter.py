@@ -16,8 +16,10 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from . import __version__, catalogue
+# /metrics over HTTP lives with the server (formatting here is pure); re-exported for callers.
+from .httpserve import serve_metrics as serve  # noqa: F401
+from .logwriter import LogWriter, escape_label_value
 from .nvml import NvmlSnapshot
-from .logwriter import escape_label_value
 from .segment import Histogram, Series, Snapshot
 from .sources import passthrough
 from .targets import Target
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 log = logging.getLogger("easymats.exporter")
+
+
+# How long one rendering of /metrics may be served again to other scrapers, at most.
+RENDER_REUSE_S = 0.25
 
 
 class LagHistogram:
@@ -93,13 +99,25 @@ class AgentCollector:
     """
 
     def __init__(self, targets: Callable[[], Iterable[Target]], lag: LagHistogram,
-                 gpu: Callable[[], NvmlSnapshot | None], peak_window_s: float):
+                 gpu: Callable[[], NvmlSnapshot | None], peak_window_s: float, *,
+                 log: Callable[[], LogWriter | None] = lambda: None,
+                 sample_max_age_s: float | None = None,
+                 version: Callable[[], object] | None = None):
         self._targets = targets
+        self._version = version
         self._lag = lag
         self._gpu = gpu
         self._peak_window_s = peak_window_s
+        self._log = log
+        # A target is up only if it was sampled this recently: should the sampler ever stop,
+        # /metrics says every target is down rather than serving its last values as healthy.
+        self._sample_max_age_s = sample_max_age_s
         self._warned: set[str] = set()
         self.last_render_s = 0.0
+
+    def version(self) -> object:
+        """Changes whenever what :meth:`render_text` would give changes (None: unknown)."""
+        return None if self._version is None else self._version()
 
     def describe(self) -> list["Metric"]:
         # Registering must not read anything: describe every name this collector can export.
@@ -117,14 +135,23 @@ class AgentCollector:
         yield "easymats_build_info", {"version": __version__}, 1.0
         yield "easymats_sample_lag_seconds", {}, self._lag.snapshot()
         yield "easymats_peak_window_seconds", {}, self._peak_window_s
+        log = self._log()
+        if log is not None:
+            yield "easymats_log_failing", {}, 0.0 if log.failing is None else 1.0
+            yield "easymats_log_dropped_lines_total", {}, float(log.dropped_lines)
+        now = time.monotonic()
+        max_age = self._sample_max_age_s
         for tg in targets:
             tl = {"target": tg.name}
-            yield "easymats_target_up", tl, 1.0 if tg.up else 0.0
+            fresh = max_age is None or (tg.sample_mono is not None and now - tg.sample_mono <= max_age)
+            yield "easymats_target_up", tl, 1.0 if tg.up and fresh else 0.0
             yield "easymats_target_info", {"target": tg.name, "pid": str(tg.pid), "labels": ",".join(
                 f"{k}={v}" for k, v in sorted(tg.labels.items()))}, 1.0
             yield "easymats_samples_total", tl, float(tg.samples)
             yield "easymats_sample_errors_total", tl, float(tg.errors)
             yield "easymats_segment_read_retries_total", tl, float(tg.retries)
+            yield "easymats_target_sample_seconds_total", tl, tg.sample_seconds
+            yield "easymats_target_over_budget", tl, 1.0 if tg.over_budget else 0.0
             engine_series = getattr(tg, "engine_series", None)  # engine targets (easymats/sources)
             if engine_series is not None:
                 yield from engine_series()
@@ -294,7 +321,8 @@ _HEADERS = {name: _header(spec) for name, spec in catalogue.CATALOGUE.items()}
 
 
 # Agent metrics that other parts of easymats own (the webhook registers its own collector).
-_NOT_OURS = {"easymats_webhook_requests_total", "easymats_recalibration_requests_total"}
+_NOT_OURS = {"easymats_webhook_requests_total", "easymats_recalibration_requests_total",
+             "easymats_webhook_write_failures_total"}
 
 
 class AgentRegistry:
@@ -311,6 +339,8 @@ class AgentRegistry:
         self.agent_collector = agent_collector
         self.extras: list = []
         self._lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        self._cached: tuple[object, float, bytes] | None = None  # (version, monotonic time, body)
 
     def register(self, collector) -> None:
         """Add a collector; ValueError if it describes a family already exported here."""
@@ -324,24 +354,39 @@ class AgentRegistry:
                 raise ValueError(f"duplicated metric families: {sorted(clash)}")
             self.extras.append(collector)
 
-    def unregister(self, collector) -> None:
-        with self._lock:
-            if collector in self.extras:
-                self.extras.remove(collector)
-
     def collect(self) -> Iterator["Metric"]:
         yield from self.agent_collector.collect()
         for c in list(self.extras):
             yield from c.collect()
 
-    def render(self) -> bytes:
-        text = self.agent_collector.render_text()
-        extras = list(self.extras)
-        if extras:
-            from prometheus_client import generate_latest
+    def _version(self, extras: list) -> object:
+        """What the body depends on, or None when some collector cannot say (no caching)."""
+        parts = [self.agent_collector.version()]
+        for c in extras:
+            version = getattr(c, "version", None)
+            parts.append(version() if version is not None else None)
+        return None if None in parts else tuple(parts)
 
-            text += generate_latest(_Collectors(extras)).decode("utf-8")
-        return text.encode("utf-8")
+    def render(self) -> bytes:
+        """The /metrics body. Many scrapers at once share one rendering: the body is reused while
+        nothing it depends on changed (no sampler tick, NVML reading or webhook call since), and
+        never longer than :data:`RENDER_REUSE_S`, so a staleness check always runs again soon."""
+        extras = list(self.extras)
+        with self._render_lock:
+            version = self._version(extras)
+            now = time.monotonic()
+            cached = self._cached
+            if (version is not None and cached is not None and cached[0] == version
+                    and now - cached[1] < RENDER_REUSE_S):
+                return cached[2]
+            text = self.agent_collector.render_text()
+            if extras:
+                from prometheus_client import generate_latest
+
+                text += generate_latest(_Collectors(extras)).decode("utf-8")
+            body = text.encode("utf-8")
+            self._cached = (version, now, body)
+            return body
 
 
 class _Collectors:
@@ -355,81 +400,3 @@ class _Collectors:
 
 def make_registry(collector: AgentCollector) -> AgentRegistry:
     return AgentRegistry(collector)
-
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-MAX_REQUEST_LINE = 8192
-MAX_HEADER_LINES = 100
-
-
-def _response(code: int, reason: str, ctype: str, body: bytes) -> bytes:
-    return (f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n").encode("latin-1") + body
-
-
-def serve(registry: AgentRegistry, host: str, port: int):
-    """Serve /metrics on a threaded HTTP/1.0 server; returns (server, thread). OSError if it
-    cannot bind.
-
-    A small handler on ``socketserver`` rather than ``http.server``: http.server imports
-    http.client, email and ssl, ~7 MB of resident memory in every agent, to parse what is here
-    one request line and a few headers (GET only; one request per connection, as http.server's
-    HTTP/1.0 default did)."""
-    import socket
-    import socketserver
-
-    class Handler(socketserver.StreamRequestHandler):
-        timeout = 10.0  # a client that connects and sends nothing must not hold a thread forever
-
-        def handle(self) -> None:
-            try:
-                out = self._answer()
-            except (OSError, ValueError):  # timed out or reset: nothing to answer
-                return
-            try:
-                self.wfile.write(out)
-            except OSError:
-                pass  # the scraper went away
-
-        def _answer(self) -> bytes:
-            line = self.rfile.readline(MAX_REQUEST_LINE + 1)
-            if len(line) > MAX_REQUEST_LINE:
-                return _response(414, "Request-URI Too Long", "text/plain", b"request line too long\n")
-            words = line.decode("latin-1").split()
-            if len(words) != 3 or not words[2].startswith("HTTP/"):
-                return _response(400, "Bad Request", "text/plain", b"bad request line\n")
-            for _ in range(MAX_HEADER_LINES):  # headers: read and ignored
-                h = self.rfile.readline(MAX_REQUEST_LINE + 1)
-                if h in (b"\r\n", b"\n", b""):
-                    break
-            else:
-                return _response(431, "Request Header Fields Too Large", "text/plain", b"too many headers\n")
-            method, path = words[0], words[1].split("?", 1)[0]
-            if method != "GET":
-                return _response(501, "Not Implemented", "text/plain", f"unsupported method {method}\n".encode())
-            if path == "/metrics":
-                try:
-                    return _response(200, "OK", CONTENT_TYPE, registry.render())
-                except Exception as exc:  # a scrape must never take the agent down
-                    log.exception("rendering /metrics failed")
-                    return _response(500, "Internal Server Error", "text/plain", f"error: {exc}\n".encode())
-            if path == "/":
-                return _response(200, "OK", "text/plain", b"easymats agent: see /metrics\n")
-            return _response(404, "Not Found", "text/plain", b"not found: try /metrics\n")
-
-    class Server(socketserver.ThreadingTCPServer):
-        daemon_threads = True
-        allow_reuse_address = True
-
-        @property
-        def server_port(self) -> int:
-            return self.server_address[1]
-
-    if ":" in host:
-        Server.address_family = socket.AF_INET6
-    server = Server((host, port), Handler)
-    thread = threading.Thread(target=server.serve_forever, name="easymats-http", daemon=True)
-    thread.start()
-    return server, thread

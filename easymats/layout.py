@@ -1,4 +1,4 @@
-"""Byte layout of the telemetry segment and the control file (version 1.0).
+"""Byte layout of the telemetry segment and the control file (version 1.0), and where they live.
 
 docs/segment.md is the normative description, written so that a runtime in any language can
 produce the files; this module is the Python rendering of the same tables. Everything is
@@ -17,6 +17,7 @@ Segment file::
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -25,6 +26,27 @@ CONTROL_MAGIC = b"EZMATCTL"
 MAJOR = 1
 MINOR = 0
 BYTE_ORDER_MARK = 0x01020304
+
+# ---- where the files live (docs/segment.md 1) -------------------------------------------------
+ENV_DIR = "EASYMATS_SEGMENT_DIR"
+
+
+def segment_dir() -> str:
+    """The segment directory: $EASYMATS_SEGMENT_DIR, else /dev/shm/easymats-<uid>."""
+    return os.environ.get(ENV_DIR) or f"/dev/shm/easymats-{os.geteuid()}"
+
+
+def control_path(segment_path: str) -> str:
+    """The control file paired with a segment: same stem, ``.ctl``."""
+    return segment_path[:-4] + ".ctl" if segment_path.endswith(".seg") else segment_path + ".ctl"
+
+
+# Limits a valid segment stays within (docs/segment.md 2.1): anything beyond is corruption, and
+# the bounds keep a garbage header from making the reader allocate or read gigabytes.
+MAX_ENTRIES = 65536
+MAX_FILE_BYTES = 64 << 20
+MAX_HEADER_BYTES = 65536
+MAX_ENTRY_BYTES = 4096
 
 # ---- segment header -------------------------------------------------------------------------
 HEADER_SIZE = 512
@@ -94,10 +116,26 @@ LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 METRIC_NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
+# Label names no segment may use: Prometheus reserves the "__" prefix (``__name__`` in a series
+# made the whole /metrics unparseable), and the agent adds "target" to every series itself.
+RESERVED_LABEL = "target"
+
+
+def label_name_problem(key: str) -> str | None:
+    """Why ``key`` cannot be a label name in a segment, or None."""
+    if not LABEL_NAME_RE.match(key):
+        return f"label name {key!r} is not a valid Prometheus label name"
+    if key.startswith("__") or key == RESERVED_LABEL:
+        return (f"label name {key!r} is reserved (names starting with '__' belong to Prometheus; "
+                f"{RESERVED_LABEL!r} is the one the agent adds to every series)")
+    return None
+
+
 def encode_labels(labels: dict[str, str], field: int) -> bytes:
     for key, value in labels.items():
-        if not LABEL_NAME_RE.match(key):
-            raise ValueError(f"label name {key!r} is not a valid Prometheus label name")
+        problem = label_name_problem(key)
+        if problem:
+            raise ValueError(problem)
         if any(c in str(value) for c in ("\x00", PAIR_SEP, KV_SEP)):
             raise ValueError(f"label {key}: value {value!r} contains a control character")
     raw = PAIR_SEP.join(f"{k}{KV_SEP}{v}" for k, v in sorted(labels.items())).encode("utf-8")
@@ -107,7 +145,7 @@ def encode_labels(labels: dict[str, str], field: int) -> bytes:
 
 
 def decode_labels(raw: bytes) -> dict[str, str]:
-    """Decode a NUL-padded label field; raises ValueError on anything malformed."""
+    """Decode a NUL-padded label field; raises ValueError on anything malformed or reserved."""
     text = raw.rstrip(b"\x00").decode("utf-8")
     if not text:
         return {}
@@ -116,6 +154,9 @@ def decode_labels(raw: bytes) -> dict[str, str]:
         key, sep, value = pair.partition(KV_SEP)
         if not sep or not LABEL_NAME_RE.match(key) or key in out:
             raise ValueError(f"malformed label pair {pair!r}")
+        problem = label_name_problem(key)
+        if problem:
+            raise ValueError(problem)
         out[key] = value
     return out
 

@@ -112,6 +112,14 @@ def recycle_health(d: Derived) -> str:
 
 _COLOURS = {"ok": "\033[32m", "warn": "\033[33m", "bad": "\033[31m", "unknown": ""}
 _RESET = "\033[0m"
+# C0 and C1 control characters and DEL: what a terminal acts on instead of showing.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
+
+
+def shown(text: str) -> str:
+    """``text`` with every control character escaped (``\\x1b``): target names and errors come from
+    the runtimes, and an escape sequence in one must not drive the operator's terminal."""
+    return text.translate(_CONTROLS)
 
 
 def _pct(x: float | None) -> str:
@@ -189,12 +197,13 @@ class LiveView:
         for tg in targets:
             d = self.derived(tg)
             up = self._c("yes" if tg.up else "no", "ok" if tg.up else "bad")
+            name = shown(tg.name)[:16]
             if d is None:
-                lines.append(f"{tg.name[:16]:<16} {tg.pid:>7} {up:>3}  (waiting for a second sample)"
-                             if tg.up else f"{tg.name[:16]:<16} {tg.pid:>7} {up:>3}  {tg.error or ''}")
+                lines.append(f"{name:<16} {tg.pid:>7} {up:>3}  (waiting for a second sample)"
+                             if tg.up else f"{name:<16} {tg.pid:>7} {up:>3}  {shown(tg.error or '')}")
                 continue
             lines.append(
-                f"{tg.name[:16]:<16} {tg.pid:>7} {up:>3} "
+                f"{name:<16} {tg.pid:>7} {up:>3} "
                 f"{self._c(f'{_pct(d.anchor_hit_rate):>7}', th.health('anchor_hit_rate', d.anchor_hit_rate))} "
                 f"{self._c(f'{_pct(d.hot_buffer_hit_rate):>7}', th.health('hot_buffer_hit_rate', d.hot_buffer_hit_rate))} "
                 f"{self._c(f'{_pct(d.prefetch_efficiency):>8}', th.health('prefetch_efficiency', d.prefetch_efficiency))} "
@@ -208,9 +217,9 @@ class LiveView:
         for tg in targets:
             d = self.derived(tg)
             if not tg.up or d is None:
-                parts.append(f"{tg.name}: {'up' if tg.up else 'down'}")
+                parts.append(f"{shown(tg.name)}: {'up' if tg.up else 'down'}")
                 continue
-            parts.append(f"{tg.name}: anchor={_pct(d.anchor_hit_rate)} hotbuf={_pct(d.hot_buffer_hit_rate)} "
+            parts.append(f"{shown(tg.name)}: anchor={_pct(d.anchor_hit_rate)} hotbuf={_pct(d.hot_buffer_hit_rate)} "
                          f"prefetch={_pct(d.prefetch_efficiency)} recycle={_pct(d.block_recycle_rate)}/s "
                          f"active={_num(d.active_blocks)} free={_num(d.free_blocks)} "
                          f"pending={_num(d.pending_blocks)} p99={_ms(d.step_p99_s)}ms "
@@ -219,6 +228,6 @@ class LiveView:
 
     def draw(self, out: TextIO, targets: list[Target], title: str = "") -> None:
         """Redraw the table in place (cursor home, clear screen)."""
-        urgent = "".join(f"\n{self._c('! ' + line, 'bad')}" for line in self.urgent(targets))
-        out.write("\033[H\033[2J" + (title + "\n" if title else "") + self.table(targets) + urgent + "\n")
+        urgent = "".join(f"\n{self._c('! ' + shown(line), 'bad')}" for line in self.urgent(targets))
+        out.write("\033[H\033[2J" + (shown(title) + "\n" if title else "") + self.table(targets) + urgent + "\n")
         out.flush()

@@ -7,19 +7,11 @@ from typing import NamedTuple
 
 import psutil
 
+from .procinfo import read_small
+
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def read_small(path: str) -> bytes:
-    """A small file (/proc/<pid>/stat) in one read: os.open/os.read skip the buffered file object
-    ``open()`` builds, which is most of the cost of a /proc read made every second per target."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 4096)
-    finally:
-        os.close(fd)
 
 
 class ProcessReading(NamedTuple):

@@ -9,26 +9,24 @@ between two reads of the seqlock word and retries a bounded number of times.
 from __future__ import annotations
 
 import glob
+import math
 import operator
 import os
 import stat
 import struct
 import time
-from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 from . import layout as L
 from . import procinfo
 
-ENV_DIR = "EASYMATS_SEGMENT_DIR"
-
-# Limits a valid segment stays within (docs/segment.md 2.1): anything beyond is corruption, and
-# the bounds keep a garbage header from making the reader allocate or read gigabytes.
-MAX_ENTRIES = 65536
-MAX_FILE_BYTES = 64 << 20
-MAX_HEADER_BYTES = 65536
-MAX_ENTRY_BYTES = 4096
+# Re-exported for the reader's callers: where segments live and the limits of a valid one are
+# part of the contract (layout.py holds them for the writer, telemetry.py, and this reader alike),
+# and the data model is shared with every other kind of source (source.py).
+from .layout import (ENV_DIR, MAX_ENTRIES, MAX_ENTRY_BYTES, MAX_FILE_BYTES,  # noqa: F401
+                     MAX_HEADER_BYTES, control_path, segment_dir)
+from .source import Histogram, Series, Snapshot, SourceError  # noqa: F401
 
 # Retry pacing while the seq word is odd or moving: yield first, then short sleeps (~5 ms total).
 _YIELD_RETRIES = 16
@@ -44,18 +42,13 @@ _dict_copy = dict.copy
 _HISTOGRAM = L.TYPE_NAMES[L.TYPE_HISTOGRAM]
 
 
-def segment_dir() -> str:
-    """The segment directory: $EASYMATS_SEGMENT_DIR, else /dev/shm/easymats-<uid>."""
-    return os.environ.get(ENV_DIR) or f"/dev/shm/easymats-{os.geteuid()}"
-
-
-class SegmentError(Exception):
+class SegmentError(SourceError):
     """A segment that cannot be read. ``kind`` is one of KINDS; the message names the fix."""
 
     KINDS = (
         "not_found", "empty", "truncated", "bad_magic", "byte_order", "future_version",
         "bad_layout", "symlink", "not_regular", "bad_owner", "bad_mode", "bad_directory",
-        "dead_pid", "pid_reused", "busy", "io",
+        "dead_pid", "pid_reused", "busy", "io", "over_budget",
     )
 
     def __init__(self, kind: str, path: str, message: str):
@@ -94,101 +87,6 @@ def check_directory(path: str) -> None:
                            "group or world can write it; chmod 700 it")
 
 
-@dataclass(slots=True)
-class Histogram:
-    """A histogram's value in a snapshot. Not frozen: a read builds one per histogram series and
-    a frozen dataclass takes twice as long to construct. Treat it as read-only."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[float, ...]  # per bucket, not cumulative; the last is the +Inf bucket
-    sum: float
-
-    @property
-    def count(self) -> float:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[float, float]]:
-        out, acc = [], 0.0
-        for bound, c in zip(self.bounds + (float("inf"),), self.counts):
-            acc += c
-            out.append((bound, acc))
-        return out
-
-
-class Series(NamedTuple):
-    """One series of a snapshot. A NamedTuple, not a dataclass: a read builds one per series and
-    a frozen dataclass costs ~1.5 us to construct against ~0.15 us for a tuple."""
-
-    name: str
-    type: str  # counter | gauge | histogram | info
-    unit: str
-    labels: dict[str, str]  # a fresh dict per snapshot: callers may keep or change it
-    value: float | Histogram
-
-
-class Snapshot:
-    """One consistent read of a segment.
-
-    ``series`` is built on first access: the agent's sampler formats its log line and peaks
-    straight from ``values`` (the raw values area, one float per 8-byte slot) and ``value_slots``
-    (per series: first slot and bucket count), so a sample that nobody inspects series by series
-    costs no Series or Histogram objects. ``values`` and ``value_slots`` are None for a snapshot
-    built from a series list.
-    """
-
-    __slots__ = ("path", "pid", "name", "labels", "start_ticks", "created_unix_ns", "heartbeat_unix_ns",
-                 "heartbeat_mono_ns", "seq", "layout_generation", "retries", "values", "value_slots",
-                 "_series", "_layout")
-    _FIELDS = ("path", "pid", "name", "labels", "start_ticks", "created_unix_ns", "heartbeat_unix_ns",
-               "heartbeat_mono_ns", "seq", "layout_generation", "series", "retries")
-
-    def __init__(self, path: str, pid: int, name: str, labels: dict[str, str], start_ticks: int,
-                 created_unix_ns: int, heartbeat_unix_ns: int, heartbeat_mono_ns: int, seq: int,
-                 layout_generation: int, series: list[Series] | None = None, retries: int = 0):
-        self.path = path
-        self.pid = pid
-        self.name = name
-        self.labels = labels
-        self.start_ticks = start_ticks
-        self.created_unix_ns = created_unix_ns
-        self.heartbeat_unix_ns = heartbeat_unix_ns
-        self.heartbeat_mono_ns = heartbeat_mono_ns
-        self.seq = seq
-        self.layout_generation = layout_generation
-        self.retries = retries
-        self._series = [] if series is None else series
-        self._layout: _Layout | None = None
-        self.values: tuple[float, ...] | None = None
-        self.value_slots: tuple[tuple[int, int], ...] | None = None
-
-    @property
-    def series(self) -> list[Series]:
-        s = self._series
-        if s is None:  # built from the raw values on first use (any thread: the result is the same)
-            s = self._series = _build_series(self._layout, self.values)  # type: ignore[arg-type]
-        return s
-
-    @series.setter
-    def series(self, value: list[Series]) -> None:
-        self._series = value
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return all(getattr(self, f) == getattr(other, f) for f in self._FIELDS)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
-
-    def __repr__(self) -> str:
-        return "Snapshot(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS) + ")"
-
-    def get(self, name: str, **labels: str) -> float | Histogram | None:
-        for s in self.series:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-        return None
-
-
 class _Layout(NamedTuple):
     """What a read needs from the entry table, parsed once per layout generation.
 
@@ -197,7 +95,7 @@ class _Layout(NamedTuple):
     """
 
     key: tuple  # (layout generation, entry count, values offset, values used, entry size)
-    values: struct.Struct  # unpacks the used part of the values area
+    values: struct.Struct  # unpacks the live span of the values area (slot 0 .. last slot in use)
     names: list[str]
     types: list[str]
     units: list[str]
@@ -206,15 +104,14 @@ class _Layout(NamedTuple):
     histograms: list[tuple[int, int, int]]  # (entry index, first slot, bucket count)
     slots: tuple[tuple[int, int], ...]  # per entry: (first slot, bucket count)
 
-
-def _build_series(layout: _Layout, values: tuple[float, ...]) -> list[Series]:
-    """The Series list of one read, from its layout and unpacked values area."""
-    series = list(map(_tuple_new, repeat(Series), zip(
-        layout.names, layout.types, layout.units, map(_dict_copy, layout.labels), layout.scalars(values))))
-    for i, slot, b in layout.histograms:
-        hist = Histogram(values[slot:slot + b], values[slot + b:slot + 2 * b + 1], values[slot + 2 * b + 1])
-        series[i] = series[i]._replace(value=hist)
-    return series
+    def build(self, values: tuple[float, ...]) -> list[Series]:
+        """The Series list of one read, from its unpacked values."""
+        series = list(map(_tuple_new, repeat(Series), zip(
+            self.names, self.types, self.units, map(_dict_copy, self.labels), self.scalars(values))))
+        for i, slot, b in self.histograms:
+            hist = Histogram(values[slot:slot + b], values[slot + b:slot + 2 * b + 1], values[slot + 2 * b + 1])
+            series[i] = series[i]._replace(value=hist)
+        return series
 
 
 def _scalar_getter(slots: list[int]) -> Callable[[tuple], tuple]:
@@ -236,12 +133,19 @@ class SegmentReader:
     """
 
     def __init__(self, path: str, *, max_retries: int = 64, check_writer: bool = True,
-                 proc_root: str = procinfo.PROC_ROOT):
+                 proc_root: str = procinfo.PROC_ROOT, max_series: int = L.MAX_ENTRIES,
+                 max_value_bytes: int = L.MAX_FILE_BYTES):
         self.path = path
         self.max_retries = max_retries
         self.proc_root = proc_root
+        # What one read may cost (a budget, not validity): more series, or live values spanning
+        # more bytes, is "over_budget".
+        self.max_series = max_series
+        self.max_value_bytes = max_value_bytes
         self._fd = -1
         self._layout: _Layout | None = None
+        self._refused: tuple[tuple, SegmentError] | None = None  # (layout key, over-budget error)
+        self._checked_bounds: tuple[tuple, tuple] | None = None  # (layout key, histogram bounds)
         self._ident: tuple[bytes, bytes, str, dict[str, str]] | None = None
         self._valid_header: tuple[bytes, bytes] | None = None
         self._open()
@@ -358,6 +262,13 @@ class SegmentReader:
         if pid <= 0:
             raise SegmentError("bad_layout", self.path, f"writer pid {pid} is not a pid")
 
+    def identity(self) -> tuple[int, int, str, dict[str, str]]:
+        """(writer pid, start ticks, name, labels) from the header, validated: all of them are
+        written once, before the first publish, so no seqlock is needed to read them."""
+        h = self._header()
+        name, labels = self._identity(h[19], h[20])
+        return h[6], h[7], name, dict(labels)
+
     def check_writer(self) -> None:
         """Raise SegmentError(dead_pid | pid_reused) unless the writing process is still alive."""
         h = self._header()
@@ -365,10 +276,11 @@ class SegmentReader:
         if boot != bytes(16) and boot != procinfo.boot_id(self.proc_root):
             raise SegmentError("dead_pid", self.path, f"segment of pid {pid} is from an earlier boot; "
                                "it is stale: remove it (easymats ls --clean)")
-        now_start = procinfo.start_ticks(pid, self.proc_root)
-        if now_start is None:
+        found = procinfo.stat_state(f"{self.proc_root}/{pid}/stat")
+        if found is None or found[0] in (b"Z", b"X", b"x"):  # a zombie has exited too
             raise SegmentError("dead_pid", self.path, f"writer pid {pid} is not running: the segment is "
                                "stale (the process crashed); remove it (easymats ls --clean)")
+        now_start = found[1]
         if start and now_start != start:
             raise SegmentError("pid_reused", self.path, f"pid {pid} now belongs to another process (start "
                                f"time {now_start} != {start}): the segment is stale; remove it")
@@ -378,9 +290,15 @@ class SegmentReader:
         key = (gen, count, values_off, values_used, entry_size)
         if self._layout is not None and self._layout.key == key:
             return self._layout
+        if self._refused is not None and self._refused[0] == key:
+            raise self._refused[1]  # over budget: not worth parsing the table again every sample
+        if count > self.max_series:
+            self._refuse(key, f"{count} series; easymats samples at most {self.max_series} per target")
         raw = self._pread(count * entry_size, table_off) if count else b""
         entries = []
+        seen: dict[tuple, int] = {}
         slots_total = values_used // 8
+        span = 0  # slots from the start of the values area to the end of the last one in use
         for i in range(count):
             type_code, _, buckets, _, value_off, name_b, labels_b, unit_b = L.ENTRY_STRUCT.unpack_from(
                 raw, i * entry_size)
@@ -402,13 +320,51 @@ class SegmentReader:
                 raise SegmentError("bad_layout", self.path, f"{where}: undecodable name or labels ({exc})") from None
             if not L.METRIC_NAME_RE.match(name):
                 raise SegmentError("bad_layout", self.path, f"{where}: {name!r} is not a metric name")
+            if type_code == L.TYPE_HISTOGRAM and "le" in labels:
+                raise SegmentError("bad_layout", self.path, f"{where}: histogram {name} has an 'le' label, "
+                                   "which its buckets need for themselves")
+            series_key = (name, tuple(sorted(labels.items())))
+            if series_key in seen:
+                raise SegmentError("bad_layout", self.path, f"{where}: {name}{labels or ''} is a duplicate "
+                                   f"of entry {seen[series_key]}; a series appears once")
+            seen[series_key] = i
+            span = max(span, rel // 8 + n_slots)
             entries.append((name, L.TYPE_NAMES[type_code], unit, labels, rel // 8, buckets))
-        layout = _Layout(key, struct.Struct(f"<{slots_total}d"), [e[0] for e in entries],
+        if span * 8 > self.max_value_bytes:
+            self._refuse(key, f"its {count} series span {span * 8} bytes of values; easymats reads at most "
+                         f"{self.max_value_bytes} per target and sample")
+        layout = _Layout(key, struct.Struct(f"<{span}d"), [e[0] for e in entries],
                          [e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries],
                          _scalar_getter([e[4] for e in entries]),
                          [(i, e[4], e[5]) for i, e in enumerate(entries) if e[1] is _HISTOGRAM],
                          tuple((e[4], e[5]) for e in entries))
         return layout  # read() caches it once the seq word proves the table was not torn
+
+    def _refuse(self, key: tuple, what: str) -> None:
+        err = SegmentError("over_budget", self.path, f"over budget: {what} (a HiSparse runtime publishes "
+                           "about a hundred series in a few KiB: is this a runaway or foreign writer?)")
+        self._refused = (key, err)
+        raise err
+
+    def _check_histograms(self, layout: _Layout, values: tuple[float, ...]) -> None:
+        """Bounds finite and strictly ascending (checked once per distinct bounds), counts >= 0."""
+        hists = layout.histograms
+        if not hists:
+            return
+        bounds = tuple(values[s:s + b] for _, s, b in hists)
+        checked = self._checked_bounds
+        if checked is None or checked[0] != layout.key or checked[1] != bounds:
+            for (i, _, _), bb in zip(hists, bounds):
+                if not all(math.isfinite(x) for x in bb) or any(x >= y for x, y in zip(bb, bb[1:])):
+                    raise SegmentError("bad_layout", self.path, f"entry {i}: histogram {layout.names[i]} has "
+                                       f"bounds {list(bb)}: they must be finite and strictly ascending "
+                                       "(+Inf is the implicit last bucket)")
+            self._checked_bounds = (layout.key, bounds)
+        for i, s, b in hists:
+            counts = values[s + b:s + 2 * b + 1]
+            if min(counts) < 0.0 or not math.isfinite(sum(counts)):
+                raise SegmentError("bad_layout", self.path, f"entry {i}: histogram {layout.names[i]} has bucket "
+                                   f"counts {list(counts)}: a count is never negative, NaN or infinite")
 
     def _identity(self, name_b: bytes, labels_b: bytes) -> tuple[str, dict[str, str]]:
         """The segment's name and labels, decoded once (they never change for one writer)."""
@@ -451,8 +407,8 @@ class SegmentReader:
                 h = self._header(raw_h)
                 layout = self._layout_for(h)
                 name, labels = self._identity(h[19], h[20])
-                values_used = h[17]
-                raw = self._pread(values_used, h[16]) if values_used else b""
+                span = layout.values.size  # only the live series: not all of a declared area
+                raw = self._pread(span, h[16]) if span else b""
             except SegmentError as exc:
                 # Fields read while a writer changed them can look invalid: only a failure on a
                 # quiet segment (seq unchanged) is real. I/O errors and truncation are always real.
@@ -462,11 +418,11 @@ class SegmentReader:
             if self._seq() != seq:
                 continue
             self._layout = layout
+            values = layout.values.unpack(raw)
+            self._check_histograms(layout, values)
             snap = Snapshot(self.path, h[6], name, dict(labels), h[7], h[21], h[10], h[11], seq, h[12],
-                            None, attempt)
-            snap._series = None  # built from values on first use
-            snap._layout = layout
-            snap.values = layout.values.unpack(raw)
+                            None, attempt, layout.build)  # series built from values on first use
+            snap.values = values
             snap.value_slots = layout.slots
             return snap
         raise SegmentBusy(self.path, self.max_retries)
@@ -513,14 +469,3 @@ def require_segments(pid: int, directory: str | None = None) -> list[str]:
                        f"{ENV_DIR} to that directory ('easymats ls' lists segments)")
 
 
-def control_path(segment_path: str) -> str:
-    """The control file paired with a segment: same stem, ``.ctl``."""
-    return segment_path[:-4] + ".ctl" if segment_path.endswith(".seg") else segment_path + ".ctl"
-
-
-def iter_snapshots(paths: list[str]) -> Iterator[tuple[str, Snapshot | SegmentError]]:
-    for p in paths:
-        try:
-            yield p, read_segment(p)
-        except SegmentError as exc:
-            yield p, exc

@@ -1,4 +1,10 @@
-"""One sampled process: its segment reader, latest snapshot, peaks, process and GPU readings.
+"""One sampled target: its source, latest snapshot, peaks, process and GPU readings, health.
+
+A :class:`Target` is the same whatever it samples: a :class:`easymats.source.Source` (a telemetry
+segment, :class:`easymats.segment_source.SegmentSource`, or another kind) gives snapshots or a
+:class:`easymats.source.SourceError`; the target turns that into up or down with a reason, counts
+samples, errors and the time they cost, keeps the peak windows, and formats the log line. A
+target without a source samples only its process (a watched pid with no readable segment).
 
 The sampler thread is the only writer of a :class:`Target`; the /metrics collector and the live
 view read it from other threads. Every field is replaced whole (one reference assignment), so a
@@ -11,21 +17,22 @@ import collections
 import json
 import math
 import operator
+import time
 from typing import Any
 
 from . import procinfo
 from .logwriter import LOG_VERSION, json_safe, series_key
 from .nvml import ProcessGpuReading
-from .procmetrics import ProcessProbe, ProcessReading, read_small
-from .segment import Histogram, SegmentError, SegmentReader, Snapshot
+from .procmetrics import ProcessProbe, ProcessReading
+from .segment_source import SegmentSource
+from .source import Histogram, Snapshot, Source, SourceError
 
-# Reads retried while a publish is in flight; each is a few preads on tmpfs, so this bounds a
-# target's read to well under a millisecond even against a writer publishing non-stop.
-READ_RETRIES = 16
+NO_SEGMENT = "no telemetry segment"
 
 
 class PeakWindow:
-    """Maximum over a trailing time window, O(1) amortised per sample (monotonic deque).
+    """Maximum over a trailing time window, O(1) amortised per sample (monotonic deque). Times
+    are monotonic seconds: a wall clock stepped back would keep a peak for as long as the step.
 
     Nothing is reset when it is read, so any number of scrapers, each scraping at an interval no
     longer than the window, sees every peak.
@@ -70,32 +77,48 @@ PEAK_SOURCES: dict[str, tuple[str, dict[str, str]]] = {
 
 
 class Target:
-    """A process the agent samples: through its segment, or (no segment) only its process."""
+    """A process the agent samples: through a source (its segment), or only its process.
 
-    def __init__(self, pid: int, path: str | None, *, peak_window_s: float,
-                 proc_root: str = procinfo.PROC_ROOT):
-        self.pid = pid
-        self.path = path
+    ``Target(pid, path)`` opens the segment at ``path`` (SegmentError if it is not a live one);
+    ``Target(pid, source=...)`` samples any other :class:`Source`; ``Target(pid)`` has none and
+    reports ``error`` (why there is no source) while sampling the process alone.
+    """
+
+    def __init__(self, pid: int, path: str | None = None, *, peak_window_s: float, source: Source | None = None,
+                 error: str = NO_SEGMENT, stale_after_s: float | None = None, proc_root: str = procinfo.PROC_ROOT):
+        if source is None and path:
+            source = SegmentSource(path, proc_root=proc_root)
+        self.source = source
+        self.path = source.path if source is not None else None
+        # The producing process: a segment's writer (normally the pid in its file name).
+        self.pid = source.pid if source is not None and source.pid else pid
+        self.named_pid = pid
         self.proc_root = proc_root
-        self._stat_path = f"{proc_root}/{pid}/stat"
-        self.reader: SegmentReader | None = None
-        self.name = f"pid-{pid}"
-        self.labels: dict[str, str] = {}
-        self.start_ticks = procinfo.start_ticks(pid, proc_root) or 0
+        self._stat_path = f"{proc_root}/{self.pid}/stat"
+        self.name = source.name if source is not None else f"pid-{pid}"
+        self.labels: dict[str, str] = dict(source.labels) if source is not None else {}
+        self.start_ticks = procinfo.start_ticks(self.pid, proc_root) or 0
         self.up = False
         self.gone = False  # the process exited (or the pid was reused): sampling stopped for good
-        self.error: str | None = None if path else "no telemetry segment"
+        self.error: str | None = None if source is not None else error
+        self.error_kind: str | None = None  # the SourceError kind behind ``error``
         self.snapshot: Snapshot | None = None
-        self.sample_t: float | None = None
+        self.sample_t: float | None = None  # unix time of the last sample (for the log)
+        self.sample_mono: float | None = None  # monotonic time of the last sample (for staleness)
         self.samples = 0
         self.errors = 0
         self.retries = 0
+        self.sample_seconds = 0.0  # time spent reading the source, all samples together
+        self.over_budget = False  # the source refused a read as costing more than a target may
+        # Down when the heartbeat stands still this long while the process lives (None: never).
+        self.stale_after_s = stale_after_s
+        self._heartbeat: tuple[int, float] = (-1, time.monotonic())  # (last seen, when it changed)
         self.process: ProcessReading | None = None
         self.gpu: list[ProcessGpuReading] | None = None
         self.peak_window_s = peak_window_s
         self._peaks = {name: PeakWindow(peak_window_s) for name in PEAK_SOURCES}
         self.peaks: dict[str, float] = {}
-        self._probe = ProcessProbe(pid)
+        self._probe = ProcessProbe(self.pid)
         self._keys: tuple[int, int, list[str]] | None = None
         self.exposition_cache: tuple | None = None  # owned by the exporter's fast path
         self._peak_cache: tuple | None = None
@@ -104,46 +127,34 @@ class Target:
         self._process_text: tuple[ProcessReading | None, str] = (None, ',"process":null')
         self._gpu_text: tuple[list | None, str] = (None, "")
         self.gpu_source: object = None  # the NVML snapshot self.gpu was taken from
-        if path:
-            # SegmentError (stale, bad mode ...) propagates: the caller decides what it means.
-            self.reader = SegmentReader(path, max_retries=READ_RETRIES, proc_root=proc_root)
-            snap = self.reader.read()
-            self.name, self.labels = snap.name, dict(snap.labels)
-            self.start_ticks = snap.start_ticks or self.start_ticks
 
     # -- sampling (sampler thread only) ------------------------------------------------------------
     def alive(self) -> bool:
-        """Running, not a zombie, and not a new process that reused the pid."""
-        try:
-            data = read_small(self._stat_path)
-        except OSError:
-            return False
-        # Fields after the command name (which may hold spaces and parentheses): state is first,
-        # start time the 20th. A zombie has exited; its parent just has not reaped it yet.
-        fields = data[data.rfind(b")") + 2:].split()
-        if not fields or fields[0] in (b"Z", b"X", b"x"):
-            return False
-        try:
-            now = int(fields[19])
-        except (IndexError, ValueError):
-            return False
-        return not self.start_ticks or now == self.start_ticks
+        """The producing process is running (not a zombie, not a new process under its pid)."""
+        if self.source is not None:
+            return self.source.alive()
+        return procinfo.running(self._stat_path, self.start_ticks)
 
     def read_process(self) -> None:
         reading = self._probe.read()
         if reading is not None:
             self.process = reading
 
-    def sample(self, t: float) -> tuple[bool, str | None]:
-        """Take one sample. Returns (went_down, error). A dead process marks the target gone."""
+    def sample(self, t: float, mono: float | None = None) -> tuple[bool, str | None]:
+        """Take one sample at unix time ``t`` (monotonic ``mono``, default now). Returns
+        (went_down, error). A dead process marks the target gone."""
         if self.gone:
             return False, self.error
-        snap = None
-        if self.reader is not None:
+        self.sample_mono = time.monotonic() if mono is None else mono
+        snap: Snapshot | SourceError | None = None
+        if self.source is not None:
+            t0 = time.perf_counter()
             try:
-                snap = self.reader.read()
-            except SegmentError as exc:
+                snap = self.source.read()
+            except SourceError as exc:
                 snap = exc
+            self.sample_seconds += time.perf_counter() - t0
+            self.over_budget = isinstance(snap, SourceError) and snap.kind == "over_budget"
         # A heartbeat that moved since the last sample proves the writer was alive moments ago;
         # only a still heartbeat (idle or exited writer) costs a /proc read.
         fresh = (isinstance(snap, Snapshot) and self.snapshot is not None
@@ -157,17 +168,23 @@ class Target:
             self.gone, self.up = True, False
             self.sample_t = t
             self.error = f"process {self.pid} exited"
+            if self.source is not None:
+                # Its last snapshot stays on /metrics for the down retention; its descriptor need
+                # not (a sidecar watching many short-lived runtimes would run out of them).
+                self.source.close()
             return True, self.error
         self.sample_t = t
         if snap is None:
             return False, self.error
-        if isinstance(snap, SegmentError):
+        if isinstance(snap, SourceError):
             self.errors += 1
-            self.up, self.error = False, str(snap)
+            self.up, self.error, self.error_kind = False, str(snap), snap.kind
             return False, self.error
         self.samples += 1
         self.retries += snap.retries
-        self.snapshot, self.up, self.error = snap, True, None
+        if self._stale(snap, self.sample_mono):
+            return False, self.error
+        self.snapshot, self.up, self.error, self.error_kind = snap, True, None, None
         values = snap.values
         if values is None:  # a snapshot built from series (not by a reader): slots are indices
             values = [s.value for s in snap.series]
@@ -176,12 +193,30 @@ class Target:
                 or cached[0] is None):
             cached = self._peak_plan(snap)
         peaks = {}
+        mono = self.sample_mono  # peak windows are intervals: monotonic, whatever the wall clock does
         for name, window, slots in cached[2]:
-            window.push(t, values[slots[0]] if len(slots) == 1 else
+            window.push(mono, values[slots[0]] if len(slots) == 1 else
                         sum([values[i] for i in slots]))  # type: ignore[index]
             peaks[name] = window.peek()
         self.peaks = peaks
         return False, None
+
+    def _stale(self, snap: Snapshot, mono: float) -> bool:
+        """True (and down, saying why) when the heartbeat has not moved for ``stale_after_s``.
+
+        Judged on the agent's own monotonic clock from when the heartbeat was last seen to move,
+        so neither the writer's clock nor a wall-clock jump matters."""
+        seen, changed = self._heartbeat
+        if snap.heartbeat_mono_ns != seen:
+            self._heartbeat = (snap.heartbeat_mono_ns, mono)
+            return False
+        if self.stale_after_s is None or self.stale_after_s <= 0 or mono - changed <= self.stale_after_s:
+            return False
+        self.snapshot, self.up, self.error_kind = snap, False, "stale"
+        self.error = (f"no publish for {mono - changed:.0f} s: process {self.pid} is alive but its heartbeat "
+                      "stopped (stopped, hung, or a writer that does not publish while idle: the segment "
+                      "contract asks for one publish a second)")
+        return True
 
     def _peak_plan(self, snap: Snapshot) -> tuple:
         """(value slots, layout generation, [(peak name, window, slots feeding it)]), per layout."""
@@ -334,10 +369,5 @@ class Target:
         return line
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-
-
-def _jf(x: float) -> str:
-    """A float as JSON: repr when finite, null otherwise."""
-    return repr(float(x)) if math.isfinite(x) else "null"
+        if self.source is not None:
+            self.source.close()

@@ -10,15 +10,17 @@
     seg.close()                   # removes the segment and control file
 
 Updates (``inc``, ``set``, ``observe``) touch only Python objects; ``publish`` copies every value
-into the shared segment in one write under a seqlock. The writer never breaks its host program:
-if the segment cannot be created it warns once and carries on as a no-op publisher.
+into the shared segment in one write under a seqlock. A segment nobody published for
+:data:`IDLE_BEAT_S` is published by a background thread (the contract's "at least once a second
+while idle", so that an agent can tell an idle process from a hung one). The writer never breaks
+its host program: if the segment cannot be created it warns once and carries on as a no-op
+publisher.
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
-import fcntl
 import mmap
 import os
 import stat
@@ -26,19 +28,20 @@ import struct
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Mapping
 
 from . import catalogue
 from . import layout as L
 from . import procinfo
-from .segment import ENV_DIR, MAX_ENTRIES, MAX_FILE_BYTES, control_path, segment_dir
+from .control import ControlFile, ControlRequest
+from .layout import ENV_DIR, MAX_ENTRIES, MAX_FILE_BYTES, control_path, segment_dir
 
 __all__ = ["open_segment", "Segment", "Counter", "Gauge", "Histogram", "ControlRequest",
            "ControlFile", "TelemetryWarning"]
 
 DEFAULT_CAPACITY = 512
 DEFAULT_VALUE_SLOTS = 8192
+IDLE_BEAT_S = 0.5  # a segment not published this long is published by the beat thread
 
 
 class TelemetryWarning(RuntimeWarning):
@@ -90,19 +93,6 @@ class Histogram:
         self.counts[i] += 1.0
         self.sum += value
 
-    def observe_many(self, values) -> None:
-        for v in values:
-            self.observe(float(v))
-
-
-@dataclass(frozen=True, slots=True)
-class ControlRequest:
-    id: int
-    action: str
-    reason: str
-    requester: str
-    requested_unix_ns: int
-
 
 def _write_at(mm: mmap.mmap, offset: int, data: bytes) -> None:
     mm[offset:offset + len(data)] = data
@@ -118,7 +108,8 @@ class Segment:
         self.path: str | None = None
         self.control: ControlFile | None = None
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        # Reentrant: a publish that fails tears the segment down while holding it.
+        self._lock = threading.RLock()
         self._series: dict[tuple, object] = {}
         self._order: list[tuple[str, object]] = []  # (type, metric) in value-slot order
         self._capacity = capacity
@@ -131,6 +122,7 @@ class Segment:
         self._pack: struct.Struct | None = None
         self._warned = False
         self._next_control_poll = 0.0
+        self._last_publish = time.monotonic()
         name_b = name.encode("utf-8")
         if len(name_b) > L.NAME_FIELD or not name:
             raise ValueError(f"segment name {name!r} must be 1..{L.NAME_FIELD} bytes of UTF-8")
@@ -201,6 +193,7 @@ class Segment:
         self._values_off = values_off
         self.control = ControlFile.create(control_path(path))
         _LIVE.add(self)
+        _start_beat()
 
     def _disable(self, why: str) -> None:
         if not self._warned:
@@ -291,10 +284,12 @@ class Segment:
 
     def publish(self) -> None:
         """Copy every value into the segment as one consistent snapshot and beat the heartbeat."""
-        mm = self._mm
-        if mm is None or os.getpid() != self._pid:
+        if self._mm is None or os.getpid() != self._pid:
             return
         with self._lock:
+            mm = self._mm
+            if mm is None:  # closed meanwhile (by the host, or the beat thread's failed publish)
+                return
             vals: list[float] = []
             append, extend = vals.append, vals.extend
             for type_, m in self._order:
@@ -306,6 +301,7 @@ class Segment:
                     append(m.value)
             if self._pack is None:
                 self._pack = struct.Struct(f"<{len(vals)}d")
+            self._last_publish = time.monotonic()
             try:
                 self._begin()
                 # Written in place while seq is odd: a reader that overlaps discards what it read.
@@ -358,149 +354,14 @@ class Segment:
         """Publish a last time, then remove the segment and its control file."""
         if self._mm is not None:
             self.publish()
-        self._teardown(unlink=True)
+        with self._lock:  # not while the beat thread publishes into the mapping
+            self._teardown(unlink=True)
 
     def __enter__(self) -> "Segment":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class ControlFile:
-    """The control file beside a segment: the agent writes requests, the runtime acknowledges.
-
-    Requests coalesce: the runtime sees the latest request id and acknowledging it covers every
-    earlier one. Writers (agents) serialise on ``flock`` and bracket each request with a write
-    sequence word (odd while writing), so the runtime, which never locks, never takes the id of
-    one request with the reason of another.
-    """
-
-    def __init__(self, path: str, fd: int):
-        self.path = path
-        self._fd = fd
-
-    @classmethod
-    def create(cls, path: str) -> "ControlFile":
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError:
-            os.unlink(path)
-            fd = os.open(path, flags, 0o600)
-        os.fchmod(fd, 0o600)
-        record = L.CONTROL_STRUCT.pack(L.CONTROL_MAGIC, L.MAJOR, L.MINOR, L.BYTE_ORDER_MARK, 0, 0, 0, 0,
-                                       b"", b"", b"", 0)
-        os.pwrite(fd, record.ljust(L.CONTROL_SIZE, b"\x00"), 0)
-        return cls(path, fd)
-
-    @classmethod
-    def open_existing(cls, path: str) -> "ControlFile":
-        """Open a runtime's control file for writing requests (the agent's side).
-
-        Raises OSError if it cannot be opened (FileNotFoundError: the runtime is gone) and
-        ValueError if it is not a control file of ours (wrong magic, size, owner or mode).
-        """
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        st = os.fstat(fd)
-        ok = (stat.S_ISREG(st.st_mode) and st.st_size >= L.CONTROL_SIZE and st.st_uid == os.geteuid()
-              and os.pread(fd, 8, 0) == L.CONTROL_MAGIC and not stat.S_IMODE(st.st_mode) & 0o077)
-        if not ok:
-            os.close(fd)
-            raise ValueError(f"{path} is not an easymats control file of yours (owner uid {st.st_uid}, "
-                             f"mode {stat.S_IMODE(st.st_mode):04o}, {st.st_size} bytes; expected your "
-                             f"uid, 0600, >= {L.CONTROL_SIZE} bytes, magic {L.CONTROL_MAGIC!r})")
-        return cls(path, fd)
-
-    def _read(self) -> tuple:
-        raw = os.pread(self._fd, L.CONTROL_STRUCT.size, 0)
-        if len(raw) < L.CONTROL_STRUCT.size or raw[:8] != L.CONTROL_MAGIC:
-            raise ValueError(f"control file {self.path} is truncated or corrupt")
-        return L.CONTROL_STRUCT.unpack(raw)
-
-    def _write_seq(self) -> int:
-        raw = os.pread(self._fd, 8, L.CTL_OFF_WRITE_SEQ)
-        if len(raw) != 8:
-            raise ValueError(f"control file {self.path} is truncated")
-        return L.U64.unpack(raw)[0]
-
-    def pending(self, max_retries: int = 8) -> ControlRequest | None:
-        """The latest unacknowledged request, or None (also when the file is unreadable or an
-        agent kept writing through every retry: the next poll sees it)."""
-        for _ in range(max_retries):
-            try:
-                w1 = self._write_seq()
-                if w1 & 1:
-                    os.sched_yield()
-                    continue
-                (_, _, _, _, req_seq, ack_seq, req_ns, _, action, reason, requester, _) = self._read()
-                if self._write_seq() != w1:
-                    continue
-            except (ValueError, OSError):
-                return None
-            if req_seq <= ack_seq:
-                return None
-            return ControlRequest(req_seq, L.decode_text(action, errors="replace"),
-                                  L.decode_text(reason, errors="replace"),
-                                  L.decode_text(requester, errors="replace"), req_ns)
-        return None
-
-    def ack(self, request: ControlRequest, status: int = 0) -> None:
-        os.pwrite(self._fd, struct.pack("<Q", time.time_ns()), L.CTL_OFF_ACK_UNIX_NS)
-        os.pwrite(self._fd, struct.pack("<Q", status), L.CTL_OFF_ACK_STATUS)
-        os.pwrite(self._fd, struct.pack("<Q", request.id), L.CTL_OFF_ACK_SEQ)
-
-    def request(self, action: str, reason: str = "", requester: str = "") -> int:
-        """Write a request (agent side); returns its id. The id is written last."""
-        with _Flock(self._fd):
-            fields = self._read()
-            req_id = max(fields[4], fields[5]) + 1
-            wseq = self._write_seq() | 1  # odd: a request is being written (an odd leftover
-            os.pwrite(self._fd, L.U64.pack(wseq), L.CTL_OFF_WRITE_SEQ)  # of a crash stays odd)
-            os.pwrite(self._fd, struct.pack("<Q", time.time_ns()), L.CTL_OFF_REQUEST_UNIX_NS)
-            os.pwrite(self._fd, _field(action, L.CTL_ACTION_FIELD), L.CTL_OFF_ACTION)
-            os.pwrite(self._fd, _field(reason, L.CTL_REASON_FIELD), L.CTL_OFF_REASON)
-            os.pwrite(self._fd, _field(requester, L.CTL_REQUESTER_FIELD), L.CTL_OFF_REQUESTER)
-            os.pwrite(self._fd, struct.pack("<Q", req_id), L.CTL_OFF_REQUEST_SEQ)
-            os.pwrite(self._fd, L.U64.pack(wseq + 1), L.CTL_OFF_WRITE_SEQ)
-        return req_id
-
-    def acked(self) -> tuple[int, int, int]:
-        """(ack id, ack unix ns, ack status) as last written by the runtime."""
-        f = self._read()
-        return f[5], f[7], f[11]
-
-    def close(self, unlink: bool = False) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-
-def _field(text: str, size: int) -> bytes:
-    raw = text.encode("utf-8")[:size]
-    while raw:  # never cut a multi-byte character in half
-        try:
-            raw.decode("utf-8")
-            break
-        except UnicodeDecodeError:
-            raw = raw[:-1]
-    return raw.ljust(size, b"\x00")
-
-
-class _Flock:
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __enter__(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -541,6 +402,34 @@ def _stale_own_file(path: str) -> bool:
 _LIVE: "set[Segment]" = set()
 
 
+_beat_pid = 0  # the process whose beat thread runs (a forked child starts its own)
+
+
+def _start_beat() -> None:
+    global _beat_pid
+    if _beat_pid == os.getpid():
+        return
+    _beat_pid = os.getpid()
+    threading.Thread(target=_beat, name="easymats-telemetry-beat", daemon=True).start()
+
+
+def _beat() -> None:
+    """Publish every live segment of this process that went :data:`IDLE_BEAT_S` without one.
+
+    An idle runtime (no decode steps, so no publish calls) then still moves its heartbeat. A
+    process stopped or hung hard enough to stall this thread (SIGSTOP, a GIL held in C) does not."""
+    me = os.getpid()
+    while _beat_pid == me:
+        time.sleep(IDLE_BEAT_S)
+        now = time.monotonic()
+        for seg in list(_LIVE):
+            try:
+                if now - seg._last_publish >= IDLE_BEAT_S:
+                    seg.publish()
+            except Exception:  # never fail the host program (e.g. during interpreter shutdown)
+                pass
+
+
 @atexit.register
 def _close_all() -> None:
     for seg in list(_LIVE):
@@ -556,7 +445,7 @@ def _after_fork_in_child() -> None:
     for seg in list(_LIVE):
         seg._mm = None
         seg.control = None
-        seg._lock = threading.Lock()  # another thread may have held it at the fork
+        seg._lock = threading.RLock()  # another thread may have held it at the fork
     _LIVE.clear()
 
 

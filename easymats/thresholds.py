@@ -49,6 +49,15 @@ SAMPLE_LAG_FOR_S = 300.0
 # A target whose easymats_target_up is 0 for this long pages.
 TARGET_DOWN_FOR_S = 60.0
 
+# An agent whose log (--output) cannot be written (easymats_log_failing 1) for this long warns:
+# samples are being dropped from the high-resolution record.
+LOG_FAILING_FOR_S = 300.0
+
+# Recalibration requests the webhook could not write into a runtime's control file
+# (easymats_webhook_write_failures_total), failing again within every 5 minutes for this long:
+# Alertmanager's retries are not getting through.
+WEBHOOK_WRITE_FAILING_FOR_S = 600.0
+
 # Warning band: a ratio within this fraction above its floor is shown yellow, not green.
 WARN_MARGIN = 0.05
 

@@ -1,21 +1,25 @@
-"""Recalibration on request: the Alertmanager webhook receiver and ``easymats recalibrate``.
+"""The Alertmanager webhook receiver: recalibration on request.
 
-The webhook (off by default; ``easymats --webhook-listen HOST:PORT --webhook-token-file FILE``)
-accepts Alertmanager's version 4 payloads. For each firing alert labelled
-``action="recalibrate"`` it maps the alert's ``target`` label (the runtime's declared segment
-name, or a pid) to that runtime's control file and writes a recalibration request. It answers
-within the request: the handler only validates and queues, one worker thread writes the control
-files. Status codes: 200 done or nothing to do, 400 malformed payload, 401 missing or wrong bearer
-token, 404 an alert names a target this agent does not watch (Alertmanager does not retry 4xx),
-413 body over 1 MiB. Each alert acts once per (fingerprint, startsAt): Alertmanager's repeats of
-a still-firing alert are acknowledged without another request. Resolved alerts are ignored.
+Off by default; ``easymats --webhook-listen HOST:PORT --webhook-token-file FILE`` turns it on. It
+accepts Alertmanager's version 4 payloads. For each firing alert labelled ``action="recalibrate"``
+it maps the alert's ``target`` label (the runtime's declared segment name, or its pid) to that
+runtime's control file and writes a recalibration request there, within the request: the answer
+says what was written. Status codes:
 
-Counters ``easymats_webhook_requests_total{code}`` and
-``easymats_recalibration_requests_total{target}`` are exported through the agent's registry by
-:class:`WebhookCollector`; :meth:`Webhook.counts` reads them directly.
+- 200: every request written (or nothing to do: resolved alerts, other actions, repeats);
+- 400 malformed payload, 401 missing or wrong bearer token, 404 an alert names a target this
+  agent does not watch, 413 body over 1 MiB (Alertmanager does not retry a 4xx);
+- 503: a request could not be written (the control file is missing or not one the agent may
+  trust); Alertmanager retries, and the repeat is acted on, since only a written request counts
+  as done;
+- 500: a bug in the receiver (logged with its traceback), also retried.
 
-``easymats recalibrate --pid N`` writes the same request by hand and waits for the runtime's
-acknowledgement.
+Each alert acts once per (fingerprint, startsAt): Alertmanager's repeats of a still-firing alert
+are answered without another request. The token is checked before the body is read. Counters
+``easymats_webhook_requests_total{code}``, ``easymats_recalibration_requests_total{target}`` and
+``easymats_webhook_write_failures_total{target}`` (``target`` is the runtime's declared name,
+however the alert named it) are exported through the agent's registry by
+:class:`WebhookCollector`.
 """
 
 from __future__ import annotations
@@ -23,39 +27,34 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import queue
+import socket
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Iterator
 
-import click
-
-from .segment import SegmentError, control_path, read_segment, require_segments
-from .telemetry import ControlFile
+from .control import RECALIBRATE, ControlFile
+from .httpserve import MAX_CONNECTIONS, TIMEOUT_S, BoundedServer, serve_in_thread
+from .usage import UsageFailure, parse_listen
 
 log = logging.getLogger("easymats.webhook")
 
-ACTION = "recalibrate"
+ACTION = RECALIBRATE
 DRAIN_BYTES = 8 << 20  # an oversized body up to this size is read and dropped before the 413
 MAX_BODY_BYTES = 1 << 20
 REMEMBERED_ALERTS = 4096  # (fingerprint, startsAt) keys kept for idempotency, oldest dropped first
-DEFAULT_TIMEOUT_S = 10.0
+# After a 401 the body is not read; this much of it is drained (briefly) so that the client can
+# read the answer instead of a connection reset.
+LINGER_BYTES = 64 << 10
+LINGER_S = 0.2
 
-Resolver = Callable[[str], "str | None"]
+# target label of an alert -> (the target's declared name, its control file), or None if unknown.
+Resolver = Callable[[str], "tuple[str, str] | None"]
 
 
 class PayloadError(ValueError):
     """The body is not an Alertmanager version 4 payload; the message says what is wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    target: str
-    control_path: str
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +70,8 @@ def parse_alerts(body: bytes) -> list[dict[str, Any]]:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PayloadError(f"body is not JSON ({exc})") from None
+    except RecursionError:  # e.g. 100,000 '[': the decoder recurses once per level
+        raise PayloadError("body is nested too deeply to be an Alertmanager payload") from None
     if not isinstance(payload, dict):
         raise PayloadError("body is not a JSON object")
     if payload.get("version") != "4":
@@ -90,190 +91,138 @@ def parse_alerts(body: bytes) -> list[dict[str, Any]]:
         for key in ("fingerprint", "startsAt"):
             if not isinstance(alert.get(key, ""), str):
                 raise PayloadError(f"alerts[{i}].{key} is not a string")
+        if (alert["status"] == "firing" and labels.get("action") == ACTION
+                and not labels.get("target")):
+            raise PayloadError(f"alerts[{i}] ({labels.get('alertname', '?')}) has no 'target' label; "
+                               "the alert rule must keep it")
     return alerts
 
 
 class Webhook:
-    """The receiver's logic and state; :meth:`serve` puts it behind HTTP.
-
-    ``resolve(target)`` returns the control-file path of a watched target, or None.
-    """
+    """The receiver's logic and state; :meth:`serve` puts it behind HTTP."""
 
     def __init__(self, resolve: Resolver, token: str, requester: str = "alertmanager"):
         if not token:
             raise ValueError("the webhook needs a non-empty bearer token")
         self._resolve = resolve
-        self._expected = f"Bearer {token}".encode()
+        self._token = token.encode()
         self._requester = requester
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters
+        self._write_lock = threading.Lock()  # the seen-set and the writes it guards
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._codes: dict[str, int] = {}
         self._requests: dict[str, int] = {}
-        self._failures = 0
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="easymats-webhook", daemon=True)
-        self._worker.start()
-        self._server: ThreadingHTTPServer | None = None
+        self._failures: dict[str, int] = {}
+        self.version = 0  # bumped with every counter change (lets /metrics reuse a rendering)
+        self._server: BoundedServer | None = None
         self.port: int | None = None
 
     # -- the decision, without HTTP ------------------------------------------------------------------
-    def handle(self, authorization: str | None, body: bytes) -> Outcome:
-        """Decide one call and queue its work; counts the status code."""
-        outcome = self._decide(authorization, body)
+    def authorized(self, authorization: str | None) -> bool:
+        """``Authorization: Bearer <token>``; the scheme is case-insensitive (RFC 7235), the token
+        compared in constant time: it is the only thing between the network and the runtime."""
+        scheme, _, credentials = (authorization or "").strip().partition(" ")
+        same = hmac.compare_digest(credentials.strip().encode(), self._token)
+        return same and scheme.lower() == "bearer"
+
+    def count(self, code: int) -> None:
         with self._lock:
-            key = str(outcome.code)
-            self._codes[key] = self._codes.get(key, 0) + 1
+            self._codes[str(code)] = self._codes.get(str(code), 0) + 1
+            self.version += 1
+
+    def handle(self, authorization: str | None, body: bytes) -> Outcome:
+        """Decide one call and write its requests; counts the status code."""
+        if not self.authorized(authorization):
+            outcome = Outcome(401, {"error": "missing or wrong bearer token (Authorization: Bearer ...)"})
+        else:
+            try:
+                outcome = self._act(parse_alerts(body))
+            except PayloadError as exc:
+                outcome = Outcome(400, {"error": str(exc)})
+        self.count(outcome.code)
         return outcome
 
-    def _decide(self, authorization: str | None, body: bytes) -> Outcome:
-        # Compare in constant time: the token is the only thing between the network and the runtime.
-        if not hmac.compare_digest((authorization or "").encode(), self._expected):
-            return Outcome(401, {"error": "missing or wrong bearer token (Authorization: Bearer ...)"})
-        try:
-            alerts = parse_alerts(body)
-        except PayloadError as exc:
-            return Outcome(400, {"error": str(exc)})
-        queued, duplicates, ignored, unknown = [], 0, 0, []
-        for i, alert in enumerate(alerts):
+    def _act(self, alerts: list[dict[str, Any]]) -> Outcome:
+        requested: list[str] = []
+        failed: list[dict[str, str]] = []
+        unknown: list[str] = []
+        duplicates = ignored = 0
+        for alert in alerts:
             labels = alert["labels"]
             if alert["status"] != "firing" or labels.get("action") != ACTION:
                 ignored += 1
                 continue
-            target = labels.get("target", "")
-            if not target:
-                return Outcome(400, {"error": f"alerts[{i}] ({labels.get('alertname', '?')}) has no "
-                                              "'target' label; the alert rule must keep it"})
-            path = self._resolve(target)
-            if path is None:
-                unknown.append(target)
+            resolved = self._resolve(labels["target"])
+            if resolved is None:
+                unknown.append(labels["target"])
                 continue
+            name, path = resolved
             key = (alert.get("fingerprint") or json.dumps(labels, sort_keys=True), alert.get("startsAt", ""))
-            with self._lock:
+            with self._write_lock:
                 if key in self._seen:
                     duplicates += 1
                     continue
+                error = self._write_request(name, path, f"{labels.get('alertname', 'alert')} {key[0]}")
+                if error is not None:
+                    failed.append({"target": name, "error": error})
+                    continue
+                # Remembered only once written: a repeat of a failed request is acted on.
                 self._seen[key] = None
                 while len(self._seen) > REMEMBERED_ALERTS:
                     self._seen.popitem(last=False)
-            reason = f"{labels.get('alertname', 'alert')} {key[0]}"
-            self._jobs.put(Job(target, path, reason))
-            queued.append(target)
-        body_out = {"queued": queued, "duplicates": duplicates, "ignored": ignored}
+            requested.append(name)
+        body: dict[str, Any] = {"requested": requested, "duplicates": duplicates, "ignored": ignored}
+        if failed:
+            why = "; ".join(f"{f['target']}: {f['error']}" for f in failed)
+            return Outcome(503, {**body, "failed": failed, "error": f"could not write the recalibration "
+                                 f"request ({why}); answered 503 so that Alertmanager retries"})
         if unknown:
-            return Outcome(404, {**body_out, "error": f"unknown target(s) {', '.join(sorted(set(unknown)))}: "
+            return Outcome(404, {**body, "error": f"unknown target(s) {', '.join(sorted(set(unknown)))}: "
                                  "not attached to this easymats agent (check the alert's target label "
                                  "and the agent's --pid)"})
-        return Outcome(200, body_out)
+        return Outcome(200, body)
 
-    # -- the work ------------------------------------------------------------------------------------
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                self._write_request(job)
-            finally:
-                self._jobs.task_done()
-
-    def _write_request(self, job: Job) -> None:
+    def _write_request(self, name: str, path: str, reason: str) -> str | None:
+        """Write one request into the control file at ``path``; None, or why it failed."""
         ctl = None
         try:
-            ctl = ControlFile.open_existing(job.control_path)
-            req_id = ctl.request(ACTION, job.reason, self._requester)
+            ctl = ControlFile.open_existing(path)
+            req_id = ctl.request(ACTION, reason, self._requester)
         except (OSError, ValueError) as exc:
+            error = getattr(exc, "strerror", None) or str(exc)
+            if isinstance(exc, FileNotFoundError):
+                error = f"{path} does not exist (the runtime closed its telemetry or exited)"
             with self._lock:
-                self._failures += 1
-            log.warning("cannot ask %s to recalibrate: %s", job.target, exc)
-            return
+                self._failures[name] = self._failures.get(name, 0) + 1
+                self.version += 1
+            log.warning("cannot ask %s to recalibrate: %s", name, error)
+            return error
         finally:
             if ctl is not None:
                 ctl.close()
         with self._lock:
-            self._requests[job.target] = self._requests.get(job.target, 0) + 1
-        log.info("asked %s to recalibrate (request %d: %s)", job.target, req_id, job.reason)
-
-    def drain(self, timeout: float = 5.0) -> bool:
-        """Wait until every queued request is written (tests and shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while self._jobs.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+            self._requests[name] = self._requests.get(name, 0) + 1
+            self.version += 1
+        log.info("asked %s to recalibrate (request %d: %s)", name, req_id, reason)
+        return None
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """{"requests_by_code": {...}, "recalibrations_by_target": {...}, "write_failures": {"": n}}."""
+        """{"requests_by_code": {...}, "recalibrations_by_target": {...}, "write_failures": {...}}."""
         with self._lock:
             return {"requests_by_code": dict(self._codes),
                     "recalibrations_by_target": dict(self._requests),
-                    "write_failures": {"": self._failures}}
+                    "write_failures": dict(self._failures)}
 
     # -- HTTP ----------------------------------------------------------------------------------------
-    def serve(self, host: str, port: int) -> "Webhook":
-        """Listen on host:port (0 picks a free port, see :attr:`port`) in a background thread."""
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "easymats-webhook"
-            protocol_version = "HTTP/1.1"
-            # Headers and body leave in one segment (buffered, flushed after each request) and
-            # without Nagle: on a keep-alive connection a split reply waits ~40 ms for delayed ACKs.
-            wbufsize = 1 << 16
-            disable_nagle_algorithm = True
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                except ValueError:
-                    length = -1
-                if length < 0 or length > MAX_BODY_BYTES:
-                    if MAX_BODY_BYTES < length <= DRAIN_BYTES:
-                        # Read and drop the body so the client finishes sending and reads the 413,
-                        # instead of failing with a broken pipe.
-                        left = length
-                        while left > 0:
-                            chunk = self.rfile.read(min(left, 1 << 16))
-                            if not chunk:
-                                break
-                            left -= len(chunk)
-                    with hook._lock:
-                        hook._codes["413" if length > 0 else "400"] = hook._codes.get(
-                            "413" if length > 0 else "400", 0) + 1
-                    self._reply(Outcome(413 if length > 0 else 400,
-                                        {"error": f"body must be 0..{MAX_BODY_BYTES} bytes with a Content-Length"}),
-                                close=True)
-                    return
-                body = self.rfile.read(length)
-                self._reply(hook.handle(self.headers.get("Authorization"), body))
-
-            def do_GET(self) -> None:  # noqa: N802
-                if self.path.rstrip("/") in ("/healthz", ""):
-                    self._reply(Outcome(200, {"status": "ok", "post": "Alertmanager webhook payloads"}))
-                else:
-                    self._reply(Outcome(404, {"error": "POST Alertmanager payloads here; GET /healthz"}))
-
-            def _reply(self, outcome: Outcome, close: bool = False) -> None:
-                data = json.dumps(outcome.body).encode() + b"\n"
-                self.send_response(outcome.code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if outcome.code == 401:
-                    self.send_header("WWW-Authenticate", 'Bearer realm="easymats"')
-                if close:
-                    self.send_header("Connection", "close")
-                    self.close_connection = True
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: Any) -> None:  # the agent owns stdout
-                log.debug("%s " + format, self.address_string(), *args)
-
-        server = ThreadingHTTPServer((host, port), Handler)
-        server.daemon_threads = True
+    def serve(self, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
+              timeout_s: float = TIMEOUT_S) -> "Webhook":
+        """Listen on host:port (0 picks a free port, see :attr:`port`) in a background thread;
+        at most ``max_connections`` served at once, each request within ``timeout_s``."""
+        server = BoundedServer((host, port), _handler(self), max_connections=max_connections,
+                               timeout_s=timeout_s)
         self._server = server
-        self.port = server.server_address[1]
-        threading.Thread(target=server.serve_forever, name="easymats-webhook-http", daemon=True).start()
+        self.port = server.server_port
+        serve_in_thread(server, "easymats-webhook-http")
         return self
 
     def close(self) -> None:
@@ -281,7 +230,96 @@ class Webhook:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self._jobs.put(None)
+
+
+def _drop(read: Callable[[int], bytes], left: int) -> None:
+    """Read and discard up to ``left`` bytes with ``read`` (fewer at end of stream)."""
+    while left > 0:
+        chunk = read(min(left, 1 << 16))
+        if not chunk:
+            break
+        left -= len(chunk)
+
+
+def _handler(hook: Webhook) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "easymats-webhook"
+        protocol_version = "HTTP/1.1"
+        # Headers and body leave in one segment (buffered, flushed after each request) and
+        # without Nagle: on a keep-alive connection a split reply waits ~40 ms for delayed ACKs.
+        wbufsize = 1 << 16
+        disable_nagle_algorithm = True
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            if not hook.authorized(self.headers.get("Authorization")):
+                # Nothing of the body is read for a caller without the token.
+                hook.count(401)
+                self._reply(Outcome(401, {"error": "missing or wrong bearer token (Authorization: Bearer ...)"}),
+                            close=True)
+                self._linger()
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+            except ValueError:
+                length = -1
+            if length < 0 or length > MAX_BODY_BYTES:
+                if MAX_BODY_BYTES < length <= DRAIN_BYTES:
+                    # Read and drop the body so the client finishes sending and reads the 413,
+                    # instead of failing with a broken pipe.
+                    _drop(self.rfile.read, length)
+                code = 413 if length > 0 else 400
+                hook.count(code)
+                self._reply(Outcome(code, {"error": f"body must be 0..{MAX_BODY_BYTES} bytes with a "
+                                                    "Content-Length"}), close=True)
+                return
+            body = self.rfile.read(length)
+            if len(body) < length:  # the client went away or timed out mid-body
+                self.close_connection = True
+                return
+            try:
+                outcome = hook.handle(self.headers.get("Authorization"), body)
+            except Exception:  # a bug must be an answer Alertmanager retries, not a dropped connection
+                log.exception("the webhook failed on a request")
+                hook.count(500)
+                outcome = Outcome(500, {"error": "internal error in the easymats webhook (see its log)"})
+            self._reply(outcome)
+
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path.rstrip("/") in ("/healthz", ""):
+                self._reply(Outcome(200, {"status": "ok", "post": "Alertmanager webhook payloads"}))
+            else:
+                self._reply(Outcome(404, {"error": "POST Alertmanager payloads here; GET /healthz"}))
+
+        def _reply(self, outcome: Outcome, close: bool = False) -> None:
+            data = json.dumps(outcome.body).encode() + b"\n"
+            self.send_response(outcome.code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if outcome.code == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="easymats"')
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(data)
+            if hook._server is not None:
+                hook._server.renew(self.connection)
+
+        def _linger(self) -> None:
+            """Send the answer, then read (and drop) a little of an unread body before closing:
+            closing with unread data resets the connection, and the client would lose the answer."""
+            try:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_WR)
+                self.connection.settimeout(LINGER_S)
+                _drop(self.connection.recv, LINGER_BYTES)
+            except OSError:
+                pass
+
+        def log_message(self, format: str, *args: Any) -> None:  # the agent owns stdout
+            log.debug("%s " + format, self.address_string(), *args)
+
+    return Handler
 
 
 class WebhookCollector:
@@ -291,10 +329,14 @@ class WebhookCollector:
         self._hook = hook
 
     def describe(self) -> list:
-        return list(self._families({"requests_by_code": {}, "recalibrations_by_target": {}}))
+        return list(self._families({"requests_by_code": {}, "recalibrations_by_target": {},
+                                    "write_failures": {}}))
 
     def collect(self) -> Iterator:
         return self._families(self._hook.counts())
+
+    def version(self) -> int:
+        return self._hook.version
 
     @staticmethod
     def _families(counts: dict[str, dict[str, int]]) -> Iterator:
@@ -307,17 +349,17 @@ class WebhookCollector:
         for code, n in sorted(counts["requests_by_code"].items()):
             fam.add_metric([code], n)
         yield fam
-        spec = catalogue.get("easymats_recalibration_requests_total")
-        fam = CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
-        for target, n in sorted(counts["recalibrations_by_target"].items()):
-            fam.add_metric([target], n)
-        yield fam
+        for name, key in (("easymats_recalibration_requests_total", "recalibrations_by_target"),
+                          ("easymats_webhook_write_failures_total", "write_failures")):
+            spec = catalogue.get(name)
+            fam = CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
+            for target, n in sorted(counts[key].items()):
+                fam.add_metric([target], n)
+            yield fam
 
 
 def read_token(token_file: str | None) -> str:
     """The bearer token from ``token_file`` (surrounding whitespace stripped); UsageFailure if unusable."""
-    from .cli import UsageFailure
-
     if not token_file:
         raise UsageFailure("--webhook-listen needs --webhook-token-file FILE: a file holding the bearer "
                            "token that Alertmanager sends (http_config.authorization.credentials_file)")
@@ -338,88 +380,13 @@ def start_webhook(listen: str, token_file: str | None, agent: Any) -> Webhook:
 
     Raises UsageFailure for a bad address or token file, OSError when the port cannot be bound.
     """
-    from .cli import parse_listen
-
     addr = parse_listen(listen, "--webhook-listen")
     if addr is None:
         raise ValueError("start_webhook needs HOST:PORT")
-    hook = Webhook(agent.resolve_target, read_token(token_file))
+    hook = Webhook(agent.resolve, read_token(token_file))
     hook.serve(*addr)
     registry = getattr(agent, "registry", None)
     if registry is not None:
         registry.register(WebhookCollector(hook))
     agent.webhook = hook  # kept reachable for the agent's lifetime (and for tests)
     return hook
-
-
-# -- easymats recalibrate -------------------------------------------------------------------------
-
-
-class RecalibrationFailed(click.ClickException):
-    """The request was written but not acknowledged (in time, or successfully): exit status 1."""
-
-    exit_code = 1
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"easymats: {self.format_message()}", err=True)
-
-
-def _control_files(pid: int) -> list[tuple[str, ControlFile]]:
-    from .cli import UsageFailure
-
-    try:
-        paths = require_segments(pid)
-    except SegmentError as exc:
-        raise UsageFailure(exc.detail) from None
-    out = []
-    for path in paths:
-        try:
-            name = read_segment(path).name
-        except SegmentError as exc:
-            raise UsageFailure(str(exc)) from None
-        try:
-            out.append((name, ControlFile.open_existing(control_path(path))))
-        except FileNotFoundError:
-            raise UsageFailure(f"{path} has no control file {control_path(path)}: the runtime does "
-                               "not accept requests (or its segment is stale: easymats ls --clean)") from None
-        except (OSError, ValueError) as exc:
-            raise UsageFailure(f"cannot open {control_path(path)}: {getattr(exc, 'strerror', None) or exc}"
-                               " (run easymats as the user that runs the runtime)") from None
-    return out
-
-
-@click.command("recalibrate")
-@click.option("--pid", type=click.IntRange(min=1), required=True, help="The HiSparse process.")
-@click.option("--reason", default="manual", show_default=True, help="Why (recorded by the runtime).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TIMEOUT_S,
-              show_default=True, help="Seconds to wait for the runtime's acknowledgement.")
-def recalibrate(pid: int, reason: str, timeout: float) -> None:
-    """Ask a runtime to recalibrate its anchors and probe, and wait for its acknowledgement."""
-    files = _control_files(pid)
-    t0 = time.monotonic()
-    pending = []
-    try:
-        for name, ctl in files:
-            pending.append((name, ctl, ctl.request(ACTION, reason, "cli")))
-        deadline = t0 + timeout
-        while pending:
-            for item in list(pending):
-                name, ctl, req_id = item
-                ack_id, _, status = ctl.acked()
-                if ack_id >= req_id:
-                    pending.remove(item)
-                    if status != 0:
-                        raise RecalibrationFailed(f"pid {pid} ({name}) acknowledged request #{req_id} "
-                                                  f"with failure status {status}; see the runtime's log")
-                    click.echo(f"pid {pid} ({name}): recalibration request #{req_id} acknowledged in "
-                               f"{(time.monotonic() - t0) * 1000:.0f} ms")
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{n} (request #{r})" for n, _, r in pending)
-                raise RecalibrationFailed(
-                    f"pid {pid} did not acknowledge {names} within {timeout:g} s: the request stays "
-                    "queued; check that the runtime is decoding (it polls its control file between "
-                    "steps) and not stopped, or wait longer with --timeout")
-            time.sleep(0.01)
-    finally:
-        for _, ctl in files:
-            ctl.close()

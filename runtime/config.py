@@ -5,6 +5,7 @@ Defaults follow SGLang's HiSparse (top_k 2048, hot buffer 2 x top_k); docs/runti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Union
 
@@ -12,6 +13,49 @@ from easymats.catalogue import QUANT_BITS as _CATALOGUE_BITS
 
 QUANT_BITS = tuple(int(b) for b in _CATALOGUE_BITS)
 Bits = Union[int, str, None]
+# Per-sequence page tables and block bounds are sized by max_seq_len: past this a generate would
+# fail at its first step with an allocator error instead of here.
+MAX_SEQ_LEN = 1 << 24
+NAME_BYTES = 64  # the telemetry segment's name field (easymats/layout.py NAME_FIELD)
+
+# Integer options and their smallest allowed value (optional ones may also be None).
+_INTS = {"max_seq_len": 1, "cache_block_size": 1, "window_size": 1, "global_tokens": 0, "top_k": 1,
+         "recalibrate_every": 1, "recalibrate_topk": 1, "recalibrate_queries": 1, "audit_every": 0,
+         "audit_top_m": 1, "drift_window": 1, "prefetch_blocks": 0, "bound_group": 1, "seed": 0}
+_OPTIONAL_INTS = {"device_buffer_tokens": 1, "host_pool_blocks": 1}
+_NUMBERS = ("quant_error_budget", "drift_floor", "threshold_base", "threshold_min", "threshold_max",
+            "recycle_grace_s", "publish_interval_s")
+
+
+def _int_problem(name: str, value: object, lowest: int) -> str | None:
+    what = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if value >= lowest else f"{name} must be {what}, got {value}"
+    hint = ""
+    if isinstance(value, str) and value.strip().isdigit():
+        hint = f": pass {name}={int(value)} (a number, not a string)"
+    elif isinstance(value, float):
+        hint = f": pass a whole number, e.g. {name}={max(lowest, round(value))}"
+    return f"{name} must be {what}, got {value!r} (a {type(value).__name__}){hint}"
+
+
+def _number_problem(name: str, value: object) -> str | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return None
+    return f"{name} must be a finite number, got {value!r} (a {type(value).__name__})"
+
+
+def _name_problem(name: object) -> str | None:
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        return f"name must be a non-empty string (the telemetry target name), got {name!r}"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return (f"name {name!r} contains NUL or another control character: use letters, digits and "
+                "-_.:/ (it becomes the target label)")
+    if len(name.encode("utf-8")) > NAME_BYTES:
+        return f"name {name!r} is {len(name.encode('utf-8'))} bytes of UTF-8; at most {NAME_BYTES} bytes fit"
+    return None
 
 
 @dataclass(slots=True)
@@ -69,11 +113,28 @@ class HiSparseConfig:
             if not cond:
                 raise ValueError(f"HiSparseConfig: {msg}")
 
-        for f in ("max_seq_len", "cache_block_size", "window_size", "top_k"):
-            v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                 f"{f} must be a positive integer, got {v!r}")
-        need(self.global_tokens >= 0, f"global_tokens must be >= 0, got {self.global_tokens}")
+        # Types first: every later check compares numbers.
+        for f, lowest in _INTS.items():
+            problem = _int_problem(f, getattr(self, f), lowest)
+            need(problem is None, problem or "")
+        for f, lowest in _OPTIONAL_INTS.items():
+            if getattr(self, f) is not None:
+                problem = _int_problem(f, getattr(self, f), lowest)
+                need(problem is None, problem or "")
+        for f in _NUMBERS:
+            problem = _number_problem(f, getattr(self, f))
+            need(problem is None, problem or "")
+        problem = _name_problem(self.name)
+        need(problem is None, problem or "")
+        need(self.max_seq_len <= MAX_SEQ_LEN,
+             f"max_seq_len={self.max_seq_len} is more than HiSparse supports ({MAX_SEQ_LEN} tokens): "
+             "per-sequence tables are sized by it; set it to the longest prompt + max_new_tokens you run")
+        need(self.window_size <= self.max_seq_len,
+             f"window_size ({self.window_size}) must be <= max_seq_len ({self.max_seq_len}): a window "
+             "longer than any sequence is the whole sequence; lower window_size")
+        need(0 < self.threshold_base < 1,
+             f"threshold_base must be between 0 and 1 (the probe's anchor threshold at 128K context, a "
+             f"probability), got {self.threshold_base}")
         need(self.window_size <= self.top_k,
              f"window_size ({self.window_size}) must be <= top_k ({self.top_k}): raise top_k or "
              "lower window_size")

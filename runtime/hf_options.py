@@ -53,6 +53,15 @@ def normalise_options(options: dict[str, Any], field_names: set[str]) -> dict[st
     return out
 
 
+def fit_name(name: str, limit: int = 64, fallback: str = "hisparse") -> str:
+    """A default telemetry name made valid: control characters dropped, cut to ``limit`` bytes of
+    UTF-8 at a character boundary. A name the user did not choose must never stop the model from
+    loading (the segment's name field holds 64 bytes; a model path's last component may not)."""
+    text = "".join(c for c in name if ord(c) >= 32 and ord(c) != 127)
+    raw = text.encode("utf-8")[:limit]
+    return raw.decode("utf-8", "ignore") or fallback
+
+
 def build_config(config_cls: type, options: dict[str, Any], *, default_name: str) -> Any:
     """A validated ``config_cls`` (HiSparseConfig) from the user's options.
 
@@ -71,7 +80,7 @@ def build_config(config_cls: type, options: dict[str, Any], *, default_name: str
     if kwargs.get("kv_dtype") is not None:
         kwargs["kv_dtype"] = getattr(torch, dtype_name(kwargs["kv_dtype"]))
     if "name" in fields and not kwargs.get("name"):
-        kwargs["name"] = default_name
+        kwargs["name"] = fit_name(default_name)
     try:
         cfg = config_cls(**kwargs)
         validate = getattr(cfg, "validate", None)

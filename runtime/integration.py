@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import hf_attention, hf_cache, hf_options, hf_support
+from . import hf_attention, hf_cache, hf_generate, hf_options, hf_support
 from .bindings import BINDINGS as _BINDINGS
 from .bindings import Binding, binding_of
 from .hf_options import HiSparseOptionError
@@ -215,6 +215,7 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     _BINDINGS[model] = binding
     if base_model is not model:
         _BINDINGS[base_model] = binding
+    hf_generate.guard_generate(model, int(cfg.max_seq_len))  # prompt + max_new_tokens checked up front
     # The engine (and its telemetry segment) lives as long as the model; finalize also runs at
     # interpreter exit, which is what removes the segment on a clean exit; closing detaches it.
     binding.finalizer = weakref.finalize(model, binding.close)
@@ -227,6 +228,7 @@ def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
     for handle in binding.hooks:
         handle.remove()
     binding.hooks = []
+    hf_generate.unguard_generate(model)
     if binding.previous_attn and binding.previous_attn != hf_attention.ATTN_IMPLEMENTATION:
         model.set_attn_implementation(binding.previous_attn)
     binding.close()

@@ -23,3 +23,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def procs():
+    """Processes a test starts (append them); any still running at the end is killed, so a test
+    that fails half-way leaves no agent or target behind on the shared machine."""
+    started: list = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        try:
+            p.wait(timeout=10)
+        except Exception:
+            pass

@@ -3,76 +3,15 @@ the log validated against docs/log-format.md."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers_agent import finish, read_log, scrape, start_agent, value, wait_for  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
-
-from easymats.logwriter import validate_line  # noqa: E402
-
-AGENT = [sys.executable, "-c", "from easymats.cli import main; main()"]
-
-
-def start_agent(*args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
-    return subprocess.Popen([*AGENT, *args], stdout=stdout, stderr=subprocess.PIPE, text=True)
-
-
-def scrape(port: int, timeout: float = 5.0) -> dict[str, list]:
-    """name -> samples [(sample name, labels, value)] from a real HTTP scrape."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                text = resp.read().decode()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def value(metrics: dict, name: str, **labels: str) -> float | None:
-    for lab, v in metrics.get(name, []):
-        if all(lab.get(k) == x for k, x in labels.items()):
-            return v
-    return None
-
-
-def wait_for(pred, timeout: float = 8.0, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError("condition not met in time")
-
-
-def read_log(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f]
-    for obj in lines:
-        assert validate_line(obj) == [], (obj, validate_line(obj))
-    assert lines[0]["kind"] == "header"
-    return lines
-
-
-def finish(agent: subprocess.Popen, timeout: float = 15) -> tuple[int, str, str]:
-    out, err = agent.communicate(timeout=timeout)
-    return agent.returncode, out, err
 
 
 def test_two_targets_metrics_and_log(tmp_path):

@@ -14,8 +14,9 @@ import math
 import os
 import time
 
+from helpers_logformat import validate_line
+
 from easymats import telemetry
-from easymats.logwriter import validate_line
 from easymats.segment import Histogram, SegmentReader, Series, Snapshot
 from easymats.targets import Target
 

@@ -133,7 +133,7 @@ def _scrape_until(port: int, targets: set[str], procs: list[subprocess.Popen], t
 
 def test_a_full_target_exports_exactly_what_the_catalogue_allows(tmp_path):
     """The reference writer publishing every runtime series: the count the catalogue predicts
-    (no GPU here, and the per-target webhook counter only after a request)."""
+    (no GPU here, and the per-target webhook counters only after a request)."""
     port = free_port()
     target, _ = start_target("decode-0", rate=20, duration=0, extra=["--full"])
     agent = _agent(port, open(tmp_path / "agent.log", "w"))
@@ -142,8 +142,9 @@ def test_a_full_target_exports_exactly_what_the_catalogue_allows(tmp_path):
     finally:
         stop([agent, target])
     counts = cardinality.count_by_target(text)
-    expected = cardinality.series_per_target(gpus_per_target=0) - cardinality.series_of(
-        catalogue.get("easymats_recalibration_requests_total"))
+    expected = cardinality.series_per_target(gpus_per_target=0) - sum(
+        cardinality.series_of(catalogue.get(name))
+        for name in ("easymats_recalibration_requests_total", "easymats_webhook_write_failures_total"))
     assert counts["decode-0"] == expected
     assert counts[""] <= cardinality.series_per_agent(gpus=0)
     assert not cardinality.label_names(text) & UNBOUNDED_LABELS

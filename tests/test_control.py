@@ -12,7 +12,7 @@ import pytest
 
 from easymats import layout as L
 from easymats import segment, telemetry
-from easymats.telemetry import ControlFile
+from easymats.control import ControlFile
 
 RUNTIME = textwrap.dedent("""
     import json, sys, time
@@ -115,7 +115,7 @@ def test_request_half_written_by_a_crashed_agent_is_not_taken(segment_dir):
 
 AGENT = textwrap.dedent("""
     import json, sys
-    from easymats.telemetry import ControlFile
+    from easymats.control import ControlFile
     ctl = ControlFile.open_existing(sys.argv[1])
     sys.stdin.readline()  # start together
     print(json.dumps([ctl.request("recalibrate", reason=sys.argv[2]) for _ in range(int(sys.argv[3]))]))

@@ -13,9 +13,10 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers_logformat import validate_line  # noqa: E402
 from helpers_targets import start_target  # noqa: E402
 
-from easymats.logwriter import LogWriter, metric_value, series_key, validate_line  # noqa: E402
+from easymats.logwriter import LogWriter, metric_value, series_key  # noqa: E402
 from easymats.segment import Histogram  # noqa: E402
 
 

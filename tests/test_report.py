@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers_logs as H  # noqa: E402
+from helpers_logformat import validate_line  # noqa: E402
 
 from easymats import thresholds  # noqa: E402
-from easymats.logwriter import validate_line  # noqa: E402
 from easymats.report import reader  # noqa: E402
 from easymats.report.accum import Downsampler, Episodes, Sketch  # noqa: E402
 from easymats.report.analyse import Analysis  # noqa: E402
@@ -447,7 +447,7 @@ def test_any_log_content_is_read_without_crashing(tmp_path_factory, items):
             f.write(line + b"\n")
     a, stats = analyse_file(str(path))
     from easymats.report import html
-    from easymats.report.cli import format_findings
+    from easymats.report.findings import format_findings
 
     format_findings(diagnose_all(a.targets))
     html.render(title="t", stats=stats, targets=a.targets, findings=[], plots=[], window_s=10.0)

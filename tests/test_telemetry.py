@@ -10,6 +10,7 @@ import textwrap
 import warnings
 
 import pytest
+from helpers_faults import fill, small_filesystem
 
 from easymats import catalogue, segment, telemetry
 from easymats import layout as L
@@ -445,22 +446,12 @@ def test_header_fields_match_the_documented_layout(segment_dir):
 @pytest.fixture
 def tiny_tmpfs():
     """A real 64 KiB tmpfs, nearly filled; skipped where mounting is not permitted."""
-    mnt = tempfile.mkdtemp(prefix="easymats-tinyfs-")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", mnt],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.rmdir(mnt)
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}); "
-                    "test_full_filesystem_file_size_limit covers the same path")
-    try:
-        with open(os.path.join(mnt, "filler"), "wb") as f:
-            f.write(bytes(56 * 1024))
+    with small_filesystem(64, mode=0o700,
+                          instead="test_full_filesystem_file_size_limit covers the same path") as mnt:
+        fill(mnt, leave_bytes=8 << 10)
         d = os.path.join(mnt, "segments")
         os.mkdir(d, 0o700)
         yield d
-    finally:
-        subprocess.run(["umount", mnt], check=True)
-        os.rmdir(mnt)
 
 
 def test_full_tmpfs_warns_instead_of_crashing_with_sigbus(tiny_tmpfs):

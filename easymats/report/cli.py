@@ -15,7 +15,7 @@ import click
 from . import reader
 from .analyse import Analysis, TargetRun
 from .derive import RATE_WINDOW_S
-from .findings import Finding, RuleConfig, diagnose_all, fmt_s, fmt_t
+from .findings import RuleConfig, diagnose_all, fmt_s, fmt_t, format_findings
 
 
 class Usage(click.ClickException):
@@ -25,18 +25,6 @@ class Usage(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"easymats: {self.format_message()}", err=True)
-
-
-def format_findings(findings: list[Finding]) -> str:
-    """Findings as plain text, most urgent first."""
-    if not findings:
-        return "No findings: healthy."
-    out = []
-    for i, f in enumerate(findings, 1):
-        out.append(f"{i}. [{f.severity}] {f.target}: {f.title}")
-        out.extend(f"   - {line}" for line in f.evidence)
-        out.append(f"   change: {f.change}")
-    return "\n".join(out)
 
 
 def unjudged_lines(targets: dict) -> list[str]:
@@ -57,14 +45,6 @@ def unjudged_lines(targets: dict) -> list[str]:
             out.append(f"{name}: not judged (no values in the log: not provided by its engine, or no "
                        f"traffic): {', '.join(missing)}")
     return out
-
-
-def most_urgent(findings: list[Finding]) -> str | None:
-    """One line for the live view: the most urgent finding, or None."""
-    if not findings:
-        return None
-    f = findings[0]
-    return f"{f.target}: {f.title} -> {f.change.split(':')[0]}"
 
 
 def _targets_present(files: list[str]) -> list[str]:

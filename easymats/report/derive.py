@@ -1,8 +1,8 @@
 """Rates and ratios from the cumulative counters of one target, over a sliding time window.
 
-The runtime exports counters, never ratios (DESIGN 5); like a Prometheus recording rule, a ratio
-here is the increase of its numerator over the increase of its denominator within the window
-(``rate(a[w]) / rate(b[w])``). A counter that goes backwards, or a new pid under the same target
+The runtime exports counters, never ratios (easymats/catalogue.py); like a Prometheus recording
+rule, a ratio here is the increase of its numerator over the increase of its denominator within
+the window (``rate(a[w]) / rate(b[w])``). A counter that goes backwards, or a new pid under the same target
 name, is a restart: the window starts afresh so no rate spans two processes.
 """
 

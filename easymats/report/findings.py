@@ -353,3 +353,23 @@ def diagnose_all(targets: dict[str, TargetRun], cfg: RuleConfig | None = None) -
     for name in sorted(targets):
         out.extend(diagnose(targets[name], cfg))
     return sorted(out, key=Finding.sort_key)
+
+
+def format_findings(findings: list[Finding]) -> str:
+    """Findings as plain text, most urgent first."""
+    if not findings:
+        return "No findings: healthy."
+    out = []
+    for i, f in enumerate(findings, 1):
+        out.append(f"{i}. [{f.severity}] {f.target}: {f.title}")
+        out.extend(f"   - {line}" for line in f.evidence)
+        out.append(f"   change: {f.change}")
+    return "\n".join(out)
+
+
+def most_urgent(findings: list[Finding]) -> str | None:
+    """One line for the live view: the most urgent finding, or None."""
+    if not findings:
+        return None
+    f = findings[0]
+    return f"{f.target}: {f.title} -> {f.change.split(':')[0]}"

@@ -145,7 +145,7 @@ class LiveDiagnosis:
 
     def urgent(self, now: float | None = None) -> str | None:
         """One line for the most urgent finding; re-judged at most every ``every_s`` seconds."""
-        from .cli import most_urgent
+        from .findings import most_urgent
 
         now = time.monotonic() if now is None else now
         if now - self._cached[0] >= self.every_s:

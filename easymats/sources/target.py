@@ -1,8 +1,8 @@
 """The agent's target kind for engines: an endpoint, an SGLang process, a decode log.
 
-An :class:`EngineTarget` is a :class:`easymats.targets.Target` whose reader is an
-:class:`~.worker.EngineReader`: the sampler, the log, the peaks, the live view and the exporter
-treat it exactly like a segment target. What differs:
+An :class:`EngineTarget` is a :class:`easymats.targets.Target` whose source
+(:class:`easymats.source.Source`) is an :class:`~.worker.EngineReader`: the sampler, the log, the
+peaks, the live view and the exporter treat it exactly like a segment target. What differs:
 
 - it has no control file (``path`` is None): the webhook cannot ask it to recalibrate, and its
   ``easymats_target_source_info`` says ``control="none"`` so Alertmanager pages instead;
@@ -43,30 +43,29 @@ class EngineTarget(Target):
     def __init__(self, name: str, pid: int, source: Any, *, kind: str, peak_window_s: float,
                  timeout_s: float, labels: dict[str, str] | None = None, emap: EngineMap | None = None,
                  proc_root: str = procinfo.PROC_ROOT):
-        super().__init__(pid, None, peak_window_s=peak_window_s, proc_root=proc_root)
-        self.name = name
+        reader = EngineReader(source, name=name, pid=pid, labels=dict(labels or {}), timeout_s=timeout_s,
+                              start_ticks=procinfo.start_ticks(pid, proc_root) or 0 if pid else 0,
+                              **({"choose_map": lambda names: emap} if emap else {}))
+        super().__init__(pid, source=reader, peak_window_s=peak_window_s, proc_root=proc_root)
         self.kind = kind  # scrape | pid | log
-        self.labels = dict(labels or {})
-        self.error = None
-        self.source = source
+        self.reader = reader
+        self.engine_source = source  # what the reader fetches from (endpoint, files, log)
         self.fixed_map = emap
-        self.reader: EngineReader = EngineReader(  # type: ignore[assignment]
-            source, name=name, pid=pid, labels=self.labels, timeout_s=timeout_s,
-            start_ticks=self.start_ticks, **({"choose_map": lambda names: emap} if emap else {}))
 
     @property
     def where(self) -> str:
-        return self.source.where
+        return self.engine_source.where
 
     # -- what Target does differently here ---------------------------------------------------------
     def alive(self) -> bool:
-        return True if not self.pid else super().alive()
+        # no local process (a scrape target) is never "exited"; else the process must be running
+        return True if not self.pid else procinfo.running(self._stat_path, self.start_ticks)
 
     def read_process(self) -> None:
         if self.pid:
             super().read_process()
 
-    def sample(self, t: float) -> tuple[bool, str | None]:
+    def sample(self, t: float, mono: float | None = None) -> tuple[bool, str | None]:
         # A segment's heartbeat moves only while its writer lives, so Target.sample skips the
         # /proc check when it moved. An engine snapshot's heartbeat is the time of the read, and
         # an exited engine's files stay readable: check the process at every sample.
@@ -74,7 +73,7 @@ class EngineTarget(Target):
             self.gone, self.up, self.sample_t = True, False, t
             self.error = f"process {self.pid} exited"
             return True, self.error
-        return super().sample(t)
+        return super().sample(t, mono)
 
     @property
     def engine_map(self) -> EngineMap | None:
@@ -88,7 +87,7 @@ class EngineTarget(Target):
         cur = self.reader.current
         if cur is None or cur.translation is None:
             return []
-        rest = getattr(self.source, "rest", None)
+        rest = getattr(self.engine_source, "rest", None)
         return cur.translation.passthrough + rest() if rest is not None else cur.translation.passthrough
 
     def log_line(self, t: float, lag_s: float, with_metrics: bool = True) -> dict[str, Any]:

@@ -86,6 +86,13 @@ class EngineReader:
         self.current = result
         return result.snapshot
 
+    # -- the rest of easymats.source.Source ---------------------------------------------------------
+    path = None  # no file to read and no control file beside one: engines have no control channel
+
+    def alive(self) -> bool:
+        """The producer's liveness is the target's to judge (EngineTarget.alive checks its pid)."""
+        return True
+
     def wait_first(self, timeout: float) -> bool:
         """Wait until the first read finished (or ``timeout``); True if it did."""
         return self._done.wait(timeout)
