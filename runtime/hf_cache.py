@@ -126,6 +126,9 @@ class HiSparseLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return int(self.sequences.binding.config.max_seq_len)
 
+    def get_max_cache_shape(self) -> int:  # the same, under its name before transformers 5.x renamed it
+        return self.get_max_length()
+
     def reset(self) -> None:
         self.sequences.free()
         self.length = 0
