@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .demo_longctx import DocumentTimeline
 from .hf_compat import installed_cache_kwarg, output_cache
 from .integration import binding_of, disable_hisparse_kv_cache, enable_hisparse_kv_cache
 from .real_model import LoadedModel, load_text, token_ids
@@ -66,7 +67,7 @@ class RealGeneratePrompts:
         return enc["input_ids"], enc["attention_mask"]
 
 
-class RealLongContextWorkload:
+class RealLongContextWorkload(DocumentTimeline):
     """The real model reads documents on the timeline above; :meth:`run_for` advances it."""
 
     def __init__(self, lm: LoadedModel, device: torch.device, duration_s: float, name: str):
@@ -84,11 +85,8 @@ class RealLongContextWorkload:
         self.cycle_s = min(duration_s, CYCLE_S)
         self.steps = self.documents = 0
         self.cache: Any = None
-        self._new_document()
-
-    def restart_clock(self) -> None:
-        """Start the timeline now (set-up may take long on a busy machine)."""
         self.start = time.monotonic()
+        self._new_document()
 
     @torch.no_grad()
     def _feed(self, ids: list[int]) -> None:
@@ -108,40 +106,20 @@ class RealLongContextWorkload:
         self.preempted = self.shifted = False
         self._feed(self.texts[0][self.pos:self.pos + PROMPT_TOKENS])
         self.pos += PROMPT_TOKENS
-        self.start = time.monotonic()
 
     def _seq_ids(self) -> list[int]:
         return list(self.cache.layers[0].sequences.seq_ids)
 
-    def _phase(self) -> float:
-        phase = (time.monotonic() - self.start) / self.cycle_s
-        full = self.engine.seq_len(self._seq_ids()[0]) + 1 >= self.engine.cfg.max_seq_len
-        if phase >= 1.0 or full:
-            self._new_document()
-            phase = 0.0
-        return phase
+    def _shift(self) -> None:
+        """The next document arrives: Python's language reference instead of the licenses."""
+        self.doc, self.pos = 1, self.shift_pos
+        self._feed(self.texts[1][self.pos:self.pos + SHIFT_TOKENS])
+        self.pos += SHIFT_TOKENS
 
-    def run_for(self, seconds: float) -> None:
-        """Decode steps (and the timeline's events) for about ``seconds``."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            phase = self._phase()
-            if not self.preempted and phase >= 0.20:
-                self.preempted = True
-                # A scheduler preempts the request and resumes it at once: its blocks were only
-                # pending recycle, so they are reclaimed instead of re-prefilled.
-                ids = self._seq_ids()
-                self.engine.free_sequences(ids)
-                if not self.engine.resume_sequence(ids[0]):
-                    raise RuntimeError("bug: a sequence freed just now could not be resumed")
-            if not self.shifted and phase >= 0.35:
-                self.shifted = True  # the topic shift: the next document arrives
-                self.doc, self.pos = 1, self.shift_pos
-                self._feed(self.texts[1][self.pos:self.pos + SHIFT_TOKENS])
-                self.pos += SHIFT_TOKENS
-            self._feed(self.texts[self.doc][self.pos:self.pos + 1])
-            self.pos += 1
-            self.steps += 1
+    def _step(self) -> None:
+        self._feed(self.texts[self.doc][self.pos:self.pos + 1])
+        self.pos += 1
+        self.steps += 1
 
     def describe(self) -> str:
         st = self.engine.stats
