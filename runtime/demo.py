@@ -39,8 +39,9 @@ LONGCTX_NAME = "demo-longctx"
 MODEL_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=512,
                     max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-# Random weights attend diffusely, so the audited hit rate is low by nature: no drift floor here
-# (the long-context driver shows drift), one scheduled calibration, then the probe as fitted.
+# Short requests: no drift floor here (the long-context workload shows drift and recalibration;
+# random weights attend diffusely, so their audited hit rate is low by nature), one scheduled
+# calibration, then the probe as fitted.
 GENERATE_OPTIONS = dict(max_seq_len=4096, block_size=32, window_size=64, global_tokens=8,
                         top_k=128, device_buffer_tokens=192, host_kv_bits="auto",
                         recalibrate_every=1 << 20, recalibrate_topk=16, audit_every=4,
