@@ -175,6 +175,17 @@ def read_records(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+_BITS_ORDER = [None, 8, 6, 5, 4, "auto", "budget"]
+
+
+def _config_order(options: dict[str, Any] | None) -> tuple:
+    """Dense first, then by top_k, then host_kv_bits from unquantized down to 4, then auto."""
+    if options is None:
+        return (0, 0, 0)
+    bits = options.get("host_kv_bits")
+    return (1, options["top_k"], _BITS_ORDER.index(bits) if bits in _BITS_ORDER else len(_BITS_ORDER))
+
+
 def tables(records: Iterable[dict[str, Any]]) -> str:
     """Markdown: perplexity per context and configuration (with dense ratio and counters), and
     needle answers per depth. The last record of a cell wins."""
@@ -184,7 +195,7 @@ def tables(records: Iterable[dict[str, Any]]) -> str:
     ppl = [r for r in cells.values() if r["kind"] == "perplexity"]
     needles = [r for r in cells.values() if r["kind"] == "needle"]
     pct = lambda x: "–" if x is None else f"{100 * x:.0f} %"  # noqa: E731
-    order = lambda r: (r["context"], r["options"] is not None, json.dumps(r["options"], sort_keys=True))  # noqa: E731
+    order = lambda r: (r["context"], _config_order(r["options"]))  # noqa: E731
     lines = ["| context | configuration | perplexity | vs dense | anchor hit rate | hot buffer hits | "
              "prefetch efficiency | quantized blocks (mean error) | seconds |",
              "|---:|---|---:|---:|---:|---:|---:|---|---:|"]
@@ -192,7 +203,7 @@ def tables(records: Iterable[dict[str, Any]]) -> str:
     for r in sorted(ppl, key=order):
         c = r.get("counters") or {}
         base = dense.get((r["context"], r["continuation"]))
-        vs = "–" if r["options"] is None or not base else f"{100 * (r['perplexity'] / base - 1):+.1f} %"
+        vs = "–" if r["options"] is None or not base else f"{round(100 * (r['perplexity'] / base - 1), 1) + 0.0:+.1f} %"
         quant = ", ".join(f"{n} x {b}-bit" for b, n in sorted(c.get("quant_blocks", {}).items()))
         if quant and c.get("quant_error_mean") is not None:
             quant += f" ({c['quant_error_mean']:.3f})"
@@ -206,12 +217,13 @@ def tables(records: Iterable[dict[str, Any]]) -> str:
         rows: dict[tuple, dict[float, dict[str, Any]]] = {}
         for r in needles:
             rows.setdefault((r["context"], json.dumps(r["options"], sort_keys=True)), {})[r["depth"]] = r
-        for (context, opts), by_depth in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] != "null", kv[0][1])):
+        for (context, opts), by_depth in sorted(rows.items(),
+                                                key=lambda kv: (kv[0][0], _config_order(json.loads(kv[0][1])))):
             cols = []
             for d in depths:
                 r = by_depth.get(d)
                 cols.append("not run" if r is None else
-                            f"{'✓' if r['retrieved'] else '✗'} `{r['answer'][:32]}`")
+                            f"{'✓' if r['retrieved'] else '✗'} `{r['answer'][:48]}`")
             lines.append(f"| {context} | {label(json.loads(opts))} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
