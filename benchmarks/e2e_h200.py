@@ -29,8 +29,10 @@ import sys
 import time
 
 import torch
+from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
 
 GiB = 1 << 30
+CACHE = installed_cache_kwarg()  # "cache" from transformers 5.24 on, "past_key_values" before
 
 
 def build_model(tiny: bool, dtype: torch.dtype, device: str):
@@ -106,9 +108,9 @@ def sync(device: str) -> None:
 def prefill(model, ids: torch.Tensor, cache, chunk: int):
     out = None
     for start in range(0, ids.shape[1], chunk):
-        out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+        out = model(input_ids=ids[:, start:start + chunk], **{CACHE: cache}, use_cache=True,
                     logits_to_keep=1)
-        cache = out.past_key_values
+        cache = output_cache(out)
     return out, cache
 
 
@@ -122,22 +124,22 @@ def decode(model, cache, first: torch.Tensor, steps: int, device: str,
     for _ in range(steps):
         sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        out = model(input_ids=tok, **{CACHE: cache}, use_cache=True)
         sync(device)
         times.append(time.perf_counter() - t0)
-        cache = out.past_key_values
+        cache = output_cache(out)
         logits.append(out.logits[:, -1].float())
         tok = first if repeat_token else out.logits[:, -1:].argmax(-1)
     return times, torch.stack(logits, 1)
 
 
 def teacher_forced(model, prompt: torch.Tensor, forced: torch.Tensor, cache) -> torch.Tensor:
-    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    out = model(input_ids=prompt, **{CACHE: cache}, use_cache=True)
     logits = [out.logits[:, -1].float()]
-    cache = out.past_key_values
+    cache = output_cache(out)
     for i in range(forced.shape[1] - 1):
-        out = model(input_ids=forced[:, i:i + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=forced[:, i:i + 1], **{CACHE: cache}, use_cache=True)
+        cache = output_cache(out)
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)
 
@@ -333,7 +335,7 @@ def main() -> int:
                 sync(device)
                 row["prefill_s"] = time.perf_counter() - t0
                 first = out.logits[:, -1:].argmax(-1)
-                cache = out.past_key_values
+                cache = output_cache(out)
                 del out
                 if repeat > 1:
                     t0 = time.perf_counter()

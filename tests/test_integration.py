@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from transformers import (DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig
 import hi_sparse as hs
 from easymats.segment import SegmentReader, segments_for_pid
 from hi_sparse.hf_support import UnsupportedModelError
+from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
 from hi_sparse.integration import binding_of
 
 FAMILIES = {
@@ -26,6 +29,7 @@ FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 VOCAB = 128
+CACHE = installed_cache_kwarg()  # "cache" from transformers 5.24 on, "past_key_values" before
 # Budget covering the whole context, no quantization: HiSparse must equal dense attention.
 FULL_BUDGET = dict(max_seq_len=256, block_size=8, window_size=8, global_tokens=2, top_k=128)
 
@@ -87,12 +91,34 @@ def test_greedy_generate_equals_unmodified_model_with_full_budget(family):
         seq = want[:1]
         r = ref(seq[:, :15], use_cache=True)
         h = model(seq[:, :15], use_cache=True)
-        assert type(h.past_key_values.layers[0]).__name__ == "HiSparseLayer"
+        assert type(output_cache(h).layers[0]).__name__ == "HiSparseLayer"
         torch.testing.assert_close(h.logits, r.logits, rtol=1e-4, atol=1e-4)
         for t in range(15, seq.shape[1]):
-            r = ref(seq[:, t:t + 1], past_key_values=r.past_key_values, use_cache=True)
-            h = model(seq[:, t:t + 1], past_key_values=h.past_key_values, use_cache=True)
+            r = ref(seq[:, t:t + 1], **{CACHE: output_cache(r)}, use_cache=True)
+            h = model(seq[:, t:t + 1], **{CACHE: output_cache(h)}, use_cache=True)
             torch.testing.assert_close(h.logits, r.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_no_deprecation_warning_from_hisparse_and_the_old_cache_name_still_works():
+    """transformers 5.24 renamed past_key_values to cache: the pre-hook reads whichever the
+    release passes and writes only that one (before the fix, on 5.24 it wrote past_key_values
+    beside generate()'s cache=, transformers warned and dropped ours, and attention failed)."""
+    ref, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, **FULL_BUDGET)
+    ids, mask = prompt(1, 12)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # any FutureWarning/DeprecationWarning fails the test
+        want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want)
+        out = model(ids, use_cache=True)
+        step = model(want[:, 12:13], **{CACHE: output_cache(out)}, use_cache=True)
+    assert type(output_cache(step).layers[0]).__name__ == "HiSparseLayer"
+    # A caller of the decoder model itself who still says past_key_values= gets HiSparse too.
+    ours = hs.HiSparseCache(model)
+    with torch.no_grad():
+        model.model(input_ids=ids, past_key_values=ours, use_cache=True)
+    assert ours.get_seq_length() == 12
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -117,15 +143,15 @@ def test_generate_with_a_cache_passed_by_the_caller():
     with torch.no_grad():
         want = ref.generate(**kw)
         ours = hs.HiSparseCache(model)
-        assert torch.equal(model.generate(**kw, past_key_values=ours), want)
+        assert torch.equal(model.generate(**kw, **{CACHE: ours}), want)
         assert ours.get_seq_length() == want.shape[1] - 1
         dynamic = DynamicCache()  # the caller's own empty cache is switched to HiSparse layers
-        assert torch.equal(model.generate(**kw, past_key_values=dynamic), want)
+        assert torch.equal(model.generate(**kw, **{CACHE: dynamic}), want)
         assert type(dynamic.layers[0]).__name__ == "HiSparseLayer"
         filled = DynamicCache()
-        ref(ids, past_key_values=filled, use_cache=True)
+        ref(ids, **{CACHE: filled}, use_cache=True)
         with pytest.raises(UnsupportedModelError, match="already holds 12 tokens"):
-            model(ids, past_key_values=filled, use_cache=True)
+            model(ids, **{CACHE: filled}, use_cache=True)
         # Without a cache there is nothing to hold; the forward still matches.
         torch.testing.assert_close(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
 
@@ -149,7 +175,10 @@ def test_small_budget_long_prompt_bounds_device_memory_and_moves_counters():
     bound = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * buffer * 16 * 2 * 4
     assert 0 < mem[("device", "data")] <= bound
     assert mem[("host", "data")] > mem[("device", "data")]  # the full context lives on the host
-    engine.end_step()  # nothing open: only forces a publish of the latest counters
+    # nothing open: only publishes the latest counters, once the publish interval (5 ms) is over
+    # (a fast last step, e.g. on transformers 5.0, fell within it and left one step unpublished)
+    time.sleep(0.01)
+    engine.end_step()
     after = _counters(path)
     for name in ("hisparse_tokens_total{phase=\"decode\"}", "hisparse_tokens_total{phase=\"prefill\"}",
                  "hisparse_hot_buffer_lookups_total", "hisparse_kv_tokens_loaded_total",
@@ -322,15 +351,15 @@ def test_batch_repeat_interleave_forks_the_engine_sequences():
     with torch.no_grad():
         one = ref(input_ids=ids, attention_mask=mask, use_cache=True)
         many = model(input_ids=ids, attention_mask=mask, use_cache=True)
-        many.past_key_values.batch_repeat_interleave(3)
+        output_cache(many).batch_repeat_interleave(3)
         tok = one.logits[:, -1:].argmax(-1)
-        c1, c3 = one.past_key_values, many.past_key_values
+        c1, c3 = output_cache(one), output_cache(many)
         m1, m3 = mask, mask.repeat(3, 1)
         for _ in range(6):
             m1 = torch.cat([m1, torch.ones_like(m1[:, :1])], 1)
             m3 = torch.cat([m3, torch.ones_like(m3[:, :1])], 1)
-            o1 = ref(input_ids=tok, attention_mask=m1, past_key_values=c1, use_cache=True)
-            o3 = model(input_ids=tok.repeat(3, 1), attention_mask=m3, past_key_values=c3, use_cache=True)
+            o1 = ref(input_ids=tok, attention_mask=m1, **{CACHE: c1}, use_cache=True)
+            o3 = model(input_ids=tok.repeat(3, 1), attention_mask=m3, **{CACHE: c3}, use_cache=True)
             for r in range(3):
                 torch.testing.assert_close(o3.logits[r], o1.logits[0], atol=1e-4, rtol=1e-4)
             tok = o1.logits[:, -1:].argmax(-1)

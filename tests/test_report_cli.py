@@ -165,11 +165,12 @@ def test_report_on_a_real_agent_log(tmp_path):
 
 @pytest.mark.slow
 def test_report_on_the_demo_log(tmp_path):
-    """`easymats demo` runs the real HiSparse workload (a random-weight transformers model and the
-    long-context driver) with the agent attached; its log must produce a full report."""
+    """`easymats demo --synthetic` runs the real HiSparse workload (a random-weight transformers
+    model and the long-context driver; test_demo runs the real model) with the agent attached;
+    its log must produce a full report."""
     log = tmp_path / "easymats-demo.log"
-    demo = run("demo", "--duration", "20", "--quiet", "--listen", "127.0.0.1:0", "--output", str(log),
-               timeout=400, cwd=str(tmp_path))
+    demo = run("demo", "--synthetic", "--duration", "20", "--quiet", "--listen", "127.0.0.1:0",
+               "--output", str(log), timeout=400, cwd=str(tmp_path))
     assert demo.returncode == 0, demo.stdout + demo.stderr
     out, pngs = tmp_path / "demo.html", tmp_path / "png"
     p = run("report", str(log), "--out", str(out), "--png", str(pngs))

@@ -88,3 +88,38 @@ def test_panel_without_data_is_left_out(runs):
     empty = plots.Panel("nothing", "Nothing", ("rss_bytes",), "MiB")
     run.plots["rss_bytes"].buckets.clear()
     assert plots.render_panel(run, empty) is None
+
+
+def _legend(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_legends_use_the_axis_unit_and_say_whether_a_threshold_is_a_floor_or_a_ceiling(runs):
+    """The step-latency legend said "step p99 seconds" on a millisecond axis, and a threshold
+    line only said "threshold"."""
+    run = runs["healthy"]
+    by_name = {p.name: p for p in plots.PANELS}
+    latency = _legend(plots.draw_panel(run, by_name["step_latency"]))
+    assert latency == ["step p99 (ms)"]
+    anchor = _legend(plots.draw_panel(run, by_name["anchor_hit_rate"]))
+    assert "floor: alert below 65 %" in anchor
+    lag = _legend(plots.draw_panel(run, by_name["sample_lag"]))
+    assert any(t.startswith("ceiling: alert above 50 ms") for t in lag), lag
+    blocks = _legend(plots.draw_panel(run, by_name["kv_blocks"]))
+    assert not any("seconds" in t or "bytes" in t for t in latency + anchor + lag + blocks)
+
+
+def test_every_series_of_a_panel_has_its_own_colour(runs):
+    """"active" and "pool" blocks were drawn in two near-identical blues."""
+    def rgb(line) -> tuple[int, ...]:
+        return _rgb(line.get_color())
+
+    fig = plots.draw_panel(runs["healthy"], next(p for p in plots.PANELS if p.name == "kv_blocks"))
+    series = [ln for ln in fig.axes[0].get_lines() if not ln.get_label().startswith(("ceiling", "_"))]
+    assert len(series) >= 3
+    colours = [rgb(ln) for ln in series]
+    markers = [_rgb(c) for c in (plots.THRESHOLD_COLOR, plots.RECAL_COLOR, plots.RESTART_COLOR)]
+    dist = lambda a, b: sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5  # noqa: E731
+    for i, a in enumerate(colours):
+        for b in colours[i + 1:] + markers:
+            assert dist(a, b) > 80, (a, b)

@@ -16,12 +16,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hi_sparse as hs
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.engine import HiSparseEngine
+from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
 from hi_sparse.integration import binding_of
 from hi_sparse.multigpu import layer_split
 from hi_sparse.workloads import PlantedWorkload, run_decode, run_prefill
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
 VOCAB = 128
+CACHE = installed_cache_kwarg()  # "cache" from transformers 5.24 on, "past_key_values" before
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -266,6 +268,6 @@ def test_two_gpu_split_llama_generates_like_without_hisparse():
         h = model(want[:1, :15], use_cache=True)
         torch.testing.assert_close(h.logits, r.logits, rtol=1e-4, atol=1e-4)
         for t in range(15, want.shape[1]):
-            r = ref(want[:1, t:t + 1], past_key_values=r.past_key_values, use_cache=True)
-            h = model(want[:1, t:t + 1], past_key_values=h.past_key_values, use_cache=True)
+            r = ref(want[:1, t:t + 1], **{CACHE: output_cache(r)}, use_cache=True)
+            h = model(want[:1, t:t + 1], **{CACHE: output_cache(h)}, use_cache=True)
             torch.testing.assert_close(h.logits, r.logits, rtol=1e-4, atol=1e-4)

@@ -19,7 +19,9 @@ from .analyse import TargetRun
 THRESHOLD_COLOR = "#e8590c"
 RESTART_COLOR = "#c92a2a"
 RECAL_COLOR = "#2b8a3e"
-SERIES_COLORS = ("#1971c2", "#7048e8", "#0c8599", "#5c940d")
+# Series hues apart from each other and from the marker colours above (blue, purple, grey, brown):
+# the KV blocks panel draws four series, and "active" and "pool" once came out as two blues.
+SERIES_COLORS = ("#1971c2", "#9c36b5", "#868e96", "#a05a2c")
 BACKGROUND = "#ffffff"
 INSTALL_HINT = "plots need matplotlib: pip install 'easymats[report]'"
 
@@ -86,8 +88,36 @@ def _time_axis(run: TargetRun) -> tuple[float, float, str]:
     return run.first_t or 0.0, div, f"{unit} since {start}"
 
 
+_UNIT_SUFFIXES = ("_seconds", "_bytes")
+
+
+def series_label(key: str, unit: str) -> str:
+    """Legend text of a series in the axis unit: "step p99 (ms)", never the key's own unit
+    ("step p99 seconds" on a millisecond axis)."""
+    for suffix in _UNIT_SUFFIXES:
+        if key.endswith(suffix):
+            key = key[:-len(suffix)]
+    return f"{key.replace('_', ' ')} ({unit})"
+
+
+def threshold_label(th: thresholds.Threshold, level: float, unit: str) -> str:
+    """Legend text of a threshold line, saying which side is unhealthy."""
+    side = "floor: alert below" if th.direction == "min" else "ceiling: alert above"
+    return f"{side} {level:g} {unit}"
+
+
 def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | None:
     """PNG bytes of one panel, or None when the run has no data for it."""
+    fig = draw_panel(run, panel, dpi=dpi)
+    if fig is None:
+        return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, facecolor=BACKGROUND)
+    return buf.getvalue()
+
+
+def draw_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> Any:
+    """The matplotlib Figure of one panel, or None when the run has no data for it."""
     if not any(run.plots[k].buckets for k in panel.series):
         return None
     Figure, Canvas = _matplotlib()
@@ -107,7 +137,7 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
         ax.fill_between(xs, [b.lo * scale for b in pts], [b.hi * scale for b in pts], color=color,
                         alpha=0.25, linewidth=0, step="post")
         ax.plot(xs, [b.mean * scale for b in pts], color=color, linewidth=1.2, drawstyle="steps-post",
-                label=key.replace("_", " "))
+                label=series_label(key, panel.unit))
     th = thresholds.BY_NAME.get(panel.threshold) if panel.threshold else None
     level = None
     if th is not None:
@@ -119,11 +149,12 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
             if pool.count and run.sketches["kv_free_blocks_ratio"].count:
                 level = pool.max * (1 - th.limit)  # active + pending above this line = exhausted
                 ax.axhline(level, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
-                           label=f"{'limit' if limit.count else 'pool'} - {th.limit:.0%} (exhaustion)")
+                           label=f"ceiling: {'limit' if limit.count else 'pool'} - {th.limit:.0%} "
+                                 "(active + pending above it: exhausted)")
         else:
             level = th.limit * scale
             ax.axhline(level, color=THRESHOLD_COLOR, linewidth=2.0, linestyle="-",
-                       label=f"threshold {level:g} {panel.unit}")
+                       label=threshold_label(th, level, panel.unit))
     # Every plotted quantity is >= 0: start at 0 and keep the threshold line inside the frame.
     _, top = ax.get_ylim()
     ax.set_ylim(0, max(top, (level or 0.0) * 1.15, data_max * 1.1) or 1.0)
@@ -144,9 +175,7 @@ def render_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> bytes | Non
     ax.grid(True, color="#dee2e6", linewidth=0.6)
     ax.legend(loc="lower left", fontsize=7, framealpha=0.8, ncol=4)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, facecolor=BACKGROUND)
-    return buf.getvalue()
+    return fig
 
 
 def render_target(run: TargetRun) -> list[Plot]:

@@ -1,0 +1,111 @@
+"""The quality harness on the real model, short: ~2K tokens of real text, 32 decode steps.
+
+What CI holds the runtime to (docs/BENCHMARKS.md has the long runs at 2K, 6K and 8K):
+- the full budget (top_k = max_seq_len, no quantization) equals dense attention: the same
+  perplexity to fp32 rounding and the same greedy needle answer;
+- the default sparse configuration of the quality table (top_k 512, window 256, 64-token blocks,
+  16 anchors) stays within SPARSE_BOUND of dense perplexity, and with 4-bit host blocks within
+  SPARSE_4BIT_BOUND (measured 2026-12-01 on this text: see the bounds' comments).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hi_sparse import eval as hs_eval
+from hi_sparse import quality
+from hi_sparse.real_model import load_text, token_ids
+
+CONTEXT, CONTINUATION = 2048, 32
+SPARSE = dict(max_seq_len=8192, block_size=64, window_size=256, global_tokens=16, top_k=512)
+FULL = dict(SPARSE, top_k=8192)
+# Measured on this text and length (2026-12-01, 2-core AMD EPYC, torch 2.13 CPU, transformers
+# 5.24): dense 10.813, top_k 512 11.058 (1.023x), with 4-bit host blocks 11.444 (1.058x); at 6K
+# with a 512-token continuation BENCHMARKS has 1.10x and 1.29x. The bounds fail when selection
+# or the 4-bit pool gets clearly worse than today; issue 23 tightens them.
+SPARSE_BOUND = 1.05
+SPARSE_4BIT_BOUND = 1.10
+
+
+@pytest.fixture(scope="module")
+def ids(smollm2):
+    return torch.tensor([token_ids(smollm2.tokenizer, load_text("licenses"), CONTEXT + CONTINUATION)])
+
+
+@pytest.fixture(scope="module")
+def dense(smollm2, ids):
+    return quality.perplexity(smollm2, ids, CONTEXT, None)
+
+
+def test_full_budget_perplexity_equals_dense(smollm2, ids, dense):
+    full = quality.perplexity(smollm2, ids, CONTEXT, FULL)
+    assert full.perplexity == pytest.approx(dense.perplexity, rel=1e-4)
+    assert full.counters.hot_buffer_hit_rate is not None  # it really decoded through HiSparse
+
+
+def test_sparse_perplexity_stays_within_its_bound(smollm2, ids, dense):
+    sparse = quality.perplexity(smollm2, ids, CONTEXT, SPARSE)
+    four = quality.perplexity(smollm2, ids, CONTEXT, dict(SPARSE, host_kv_bits=4))
+    print(f"dense {dense.perplexity:.3f}, top_k 512 {sparse.perplexity:.3f} "
+          f"({sparse.perplexity / dense.perplexity:.3f}x), 4-bit {four.perplexity:.3f} "
+          f"({four.perplexity / dense.perplexity:.3f}x)")
+    assert dense.perplexity < sparse.perplexity <= SPARSE_BOUND * dense.perplexity
+    assert sparse.perplexity < four.perplexity <= SPARSE_4BIT_BOUND * dense.perplexity
+    assert four.counters.quant_blocks.get(4, 0) > 0 and not set(four.counters.quant_blocks) - {4}
+    assert 0 < four.counters.quant_error_mean < 0.5
+    assert sparse.counters.anchor_lookups > 0  # the audit ran: the counters are the runtime's own
+
+
+def test_full_budget_answers_the_needle_like_dense(smollm2):
+    text = load_text("licenses")
+    want = quality.needle(smollm2, text, CONTEXT, 0.5, None)
+    got = quality.needle(smollm2, text, CONTEXT, 0.5, FULL)
+    assert want.retrieved, want.answer  # the model itself finds it at 2K
+    assert got.answer == want.answer
+
+
+def test_needle_prompt_plants_the_sentence_at_its_depth(smollm2):
+    text = load_text("licenses")
+    for depth in (0.1, 0.9):
+        ids = quality.needle_prompt(smollm2, text, 1024, depth)
+        assert 1000 <= ids.shape[1] <= 1024
+        rendered = smollm2.tokenizer.decode(ids[0])
+        at = rendered.index(quality.NEEDLE) / len(rendered)
+        assert abs(at - depth) < 0.1
+        assert rendered.rstrip().endswith("assistant")  # the answer turn is open
+        assert quality.QUESTION in rendered
+
+
+def test_eval_cli_rejects_bad_options_with_the_fix():
+    for argv, fix in ((["--bits", "3"], "none, 4, 5, 6, 8, auto"),
+                      (["--context", "8000"], "--max-seq-len"),
+                      (["--depths", "1.5"], "between 0 and 1"),
+                      (["--passes", "speed"], "perplexity, needle")):
+        res = subprocess.run([sys.executable, "-m", "hi_sparse.eval", *argv], capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 2 and fix in res.stderr, (argv, res.stderr)
+        assert "Traceback" not in res.stderr
+
+
+def test_eval_tables_from_recorded_results(tmp_path):
+    recs = [dict(kind="perplexity", options=None, context=2048, seconds=3.0, perplexity=10.0,
+                 continuation=512, depth=None, answer=None, retrieved=None, counters=None),
+            dict(kind="perplexity", options=SPARSE | {"host_kv_bits": 4}, context=2048, seconds=9.0,
+                 perplexity=11.0, continuation=512, depth=None, answer=None, retrieved=None,
+                 counters=dict(anchor_hit_rate=0.9, hot_buffer_hit_rate=0.95, prefetch_efficiency=0.4,
+                               quant_blocks={"4": 12}, quant_error_mean=0.18)),
+            dict(kind="needle", options=None, context=2048, seconds=5.0, perplexity=None,
+                 continuation=0, depth=0.5, answer="BLUE-HARVEST-4921", retrieved=True, counters=None)]
+    for r in recs:
+        r.update(model="m", text="t", continuation_asked=512)
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    table = hs_eval.tables(hs_eval.read_records(str(path)))
+    assert "| 2048 + 512 | dense | 10.000 | – |" in table
+    assert "| 11.000 | +10.0 % | 90 % | 95 % | 40 % | 12 x 4-bit (0.180) |" in table
+    assert "✓ `BLUE-HARVEST-4921`" in table
