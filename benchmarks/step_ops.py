@@ -53,6 +53,7 @@ class OpLog(TorchDispatchMode):
 
 
 LOG: OpLog | None = None
+SKIP_BODIES = False                  # bodies return their last output without running (host time)
 
 
 def _where() -> str:
@@ -95,10 +96,15 @@ def _patch_bodies() -> str:
     """Mark the body calls of either revision (phase "append" / "attend" inside them, "host" outside).
     Returns the revision kind."""
     def phased(fn):
+        last: dict = {}
+
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
+            if SKIP_BODIES:
+                return last.get("out")
             if LOG is None:
-                return fn(*args, **kwargs)
+                last["out"] = fn(*args, **kwargs)
+                return last["out"]
             before, LOG.phase = LOG.phase, fn.__name__.split("_")[0]      # "append" / "attend"
             try:
                 return fn(*args, **kwargs)
@@ -130,7 +136,10 @@ def main() -> int:
     ap.add_argument("--bound-group", type=int, default=4)
     ap.add_argument("--bits", default="4", help="host_kv_bits (none for an unquantized pool)")
     ap.add_argument("--steps", type=int, default=6, help="decode steps before the counted one")
-    ap.add_argument("--time-steps", type=int, default=0, help="then time this many steps (CPU time of the thread)")
+    ap.add_argument("--time-steps", type=int, default=0,
+                    help="then time this many steps (CPU time of the thread), and as many with the bodies "
+                         "skipped: the host side of a step, what a GPU pays around the replayed graphs")
+    ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two runs' JSON and exit")
     ap.add_argument("--list", action="store_true", help="with --diff: also list each run's ops in order")
@@ -143,22 +152,27 @@ def main() -> int:
     _patch_kernels()
     torch.manual_seed(0)
     bits = None if args.bits == "none" else (int(args.bits) if args.bits.isdigit() else args.bits)
-    cfg = hs.HiSparseConfig(max_seq_len=args.context + 256, cache_block_size=args.block_size,
+    cfg = hs.HiSparseConfig(max_seq_len=args.context + 2 * (args.steps + args.time_steps) + 256, cache_block_size=args.block_size,
                             window_size=args.window, top_k=args.top_k, host_kv_bits=bits,
                             bound_group=args.bound_group, telemetry=False, audit_every=0)
     H, Hq, D, B = args.kv_heads, args.q_heads, args.head_dim, args.batch
-    eng = hs.HiSparseEngine(cfg, num_layers=1, num_q_heads=Hq, num_kv_heads=H, head_dim=D)
+    L = args.layers
+    eng = hs.HiSparseEngine(cfg, num_layers=L, num_q_heads=Hq, num_kv_heads=H, head_dim=D)
     sid = eng.add_sequences(1)[0]
     eng.begin_step()
     k, v = torch.randn(1, H, args.context, D), torch.randn(1, H, args.context, D)
-    eng.append(0, [sid], k, v)
+    for layer in range(L):
+        eng.append(layer, [sid], k, v)
     eng.end_step()
     ids = [sid] + eng.fork_sequences(sid, B - 1)
 
+    kn, vn, qn = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, Hq, 1, D)
+
     def step() -> None:
         eng.begin_step()
-        eng.append(0, ids, torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
-        eng.attend(0, ids, torch.randn(B, Hq, 1, D))
+        for layer in range(L):
+            eng.append(layer, ids, kn, vn)
+            eng.attend(layer, ids, qn)
         eng.end_step()
 
     for _ in range(args.steps):
@@ -173,12 +187,16 @@ def main() -> int:
     log, LOG = LOG, None
     result = {"revision": kind, "args": vars(args), "ops": log.ops, "fitted": bool(eng.probes[0].fitted)}
     if args.time_steps:
-        times = []
-        for _ in range(args.time_steps):
-            t0 = time.thread_time()
-            step()
-            times.append(time.thread_time() - t0)
-        result["step_cpu_ms"] = sorted(times)[len(times) // 2] * 1e3
+        global SKIP_BODIES
+        for key, skip in (("step_cpu_ms", False), ("host_cpu_ms", True)):
+            SKIP_BODIES = skip
+            times = []
+            for _ in range(args.time_steps):
+                t0 = time.thread_time()
+                step()
+                times.append(time.thread_time() - t0)
+            result[key] = sorted(times)[len(times) // 2] * 1e3 / args.layers
+        SKIP_BODIES = False
     summarize(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -202,7 +220,8 @@ def _table(ops: list) -> dict[str, dict[str, list[int]]]:
 def summarize(r: dict) -> None:
     t = _table(r["ops"])
     print(f"{r['revision']}: probe fitted {r['fitted']}" +
-          (f", step {r['step_cpu_ms']:.2f} CPU ms" if "step_cpu_ms" in r else ""))
+          (f", per layer: step {r['step_cpu_ms']:.3f} CPU ms, host side {r['host_cpu_ms']:.3f}"
+           if "step_cpu_ms" in r else ""))
     for phase in PHASES:
         calls = sum(c for c, _ in t[phase].values())
         elems = sum(e for _, e in t[phase].values())
