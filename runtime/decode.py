@@ -42,7 +42,7 @@ from .storage import Storage
 
 class Batch:
     """Device state of one batch of sequences in consecutive rows, on one device: block tables
-    and tail slots (refreshed in place: a captured graph keeps their addresses), first positions,
+    (refreshed in place: a captured graph keeps their addresses), tail units, first positions,
     per-layer positions and LRU clock, and the batch's graphs."""
 
     def __init__(self, seqs: list[Sequence], device: torch.device, shape: KVShape, max_seq_len: int,
@@ -53,7 +53,6 @@ class Batch:
         self.rows = slice(self.first_row, self.first_row + B)
         self.tables = torch.full((B, -(-max_seq_len // shape.block_size)), -1, dtype=torch.int64, device=device)
         self.versions: tuple | None = None
-        self.tails = torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64).to(device)
         firsts = [s.first_token for s in seqs]
         self.first = torch.tensor(firsts, dtype=torch.int64).to(device)                    # (B,)
         self.first_lo = min(firsts)
@@ -63,7 +62,8 @@ class Batch:
         # what the decode step reads per (sequence, KV head) row, gathered once per batch: the
         # captured step holds no indexing for them
         self.first_of_head = self.first[self.seq_of_head]                                   # (B*H, 1)
-        self.tail_units = host.unit_rows(self.tails[self.seq_of_head], self.kv_head)        # (B*H, 1)
+        tails = torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64).to(device)
+        self.tail_units = host.tail_units(tails)                                            # (B, H)
         # per layer: each sequence's first new position (append) or token count (attend), once
         # per KV head (so the step reads per-sequence and per-row views of one tensor), and the
         # first LRU stamp
@@ -105,7 +105,7 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     layer = rows.index
     B, H, T, D = k.shape
     start = batch.starts(layer)
-    host.backup(layer, batch.tables, batch.tails, start, k, v)
+    host.backup(layer, batch.tables, batch.tail_units, start, k, v)
     key_bounds.update(rows.bank, batch.rows, start, k, shape.block_size, cfg.bound_group)
     pos = batch.head_starts(layer)                                                      # (B*H, T)
     if T > 1:
@@ -146,11 +146,10 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[layer]
-    slots, miss, lookups, hits, prefetch_used = state.lookup(sel.tokens, clock)
-    used = (sel.tokens >= 0).sum(1)
+    slots, miss, used, hits, prefetch_used = state.lookup(sel.tokens, clock)         # used: (B*H,)
     loaded, prefetch_slots = state.prefetch(sel.prefetch, S - used, clock + ticks(selected=K))
     # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
-    tokens = torch.cat([sel.tokens, sel.prefetch], 1).clamp(min=0)
+    tokens = sel.both.clamp(min=0)                                  # the selection, then the prefetch
     take = torch.cat([miss, loaded], 1)
     dst = (batch.head_rows + torch.cat([slots, prefetch_slots], 1)).reshape(-1)
     logical, offset = tokens // bs, tokens % bs
@@ -158,12 +157,13 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     if host.quantized:
         in_tail = logical >= n_head // bs                       # the unfilled last block: the float tail
         src = torch.where(take & ~in_tail, main, -1)
-        src_tail = torch.where(take & in_tail, batch.tail_units + offset, -1)
+        src_tail = torch.where(take & in_tail, batch.tail_units.view(-1, 1) + offset, -1)
     else:
         src, src_tail = torch.where(take, main, -1), None
     nbytes = host.load(layer, src.reshape(-1), None if src_tail is None else src_tail.reshape(-1),
                        rows.k.view(-1, D), rows.v.view(-1, D), dst)
-    rows.counters.add(lookups, hits, prefetch_used, used.sum(), sel.loaded, loaded.sum(), nbytes)
+    lookups = used.sum()                                   # every selected token is looked up
+    rows.counters.add(lookups, hits, prefetch_used, lookups, sel.loaded, loaded.sum(), nbytes)
     if cfg.streaming:
         bank["importance"][r, :nb] += sel.block_hits.view(B, H, nb).sum(1)
     remember_queries(rows.bank, r, q[:, None])

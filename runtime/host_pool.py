@@ -163,17 +163,22 @@ class HostPool:
             blk = tables[seq, logical]
         return self.unit_rows(blk.clamp_min(0), head) + offset
 
+    def tail_units(self, tail_slots: torch.Tensor) -> torch.Tensor:
+        """The first rows (B, Hkv) of the units of B sequences' tail slots (B,) (:meth:`backup`)."""
+        return self.unit_rows(tail_slots[:, None], torch.arange(self.num_kv_heads, device=tail_slots.device))
+
     def tail_rows(self, tail_slots: torch.Tensor | int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rows of tokens pos in the float tail blocks ``tail_slots`` (quantized pools)."""
         return self.row_of(tail_slots, head, pos)
 
     # -- writes --------------------------------------------------------------------------------
-    def backup(self, layer: int, tables: torch.Tensor, tails: torch.Tensor, start: torch.Tensor,
+    def backup(self, layer: int, tables: torch.Tensor, tail_units: torch.Tensor | None, start: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens from where they are: k, v (B, Hkv, T, D) at positions start (B,) + t
-        of B sequences (block tables (B, W), tail slots (B,)), without a host sync. Unquantized:
-        every token into the main pool. Quantized: the tokens of each sequence's unfilled last
-        block into its tail (the blocks they complete go through :meth:`seal` first).
+        of B sequences (block tables (B, W); tail_units (B, Hkv): their tail slots' units,
+        :meth:`tail_units`, for quantized pools), without a host sync. Unquantized: every token
+        into the main pool. Quantized: the tokens of each sequence's unfilled last block into its
+        tail (the blocks they complete go through :meth:`seal` first).
 
         On a GPU the kernel writes the pinned rows over UVA, in stream order; the CPU waits for it
         only before it next reads the pool itself (:meth:`note_device_writes`).
@@ -181,10 +186,9 @@ class HostPool:
         B, H, T, D = k.shape
         # a decode token (T == 1) is at start itself: no position arithmetic in the captured step
         pos = start[:, None] if T == 1 else start[:, None] + torch.arange(T, device=k.device)     # (B, T)
-        heads = torch.arange(H, device=k.device)[None, :, None]
         keep = None
         if self.quantized:
-            rows = self.tail_rows(tails[:, None, None], heads, pos[:, None])
+            rows = tail_units[:, :, None] + pos[:, None] % self.block_size                        # (B, H, T)
             if T > 1:
                 # tokens of the blocks they complete would share tail rows with later ones (seal
                 # stored them); a decode token that completes its block is written to the tail
@@ -192,6 +196,7 @@ class HostPool:
                 keep = (pos >= (start + T)[:, None] // self.block_size * self.block_size)[:, None].expand(B, H, T)
             names = ("k_tail", "v_tail")
         else:
+            heads = torch.arange(H, device=k.device)[None, :, None]
             rows = self.main_rows(tables, heads, pos[:, None].expand(B, H, T))
             names = ("k", "v")
         src = torch.arange(B * H * T, device=k.device)

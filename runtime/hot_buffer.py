@@ -208,26 +208,32 @@ class HotBufferState:
         """Hit detection and miss assignment for selected tokens sel (H, K), -1 padded, unique per
         row, stamped from ``clock`` on (``ticks(selected=K)`` stamps). Misses stay in place as a
         mask over sel. Returns (slots (H, K) of every selected token (-1 for padding), miss (H, K)
-        bool, lookups, hits, prefetch_used (0-dim counts)): a miss's token is sel, its new slot
-        is slots, and the caller copies it in.
+        bool, selected (H,) tokens per head, hits, prefetch_used (0-dim counts)): a miss's token
+        is sel, its new slot is slots, and the caller copies it in.
         """
         S = self.num_slots
         K = sel.shape[1]
         valid = sel >= 0
         slot = torch.where(valid, self.token_slot_s.gather(1, sel + 1), -1)
         hit = slot >= 0
-        miss = valid & ~hit
+        miss = valid ^ hit                                                   # a hit is valid
         hit_at = torch.where(hit, slot, S)
-        ar = torch.arange(K, device=self.device)
+        stamps = clock + torch.arange(K, device=self.device).expand_as(sel)
         prefetch_used = self.prefetched_s.gather(1, hit_at).sum()         # the spill reads False
         self.prefetched_s.scatter_(1, hit_at, False)
         # hits become the most recent first (stamps past every miss's); then the misses' victims,
         # the least recent slots, are never hits: misses + hits <= K <= S
-        self.slot_stamp_s.scatter_(1, hit_at, (clock + K) + ar.expand_as(sel))
-        rank = miss.long().cumsum(1) - 1
-        victims = self._lru(self.slot_stamp, K).gather(1, rank.clamp(min=0))
-        self._install(miss, sel, victims, (clock + ar).expand_as(sel), prefetched=False)
-        return torch.where(miss, victims, slot), miss, valid.sum(), hit.sum(), prefetch_used
+        self.slot_stamp_s.scatter_(1, hit_at, stamps + K)
+        victims = self._lru(self.slot_stamp, K).gather(1, self._rank(miss, K))
+        self._install(miss, sel, victims, stamps, prefetched=False)
+        return torch.where(miss, victims, slot), miss, valid.sum(1), hit.sum(), prefetch_used
+
+    def _rank(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+        """Each entry's count of masked entries before it in its row (H, M): a masked entry's
+        0-based rank among them, and for the others an index that is in range for the ``width``
+        least recent slots (no clamp needed)."""
+        rank = mask.cumsum(1) - mask.long()
+        return rank if width <= self.num_slots else rank.clamp(max=self.num_slots - 1)
 
     def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor,
                  clock: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,9 +243,9 @@ class HotBufferState:
         the caller fills the loaded ones."""
         P = tokens.shape[1]
         cand = (tokens >= 0) & (self.token_slot_s.gather(1, tokens + 1) < 0)
-        rank = cand.long().cumsum(1) - 1
+        rank = self._rank(cand, P)
         cand &= rank < limit[:, None]
-        victims = self._lru(self.slot_stamp, P).gather(1, rank.clamp(min=0))
+        victims = self._lru(self.slot_stamp, P).gather(1, rank)
         stamps = clock + torch.arange(P, device=self.device).expand(self.num_heads, -1)
         self._install(cand, tokens, victims, stamps, prefetched=True)
         return cand, victims

@@ -21,7 +21,10 @@ def probe_threshold(context_len: int | torch.Tensor, base: float, lo: float, hi:
     [lo, hi]. A tensor length (the graph-captured decode step's device scalar) gives a float64
     tensor, computed on the device."""
     if isinstance(context_len, torch.Tensor):
-        return (base * (context_len.double().clamp_min(1) / 131072) ** 0.25).clamp(lo, hi)
+        # base * (n / 131072) ** 0.25 as one product under the root (fewer ops in the captured
+        # step; base > 0); a length below 1 reads as 1 like the int form's
+        at_least = probe_threshold(1, base, lo, hi)
+        return ((context_len.double() * (base ** 4 / 131072)) ** 0.25).clamp(at_least, hi)
     return float(min(hi, max(lo, base * (max(context_len, 1) / 131072) ** 0.25)))
 
 
