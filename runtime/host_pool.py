@@ -105,13 +105,16 @@ class HostPool:
             else:
                 spec = {"k": ((rows, D), self.dtype), "v": ((rows, D), self.dtype)}
             for name, (shape, dt) in spec.items():
-                new = self._empty(shape, dt)
                 old = store.get(name)
+                if old is not None and old.shape == shape:
+                    continue             # more tail slots leave the main pool where it is (no copy)
+                new = self._empty(shape, dt)
                 if old is not None and old.shape[0]:
                     new[: old.shape[0]] = old
                 store[name] = new
+        if blocks != self.num_blocks:
+            self._bits_on.clear()    # rebuilt at the next prepare
         self.num_blocks, self.num_tail = blocks, tails
-        self._bits_on.clear()        # rebuilt at the next prepare
 
     def grow(self, blocks: int | None = None, tails: int | None = None) -> None:
         """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept)."""

@@ -81,14 +81,17 @@ class HotBufferBank:
         self.prefetched_s = grown(self.prefetched_s, False)
         self.token_slot_s = grown(self.token_slot_s, -1)
         self.num_rows = rows
-        for r in range(n0 // self.num_heads, rows):
-            self.reset(r)
+        self.slot_stamp[n0:] = self._empty_stamps()          # the rest is filled empty above
+
+    def _empty_stamps(self) -> torch.Tensor:
+        """An empty head's stamps: every slot older than any stamp handed out, lowest first."""
+        return torch.arange(self.num_slots, device=self.device) - self.num_slots
 
     def reset(self, row: int) -> None:
         """Empty one row (a new sequence takes it): no tokens, empty slots oldest, lowest first."""
         h = slice(row * self.num_heads, (row + 1) * self.num_heads)
         self.slot_token_s[h] = -1
-        self.slot_stamp[h] = torch.arange(self.num_slots, device=self.device) - self.num_slots
+        self.slot_stamp[h] = self._empty_stamps()
         self.prefetched_s[h] = False
         self.token_slot_s[h] = -1
 
@@ -105,12 +108,12 @@ class HotBufferBank:
         new[:, :1 + cap] = self.token_slot_s
         self.token_slot_s = new
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Row dst takes row src's LRU state (a forked sequence; the caller copies the K/V)."""
+    def copy_row(self, src: int, dst: int, count: int = 1) -> None:
+        """Rows [dst, dst + count) take row src's LRU state (forked sequences; the caller copies
+        the K/V)."""
         H = self.num_heads
-        s, d = slice(src * H, (src + 1) * H), slice(dst * H, (dst + 1) * H)
         for t in self.buffers():
-            t[d] = t[s]
+            t[dst * H:(dst + count) * H].view(count, H, -1).copy_(t[src * H:(src + 1) * H].expand(count, H, -1))
 
     def rows(self, row: int, count: int = 1) -> "HotBufferState":
         """The state of rows [row, row + count) as one HotBufferState of count x H heads."""
