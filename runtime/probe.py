@@ -10,6 +10,9 @@ from, so each must be more certainly important:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -70,6 +73,29 @@ def fit_probes(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, tor
     of the two layers written out: no autograd, and the per-op cost shared by the probes (on a
     CPU that cost, not the arithmetic, is what a fit of a few hundred rows spends). Returns each
     probe's final loss."""
+    with one_thread_on_cpu(probes[0].fc1.weight.device):
+        return _fit(probes, data, steps, lr)
+
+
+@contextlib.contextmanager
+def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """One CPU thread while it runs: for the recalibration's small ops (a few hundred rows for the
+    fit): split over threads they wait on each other longer than they compute, and on a busy
+    machine far longer (a 4-layer fit measured 13-20 s with 2 threads on the shared 2-core VM,
+    0.1 s with one)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+         lr: float) -> list[float]:
     P, dev = len(probes), probes[0].fc1.weight.device
     n = torch.tensor([len(y) for _, y in data], dtype=torch.float32, device=dev)       # (P,)
     width = max(len(y) for _, y in data)

@@ -23,7 +23,7 @@ import torch
 
 from easymats.catalogue import RECALIBRATION_REASONS
 
-from .probe import fit_probes
+from .probe import fit_probes, one_thread_on_cpu
 from .row_bank import RowBank
 
 if TYPE_CHECKING:          # prefill imports this module (remember_queries)
@@ -224,7 +224,7 @@ class Recalibrator:
             return  # nothing is pinned, so there is nothing to re-score or fit
         fits: dict[torch.device, list] = {}
         for layer in self.layers:
-            with layer.on_device():
+            with layer.on_device(), one_thread_on_cpu(layer.device):
                 data = self._layer(layer, seqs)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
