@@ -6,8 +6,9 @@ Prefills one sequence of --context tokens (random K/V, Llama-3-8B head shape: 8 
 128, bf16, 64-token blocks, ``host_kv_bits=4``, a host pool with room for every copy) through
 the engine's public API, forks it --forks times (``fork_sequences``, what transformers'
 ``batch_repeat_interleave`` calls), then decodes --steps tokens in every sequence. Prints the fork
-time and the host pool's blocks in use (and their bytes) against one sequence's. Runs against any revision of ``hi_sparse`` put first on ``PYTHONPATH``
-(the copying fork before issue 21, for the comparison).
+time and the host pool's blocks in use (and their bytes) against one sequence's. Runs against
+any revision of ``hi_sparse`` put first on ``PYTHONPATH`` (the copying fork before issue 21, for
+the comparison).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main() -> int:
     res = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv,
            "torch": torch.__version__, "hi_sparse": os.path.dirname(hs.__file__), "sequences": n,
            "prefill_s": prefill_s, "fork_s": fork_s, "decode_step_s": decode_s,
-           "blocks_one_sequence": used_one, "blocks_after_forks": used_after, "blocks_after_decode": eng.pool.num_active,
+           "blocks_one_sequence": used_one, "blocks_after_forks": used_after,
+           "blocks_after_decode": eng.pool.num_active,
            "host_bytes_one_sequence": used_one * per_block, "host_bytes_all": eng.pool.num_active * per_block,
            "host_ratio_to_one": eng.pool.num_active / used_one}
     if args.json:

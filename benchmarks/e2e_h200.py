@@ -417,7 +417,8 @@ def main() -> int:
                 row.update(prefill_s=r["prefill_s"], decode_mode=r["decode_mode"], decode_input="greedy",
                            decode_step_ms_median=1e3 * median(steady), decode_step_ms_all=[round(1e3 * t, 2)
                                                                                           for t in r["times"]],
-                           decode_tokens_per_s=B / median(steady), decode_tokens_per_s_mean=B * len(steady) / sum(steady),
+                           decode_tokens_per_s=B / median(steady),
+                           decode_tokens_per_s_mean=B * len(steady) / sum(steady),
                            device_kv_bytes=kv_bytes_per_token * (ctx + args.decode_steps), host_kv_bytes=0)
                 if device == "cuda":
                     row["device_peak_bytes_over_weights"] = torch.cuda.max_memory_allocated() - base
@@ -619,7 +620,8 @@ def main() -> int:
           "| seqs fit (device, host) | 1 TiB / 2 TiB host |")
     print("|---|---|---|---|---|---|---|---|")
     for row, c in zip(single, cap):
-        print(f"| {row['context']} | {row['variant']} | {row['decode_step_ms_median']:.1f} ({_ms(row.get('limit_ms'))}) | "
+        print(f"| {row['context']} | {row['variant']} | {row['decode_step_ms_median']:.1f} "
+              f"({_ms(row.get('limit_ms'))}) | "
               f"{row['decode_tokens_per_s']:.1f} | "
               f"{row['device_kv_bytes'] / GiB:.2f} GiB | {row['host_kv_bytes'] / GiB:.2f} GiB | "
               f"{c['sequences_fit']} ({c['sequences_by_device']}, {c['sequences_by_host']}) | "

@@ -152,7 +152,8 @@ def main() -> int:
     _patch_kernels()
     torch.manual_seed(0)
     bits = None if args.bits == "none" else (int(args.bits) if args.bits.isdigit() else args.bits)
-    cfg = hs.HiSparseConfig(max_seq_len=args.context + 2 * (args.steps + args.time_steps) + 256, cache_block_size=args.block_size,
+    cfg = hs.HiSparseConfig(max_seq_len=args.context + 2 * (args.steps + args.time_steps) + 256,
+                            cache_block_size=args.block_size,
                             window_size=args.window, top_k=args.top_k, host_kv_bits=bits,
                             bound_group=args.bound_group, telemetry=False, audit_every=0)
     H, Hq, D, B = args.kv_heads, args.q_heads, args.head_dim, args.batch
