@@ -194,7 +194,6 @@ def static_dense(model, ids: torch.Tensor, steps: int, chunk: int, device: str) 
         times.append(time.perf_counter() - t0)
         tok.copy_(logits.argmax(-1, keepdim=True))
         pos += 1
-    del graph, cache
     return {"prefill_s": prefill_s, "times": times, "decode_mode": how}
 
 
