@@ -264,6 +264,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke run of this script")
     ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--late-contexts", default="",
+                    help="comma list of contexts measured like --contexts but after the --hisparse-batch runs "
+                         "(so a time limit cuts these first; with --planted the model is planted by then)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens per forward)")
     ap.add_argument("--top-k", type=int, default=2048)
@@ -559,11 +562,14 @@ def main() -> int:
             raise SystemExit(f"unknown --variants {bad}; choose from {', '.join(known)}")
         variants = [(v, known[v]) for v in args.variants.split(",")]
     extra_tokens = 4 * args.decode_steps + (2 * ab_phases * ab_steps if args.batch_telemetry else 0)
-    for ci, ctx in enumerate(contexts):
-        ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
-        extra = [("hisparse+easymats", None)] if ci == 0 and args.telemetry_check else []
-        for label, bits in variants + extra:
-            measure(label, bits, ids)
+    def singles(ctxs: list[int], first: bool) -> None:
+        for ci, ctx in enumerate(ctxs):
+            ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
+            extra = [("hisparse+easymats", None)] if first and ci == 0 and args.telemetry_check else []
+            for label, bits in variants + extra:
+                measure(label, bits, ids)
+
+    singles(contexts, True)
     if args.batch > 1:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         for label in ("dense", "hisparse"):
@@ -583,6 +589,7 @@ def main() -> int:
         blocks = -(-ctx // args.block_size) + n * (-(-extra_tokens // args.block_size) + 1)
         measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks,
                 telemetry_ab=args.batch_telemetry)
+    singles([min(int(c), 512) if args.tiny else int(c) for c in args.late_contexts.split(",") if c], not contexts)
     if args.dense_batch:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         measure("dense", None, ids, repeat=args.dense_batch, inputs=(False, True))
