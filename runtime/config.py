@@ -107,6 +107,8 @@ class HiSparseConfig:
         """Hot buffer slots per sequence, layer and KV head."""
         return self.device_buffer_tokens if self.device_buffer_tokens is not None else 2 * self.top_k
 
+    # Over 60 lines on purpose: a flat list of one-line checks, one per option or pair of options,
+    # read top to bottom like the option table of docs/runtime.md; splitting it would scatter it.
     def validate(self) -> "HiSparseConfig":
         """Raise ValueError naming the fix for any inconsistent setting; returns self."""
         def need(cond: bool, msg: str) -> None:

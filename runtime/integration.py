@@ -201,10 +201,16 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
                             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                             device=device, dtype=dtype, model_name=family,
                             layer_devices=_layer_devices(modules, device))
-    binding = Binding(engine, cfg, shape, modules, previous_attn)
+    _attach(model, base_model, Binding(engine, cfg, shape, modules, previous_attn))
+    return model
+
+
+def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Binding) -> None:
+    """Switch ``model``'s attention to HiSparse and hook its forward; closes ``binding`` if the
+    model refuses the switch."""
     try:
         model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
-        if config._attn_implementation != hf_attention.ATTN_IMPLEMENTATION:
+        if model.config._attn_implementation != hf_attention.ATTN_IMPLEMENTATION:
             raise UnsupportedModelError(
                 f"{type(model).__name__} does not let its attention implementation be changed, "
                 "so HiSparse cannot attach to it")
@@ -219,11 +225,10 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     _BINDINGS[model] = binding
     if base_model is not model:
         _BINDINGS[base_model] = binding
-    hf_generate.guard_generate(model, int(cfg.max_seq_len))  # prompt + max_new_tokens checked up front
+    hf_generate.guard_generate(model, int(binding.config.max_seq_len))  # prompt + max_new_tokens checked up front
     # The engine (and its telemetry segment) lives as long as the model; finalize also runs at
     # interpreter exit, which is what removes the segment on a clean exit; closing detaches it.
     binding.finalizer = weakref.finalize(model, binding.close)
-    return model
 
 
 def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
