@@ -241,6 +241,7 @@ def _drop(read: Callable[[int], bytes], left: int) -> None:
         left -= len(chunk)
 
 
+# A class factory: its length is the handler class it defines (methods of at most ~35 lines each).
 def _handler(hook: Webhook) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "easymats-webhook"

@@ -144,6 +144,23 @@ class Deriver:
         metrics: Mapping[str, Any] = rec.get("metrics") or {}
         get = metrics.get
         counters = tuple([_num(get(k)) for k in _COUNTER_KEYS])
+        hists = self._histograms(metrics)
+        recal = self._recalibrations(metrics)
+        self._check_restart(out, counters, recal)
+        self._deltas(out, counters, recal)
+        self._win.append((t, counters, hists))
+        while len(self._win) > 2 and t - self._win[1][0] >= self.window_s:
+            self._win.popleft()
+        self._window_values(out.values, t, counters, hists, metrics)
+        self._levels(out, metrics)
+        self._lag(out.values, t, _num(rec.get("lag_s")))
+        proc = rec.get("process")
+        if isinstance(proc, dict) and isinstance(proc.get("rss_bytes"), (int, float)):
+            out.values["rss_bytes"] = float(proc["rss_bytes"])
+        return out
+
+    def _histograms(self, metrics: Mapping[str, Any]) -> tuple[tuple[float, ...], ...]:
+        """Each histogram's counts (() where absent or incomplete); keeps their bounds."""
         hists = []
         for name, key in _HISTOGRAMS:
             h = metrics.get(key)
@@ -154,6 +171,10 @@ class Deriver:
                 hists.append(tuple(counts))
             else:
                 hists.append(())
+        return tuple(hists)
+
+    def _recalibrations(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Recalibrations so far by reason."""
         if self._recal_keys[0] != len(metrics):  # the series set changes rarely: scan keys only then
             found = []
             for key in metrics:
@@ -167,13 +188,17 @@ class Deriver:
             value = _num(metrics.get(key))
             if not math.isnan(value):
                 recal[reason] = value
+        return recal
 
-        # Restart: a new pid, or any cumulative value going backwards.
+    def _check_restart(self, out: Derived, counters: tuple[float, ...], recal: dict[str, float]) -> None:
+        """Restart: a new pid, or any cumulative value going backwards; starts the window over."""
+        t, pid = out.t, out.pid
         if self._win:
             prev = self._win[-1][1]
             # A relative tolerance: float sums (e.g. replayed or re-aggregated counters) may wobble
             # in the last bits without the process having restarted.
-            went_back = any(c < p - 1e-9 * abs(p) for c, p in zip(counters, prev) if not (math.isnan(c) or math.isnan(p)))
+            went_back = any(c < p - 1e-9 * abs(p) for c, p in zip(counters, prev)
+                            if not (math.isnan(c) or math.isnan(p)))
             went_back = went_back or any(v < self._recal.get(r, 0.0) * (1 - 1e-9) for r, v in recal.items())
             if pid is not None and self._pid is not None and pid != self._pid:
                 out.restart = Restart(t, self._pid, pid, "pid")
@@ -187,6 +212,8 @@ class Deriver:
         if pid is not None:
             self._pid = pid
 
+    def _deltas(self, out: Derived, counters: tuple[float, ...], recal: dict[str, float]) -> None:
+        """What happened since the previous sample: recalibrations, audits, evictions."""
         if self._recal or self._win:
             for reason, v in recal.items():
                 d = v - self._recal.get(reason, 0.0)
@@ -201,39 +228,43 @@ class Deriver:
                 if d > 0:
                     setattr(out, attr, d)
 
-        self._win.append((t, counters, tuple(hists)))
-        while len(self._win) > 2 and t - self._win[1][0] >= self.window_s:
-            self._win.popleft()
+    def _window_values(self, v: dict[str, float], t: float, counters: tuple[float, ...],
+                       hists: tuple[tuple[float, ...], ...], metrics: Mapping[str, Any]) -> None:
+        """Ratios, rates and p99s over the rate window, once it spans min_span_s."""
         t0, c0, h0 = self._win[0]
         span = t - t0
+        if span < self.min_span_s:
+            return
+
+        def ratio(num: str, den: str) -> float | None:
+            dn = counters[_CI[num]] - c0[_CI[num]]
+            dd = counters[_CI[den]] - c0[_CI[den]]
+            if math.isnan(dn) or math.isnan(dd) or dd <= 0:
+                return None
+            return max(0.0, min(1.0, dn / dd))
+
+        for rate in _RATES:
+            r = ratio(rate.numerator, rate.denominator)
+            if r is not None:
+                v[rate.key] = r
+        d_tok = counters[_CI["decode_tokens"]] - c0[_CI["decode_tokens"]]
+        if not math.isnan(d_tok):
+            v["decode_tokens_per_s"] = d_tok / span
+        active = _num(metrics.get(K_ACTIVE))
+        d_rec = counters[_CI["recycles"]] - c0[_CI["recycles"]]
+        if not math.isnan(d_rec) and active > 0:
+            v[_RECYCLE.key] = d_rec / span / active
+        for i, (name, _) in enumerate(_HISTOGRAMS):
+            h, old = hists[i], h0[i]
+            if h and len(old) == len(h):
+                delta = [a - b for a, b in zip(h, old)]
+                q = histogram_quantile(0.99, self._bounds[name], delta)
+                if q is not None:
+                    v["step_p99_seconds" if name == "step" else "quant_error_p99"] = q
+
+    def _levels(self, out: Derived, metrics: Mapping[str, Any]) -> None:
+        """Gauges as they are: blocks, bytes, context, and the pool's free share."""
         v = out.values
-        if span >= self.min_span_s:
-            def ratio(num: str, den: str) -> float | None:
-                dn = counters[_CI[num]] - c0[_CI[num]]
-                dd = counters[_CI[den]] - c0[_CI[den]]
-                if math.isnan(dn) or math.isnan(dd) or dd <= 0:
-                    return None
-                return max(0.0, min(1.0, dn / dd))
-
-            for rate in _RATES:
-                r = ratio(rate.numerator, rate.denominator)
-                if r is not None:
-                    v[rate.key] = r
-            d_tok = counters[_CI["decode_tokens"]] - c0[_CI["decode_tokens"]]
-            if not math.isnan(d_tok):
-                v["decode_tokens_per_s"] = d_tok / span
-            active = _num(metrics.get(K_ACTIVE))
-            d_rec = counters[_CI["recycles"]] - c0[_CI["recycles"]]
-            if not math.isnan(d_rec) and active > 0:
-                v[_RECYCLE.key] = d_rec / span / active
-            for i, (name, _) in enumerate(_HISTOGRAMS):
-                h, old = hists[i], h0[i]
-                if h and len(old) == len(h):
-                    delta = [a - b for a, b in zip(h, old)]
-                    q = histogram_quantile(0.99, self._bounds[name], delta)
-                    if q is not None:
-                        v["step_p99_seconds" if name == "step" else "quant_error_p99"] = q
-
         active, free, pending = (_num(metrics.get(k)) for k in (K_ACTIVE, K_FREE, K_PENDING))
         for key, value in (("active_blocks", active), ("pending_blocks", pending),
                            ("device_metadata_bytes", _num(metrics.get(K_META_DEVICE))),
@@ -243,37 +274,37 @@ class Deriver:
                 v[key] = value
         if math.isnan(pending) and not math.isnan(active) and not math.isnan(free):
             pending = 0.0  # a serving engine has no recycle grace (docs/engines.md), as the rule sums
-        if not any(math.isnan(x) for x in (active, free, pending)) and active + free + pending > 0:
-            pool = active + free + pending
-            v["pool_blocks"] = pool
-            # Exhaustion is headroom against the pool's limit, like the alert's recording rule. A
-            # pool that grows on demand (limit 0) has no limit: its free share of the current size
-            # dips before every growth step and says nothing about running out, so no ratio.
-            limit = _num(metrics.get(K_LIMIT))
-            if limit > 0:
-                v["pool_limit_blocks"] = limit
-                v["kv_free_blocks_ratio"] = max(0.0, limit - active - pending) / limit
-            elif math.isnan(limit):
-                # A log from before the limit gauge: free / size, as then, unless the pool is seen
-                # growing (then it grows on demand, and its finding is withdrawn: TargetRun.pool_grew).
-                if self._pool_max and pool > self._pool_max:
-                    out.pool_grew = True
-                self._pool_max = max(self._pool_max, pool)
-                v["kv_free_blocks_ratio"] = free / pool
-        lag = _num(rec.get("lag_s"))
-        if not math.isnan(lag):
-            self._lags.append((t, lag))
-            while self._lags and t - self._lags[0][0] >= self.window_s:
-                self._lags.popleft()
-            if t - self._lags[0][0] >= self.min_span_s or len(self._lags) >= 10:
-                if self._lag_p99 is None or t - self._lag_p99[0] >= 1.0 or t < self._lag_p99[0]:
-                    lags = sorted(x for _, x in self._lags)
-                    self._lag_p99 = (t, lags[min(len(lags) - 1, int(0.99 * len(lags)))])
-                v["sample_lag_p99_seconds"] = self._lag_p99[1]
-        proc = rec.get("process")
-        if isinstance(proc, dict) and isinstance(proc.get("rss_bytes"), (int, float)):
-            v["rss_bytes"] = float(proc["rss_bytes"])
-        return out
+        if any(math.isnan(x) for x in (active, free, pending)) or active + free + pending <= 0:
+            return
+        pool = active + free + pending
+        v["pool_blocks"] = pool
+        # Exhaustion is headroom against the pool's limit, like the alert's recording rule. A
+        # pool that grows on demand (limit 0) has no limit: its free share of the current size
+        # dips before every growth step and says nothing about running out, so no ratio.
+        limit = _num(metrics.get(K_LIMIT))
+        if limit > 0:
+            v["pool_limit_blocks"] = limit
+            v["kv_free_blocks_ratio"] = max(0.0, limit - active - pending) / limit
+        elif math.isnan(limit):
+            # A log from before the limit gauge: free / size, as then, unless the pool is seen
+            # growing (then it grows on demand, and its finding is withdrawn: TargetRun.pool_grew).
+            if self._pool_max and pool > self._pool_max:
+                out.pool_grew = True
+            self._pool_max = max(self._pool_max, pool)
+            v["kv_free_blocks_ratio"] = free / pool
+
+    def _lag(self, v: dict[str, float], t: float, lag: float) -> None:
+        """The sampler's lag p99 over the window (sorted at most once a second)."""
+        if math.isnan(lag):
+            return
+        self._lags.append((t, lag))
+        while self._lags and t - self._lags[0][0] >= self.window_s:
+            self._lags.popleft()
+        if t - self._lags[0][0] >= self.min_span_s or len(self._lags) >= 10:
+            if self._lag_p99 is None or t - self._lag_p99[0] >= 1.0 or t < self._lag_p99[0]:
+                lags = sorted(x for _, x in self._lags)
+                self._lag_p99 = (t, lags[min(len(lags) - 1, int(0.99 * len(lags)))])
+            v["sample_lag_p99_seconds"] = self._lag_p99[1]
 
 
 def info_labels(metrics: Mapping[str, Any], name: str) -> dict[str, str] | None:

@@ -223,6 +223,26 @@ def file_span(path: str, tail_bytes: int = 1 << 16) -> tuple[float | None, float
     return first, last
 
 
+def _record(line: bytes) -> dict[str, Any] | None:
+    """The JSON object of a log line with a finite time ``t``; None for anything else."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("t"), (int, float)) or \
+            not math.isfinite(obj["t"]):  # Python's json reads Infinity/NaN: no time at all
+        return None
+    return obj
+
+
+def _well_formed(obj: dict[str, Any], kind: str, target: Any) -> bool:
+    """A sample names its target and carries a metrics object; agent-wide events (agent_start,
+    agent_stop) carry target null."""
+    if not isinstance(target, str) and (kind == "sample" or target is not None):
+        return False
+    return kind != "sample" or isinstance(obj.get("metrics") or {}, dict)
+
+
 def iter_records(files: list[str], stats: ReadStats, *, target: str | None = None,
                  t_from: float | None = None, t_to: float | None = None) -> Iterator[dict[str, Any]]:
     """Yield sample and event records (dicts as in the log) in file order, filtered.
@@ -256,13 +276,8 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
             if needle is not None and needle not in line and b'"header"' not in line:
                 stats.ignored += 1
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                _skip(stats, path, lineno)
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("t"), (int, float)) or \
-                    not math.isfinite(obj["t"]):  # Python's json reads Infinity/NaN: no time at all
+            obj = _record(line)
+            if obj is None:
                 _skip(stats, path, lineno)
                 continue
             kind = obj.get("kind")
@@ -278,11 +293,7 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
                 stats.ignored += 1
                 continue
             tgt = obj.get("target")
-            # Agent-wide events (agent_start, agent_stop) carry target null.
-            if not isinstance(tgt, str) and (kind == "sample" or tgt is not None):
-                _skip(stats, path, lineno)
-                continue
-            if kind == "sample" and not isinstance(obj.get("metrics") or {}, dict):
+            if not _well_formed(obj, kind, tgt):
                 _skip(stats, path, lineno)
                 continue
             t = float(obj["t"])
