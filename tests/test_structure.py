@@ -1,7 +1,9 @@
-"""How easymats is put together: no import cycles, and the agent never loads the runtime's writer.
+"""How the code is put together: no import cycles (easymats, and the runtime with its kernels), the
+agent never loads the runtime's writer, and modules and functions stay small enough to read.
 
 Imports are read from the source (every ``import`` statement, at module level or inside a
-function: a lazy import is still a dependency), so the checks see what a reader of the tree sees.
+function: a lazy import is still a dependency; only ``if TYPE_CHECKING:`` imports are left out),
+so the checks see what a reader of the tree sees.
 """
 
 from __future__ import annotations
@@ -10,33 +12,54 @@ import ast
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "easymats")
 
 
-def _modules() -> dict[str, str]:
-    """easymats module name -> source path."""
+# package directory -> the import name it installs as (pyproject's package-dir)
+PACKAGES = {"easymats": "easymats", "runtime": "hi_sparse", "kernels": "hi_sparse.kernels"}
+
+
+def _modules(dirs: tuple[str, ...] = ("easymats",)) -> dict[str, str]:
+    """Module name -> source path, for the packages in ``dirs`` (keys of PACKAGES)."""
     out = {}
-    for dirpath, _, files in os.walk(PACKAGE):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
-            out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+    for top in dirs:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                rel = os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, top))[:-3]
+                name = ".".join([PACKAGES[top]] + rel.split(os.sep)).removesuffix(".__init__")
+                out[name] = os.path.join(dirpath, f)
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> easymats modules it imports (anywhere in its source)."""
-    mods = _modules()
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for annotations only: they never
+    run, so they make no cycle)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
+def import_graph(dirs: tuple[str, ...] = ("easymats",)) -> dict[str, set[str]]:
+    """module -> modules of the same packages it imports (anywhere in its source)."""
+    mods = _modules(dirs)
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
         package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
         deps: set[str] = set()
-        for node in ast.walk(tree):
+        for node in _runtime_nodes(tree):
             if isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -100,6 +123,49 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycles_in_easymats():
     assert cycles(import_graph()) == []
+
+
+def test_no_import_cycles_in_the_runtime_and_its_kernels():
+    graph = import_graph(("runtime", "kernels"))
+    assert "hi_sparse.engine" in graph and "hi_sparse.kernels.quant" in graph  # the names resolve
+    assert cycles(graph) == []
+
+
+# docs/architecture.md: no module over ~450 lines and no function over ~60 without a reason
+# written next to it (a comment right above the def, or above its decorators).
+MAX_MODULE_LINES = 480
+MAX_FUNCTION_LINES = 60
+
+
+def _long_functions(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        src = f.read()
+    lines = src.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if length > MAX_FUNCTION_LINES and not lines[first - 2].lstrip().startswith("#"):
+                out.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return out
+
+
+def test_modules_and_functions_stay_small():
+    mods = _modules(("easymats", "runtime"))
+    too_long = [f"{os.path.relpath(p, ROOT)} ({n} lines)" for p in mods.values()
+                if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_MODULE_LINES]
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: split them"
+    long_functions = [f for p in mods.values() for f in _long_functions(p)]
+    assert not long_functions, (f"functions over {MAX_FUNCTION_LINES} lines without a reason in a "
+                                f"comment above them: {long_functions}")
+
+
+def test_the_size_check_finds_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    path = tmp_path / "m.py"
+    path.write_text(f"def long():\n{body}\n\n# a reason\ndef explained():\n{body}")
+    assert [f.split()[1] for f in _long_functions(str(path))] == ["long"]
 
 
 def test_writer_and_reader_share_the_layout_not_each_other():

@@ -141,6 +141,17 @@ class ReadStats:
     last_t: float | None = None
     header: dict[str, Any] | None = None
 
+    def count(self, kind: str, t: float) -> None:
+        """A sample or event record at time ``t`` was read."""
+        if kind == "sample":
+            self.samples += 1
+        else:
+            self.events += 1
+        if self.first_t is None or t < self.first_t:
+            self.first_t = t
+        if self.last_t is None or t > self.last_t:
+            self.last_t = t
+
 
 def _skip(stats: ReadStats, path: str, lineno: int) -> None:
     stats.skipped += 1
@@ -223,6 +234,15 @@ def file_span(path: str, tail_bytes: int = 1 << 16) -> tuple[float | None, float
     return first, last
 
 
+def _outside(path: str, t_from: float | None, t_to: float | None) -> bool:
+    """A rotated file wholly outside the time range is skipped unread (records are in time order)."""
+    if t_from is None and t_to is None:
+        return False
+    first, last = file_span(path)
+    return (t_from is not None and last is not None and last < t_from) or \
+        (t_to is not None and first is not None and first > t_to)
+
+
 def _record(line: bytes) -> dict[str, Any] | None:
     """The JSON object of a log line with a finite time ``t``; None for anything else."""
     try:
@@ -254,13 +274,9 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
     needle = json.dumps(target).encode() if plain else None
     stats.files = list(files)
     for path in files:
-        if t_from is not None or t_to is not None:
-            # A rotated file wholly outside the time range is skipped unread (records are in time order).
-            first, last = file_span(path)
-            if (t_from is not None and last is not None and last < t_from) or \
-                    (t_to is not None and first is not None and first > t_to):
-                stats.skipped_files.append(path)
-                continue
+        if _outside(path, t_from, t_to):
+            stats.skipped_files.append(path)
+            continue
         try:
             stats.bytes += os.path.getsize(path)
         except OSError:
@@ -301,12 +317,5 @@ def iter_records(files: list[str], stats: ReadStats, *, target: str | None = Non
                     (t_from is not None and t < t_from) or (t_to is not None and t > t_to):
                 stats.ignored += 1
                 continue
-            if kind == "sample":
-                stats.samples += 1
-            else:
-                stats.events += 1
-            if stats.first_t is None or t < stats.first_t:
-                stats.first_t = t
-            if stats.last_t is None or t > stats.last_t:
-                stats.last_t = t
+            stats.count(kind, t)
             yield obj
