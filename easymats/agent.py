@@ -77,12 +77,6 @@ class Agent:
                                         timeout=scrape_timeout, peak_window_s=peak_window)
         except ValueError as exc:
             raise AgentError(str(exc)) from None
-        # Engine sources (vLLM/SGLang endpoints, SGLang PIDs, decode logs): easymats/sources/.
-        try:
-            self.engines = EngineAttach(scrapes, follow_logs, self.pids, interval=interval,
-                                        timeout=scrape_timeout, peak_window_s=peak_window)
-        except ValueError as exc:
-            raise AgentError(str(exc)) from None
         self.children = children
         self.interval = interval
         self.output = output
