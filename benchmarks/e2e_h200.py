@@ -29,6 +29,7 @@ import sys
 import time
 
 import torch
+
 from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
 
 GiB = 1 << 30

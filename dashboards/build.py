@@ -28,8 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from alerts import build as rules  # noqa: E402
-from alerts import promql  # noqa: E402
+from alerts import build as rules, promql  # noqa: E402
 from easymats import catalogue, thresholds as T  # noqa: E402
 from easymats.catalogue import RATIO  # noqa: E402
 
@@ -334,8 +333,7 @@ def _threshold_steps(line: Line) -> list:
 
 
 def _panel(spec: PanelSpec, panel_id: int):
-    from grafana_foundation_sdk.builders import common as cb
-    from grafana_foundation_sdk.builders import dashboard, prometheus, table, timeseries
+    from grafana_foundation_sdk.builders import common as cb, dashboard, prometheus, table, timeseries
     from grafana_foundation_sdk.models import common
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, DynamicConfigValue, ThresholdsMode
 

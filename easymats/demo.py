@@ -31,8 +31,8 @@ import time
 
 import click
 
-from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
 from .segment import segment_dir, segments_for_pid
+from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
 
 STARTUP_TIMEOUT_S = 180.0  # importing torch + transformers on a slow cold machine
 STOP_TIMEOUT_S = 20.0

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from . import __version__, catalogue
+
 # /metrics over HTTP lives with the server (formatting here is pure); re-exported for callers.
 from .httpserve import serve_metrics as serve  # noqa: F401
 from .logwriter import LogWriter, escape_label_value

@@ -30,9 +30,7 @@ import time
 import warnings
 from typing import Mapping
 
-from . import catalogue
-from . import layout as L
-from . import procinfo
+from . import catalogue, layout as L, procinfo
 from .control import ControlFile, ControlRequest
 from .layout import ENV_DIR, MAX_ENTRIES, MAX_FILE_BYTES, control_path, segment_dir
 

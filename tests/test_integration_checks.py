@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.hf_options import HiSparseOptionError, build_config
-from hi_sparse.hf_support import (UnsupportedModelError, check_family, check_generation_config,
-                                  check_sliding_window, sliding_window_of)
+from hi_sparse.hf_support import (
+    UnsupportedModelError,
+    check_family,
+    check_generation_config,
+    check_sliding_window,
+    sliding_window_of,
+)
 from hi_sparse.integration import left_pad_lengths
 
 

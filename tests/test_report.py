@@ -13,8 +13,7 @@ import sys
 import tracemalloc
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers_logs as H  # noqa: E402

@@ -10,9 +10,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers_logs as H  # noqa: E402
 
-from easymats.report import reader  # noqa: E402
+from easymats.report import plots, reader  # noqa: E402
 from easymats.report.analyse import Analysis  # noqa: E402
-from easymats.report import plots  # noqa: E402
 
 mpimg = pytest.importorskip("matplotlib.image")  # the `report` extra; installed in dev and CI
 
