@@ -174,7 +174,7 @@ class AgentCollector:
                         yield "easymats_process_gpu_utilization_ratio", gl, g.utilization_ratio
         if gpu is not None:
             for d in gpu.gpus:
-                dl = {"gpu": d.index, "uuid": d.uuid}
+                dl = {"gpu": d.gpu, "uuid": d.uuid}
                 if d.utilization_ratio is not None:
                     yield "easymats_gpu_utilization_ratio", dl, d.utilization_ratio
                 if d.memory_used_bytes is not None:
@@ -259,14 +259,14 @@ class AgentCollector:
                 continue
             series = snap.series
             for i, name, prefixes in self._runtime_lines(tg, snap):
-                lines = groups.get(name)
-                if lines is None:
-                    lines = groups[name] = []
+                group = groups.get(name)
+                if group is None:
+                    group = groups[name] = []
                 value = series[i].value
                 if isinstance(value, Histogram):
-                    lines.extend(_histogram_lines(name, prefixes, value))
+                    group.extend(_histogram_lines(name, prefixes, value))
                 else:
-                    lines.append(f"{prefixes[0]}{_fv(value)}\n")
+                    group.append(f"{prefixes[0]}{_fv(value)}\n")
         parts = []
         for name, lines in groups.items():
             parts.append(_HEADERS[name])

@@ -37,10 +37,19 @@ class SourceError(Exception):
 
 
 class Source(Protocol):
-    path: str | None
-    pid: int
-    name: str
-    labels: dict[str, str]
+    # Read-only properties, so that a source may hold a narrower type (a segment's path is always
+    # a str, an engine reader's always None) or a plain attribute.
+    @property
+    def path(self) -> str | None: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def labels(self) -> dict[str, str]: ...
 
     def read(self) -> "Snapshot": ...
 

@@ -71,7 +71,7 @@ class DocumentTracker:
         self.peak = 0.0
         self.width = 64.0
         self.bins: dict[int, list[float]] = {}  # i -> [hits, lookups, first_t, last_t, below_s]
-        self.use_time = None  # decided by the first sample: context tokens if logged, else time
+        self.use_time: bool | None = None  # decided by the first sample: context tokens if logged, else time
 
     def add(self, d: Derived, dt: float) -> None:
         ctx = d.values.get("context_tokens")
@@ -131,7 +131,7 @@ class DocumentTracker:
                 below_from, below_from_t = i * self.width, b[2]
                 break
         self.results.append(DocResult(
-            start_t=self.start_t, end_t=self.end_t or self.start_t, length=self.peak,  # type: ignore[arg-type]
+            start_t=self.start_t, end_t=self.end_t or self.start_t, length=self.peak,
             unit="s" if self.use_time else "tokens", first_rate=h1 / l1, second_rate=h2 / l2,
             below_from=below_from, below_from_t=below_from_t, below_s=sum(b[4] for b in second)))
         if len(self.results) > MAX_MARKERS:

@@ -188,8 +188,8 @@ class Deriver:
             self._pid = pid
 
         if self._recal or self._win:
-            for reason, v in recal.items():
-                d = v - self._recal.get(reason, 0.0)
+            for reason, total in recal.items():
+                d = total - self._recal.get(reason, 0.0)
                 if d > 0:
                     out.recalibrations[reason] = d
         self._recal = recal
