@@ -213,11 +213,14 @@ class LiveView:
                 lines.append(f"{name:<16} {tg.pid:>7} {up:>3}  (waiting for a second sample)"
                              if tg.up else f"{name:<16} {tg.pid:>7} {up:>3}  {shown(tg.error or '')}")
                 continue
+            anchor_health = th.health("anchor_hit_rate", d.anchor_hit_rate)
+            hot_health = th.health("hot_buffer_hit_rate", d.hot_buffer_hit_rate)
+            prefetch_health = th.health("prefetch_efficiency", d.prefetch_efficiency)
             lines.append(
                 f"{name:<16} {tg.pid:>7} {up:>3} "
-                f"{self._c(f'{_pct(d.anchor_hit_rate):>7}', th.health('anchor_hit_rate', d.anchor_hit_rate))} "
-                f"{self._c(f'{_pct(d.hot_buffer_hit_rate):>7}', th.health('hot_buffer_hit_rate', d.hot_buffer_hit_rate))} "
-                f"{self._c(f'{_pct(d.prefetch_efficiency):>8}', th.health('prefetch_efficiency', d.prefetch_efficiency))} "
+                f"{self._c(f'{_pct(d.anchor_hit_rate):>7}', anchor_health)} "
+                f"{self._c(f'{_pct(d.hot_buffer_hit_rate):>7}', hot_health)} "
+                f"{self._c(f'{_pct(d.prefetch_efficiency):>8}', prefetch_health)} "
                 f"{self._c(f'{_pct(d.block_recycle_rate):>9}', recycle_health(d))} "
                 f"{_num(d.active_blocks):>7} {_num(d.free_blocks):>7} {_num(d.pending_blocks):>7} "
                 f"{_ms(d.step_p50_s):>7} {_ms(d.step_p99_s):>7} {_num(d.tokens_per_s):>8}")

@@ -29,7 +29,8 @@ from .swap_in import reference_swap_in, reference_swap_in_dequant, swap_in, swap
 
 __all__ = [
     "sparse_decode_attention", "swap_in", "swap_in_dequant", "quantize_blocks", "dequantize_blocks",
-    "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_pays", "reference_sparse_decode_attention", "reference_swap_in",
+    "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_pays",
+    "reference_sparse_decode_attention", "reference_swap_in",
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
     "SUPPORTED_BITS",

@@ -32,7 +32,6 @@ from helpers_prometheus import binary, free_port, http_json, poll, queries_witho
 from alerts import build as rules  # noqa: E402
 from dashboards import build as dashboards  # noqa: E402
 from easymats import thresholds  # noqa: E402
-from easymats.segment import read_segment  # noqa: E402
 
 SCRAPE_S = 1
 RATE_WINDOW = "6s"  # the rules' 5m window, compressed: at least four scrapes

@@ -21,7 +21,8 @@ from hi_sparse.integration import left_pad_lengths
 def test_supported_families_pass_and_others_are_named():
     for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(), Qwen3Config()):
         assert check_family(cfg) == cfg.model_type
-    with pytest.raises(UnsupportedModelError, match="supports Llama, Mistral, Qwen2 and Qwen3 models; got model_type 'gpt2'"):
+    with pytest.raises(UnsupportedModelError,
+                       match="supports Llama, Mistral, Qwen2 and Qwen3 models; got model_type 'gpt2'"):
         check_family(GPT2Config())
 
 

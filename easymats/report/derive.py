@@ -173,7 +173,8 @@ class Deriver:
             prev = self._win[-1][1]
             # A relative tolerance: float sums (e.g. replayed or re-aggregated counters) may wobble
             # in the last bits without the process having restarted.
-            went_back = any(c < p - 1e-9 * abs(p) for c, p in zip(counters, prev) if not (math.isnan(c) or math.isnan(p)))
+            went_back = any(c < p - 1e-9 * abs(p) for c, p in zip(counters, prev)
+                            if not (math.isnan(c) or math.isnan(p)))
             went_back = went_back or any(v < self._recal.get(r, 0.0) * (1 - 1e-9) for r, v in recal.items())
             if pid is not None and self._pid is not None and pid != self._pid:
                 out.restart = Restart(t, self._pid, pid, "pid")
