@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
 from . import __version__, catalogue
 
@@ -27,6 +27,15 @@ from .targets import Target
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
+
+
+class Collector(Protocol):
+    """What :meth:`Registry.register` takes: a prometheus_client collector with ``describe()``
+    (registering reads nothing); an optional ``version()`` lets /metrics reuse its body."""
+
+    def describe(self) -> Iterable[Metric]: ...
+
+    def collect(self) -> Iterable[Metric]: ...
 
 log = logging.getLogger("easymats.exporter")
 
@@ -76,17 +85,16 @@ def _family(spec: catalogue.MetricSpec) -> "Metric":
 
 
 def _add(fam: "Metric", spec: catalogue.MetricSpec, labels: dict[str, str], value: float | Histogram) -> None:
-    if spec.type == catalogue.COUNTER:
-        fam.add_sample(spec.name, labels, float(value))  # type: ignore[arg-type]
-    elif spec.type == catalogue.HISTOGRAM:
+    if spec.type == catalogue.HISTOGRAM:
         assert isinstance(value, Histogram)
         for bound, cum in value.cumulative():
             le = "+Inf" if bound == float("inf") else repr(float(bound))
             fam.add_sample(spec.name + "_bucket", {**labels, "le": le}, cum)
         fam.add_sample(spec.name + "_count", labels, value.count)
         fam.add_sample(spec.name + "_sum", labels, value.sum)
-    else:
-        fam.add_sample(spec.name, labels, float(value))  # type: ignore[arg-type]
+    else:  # counters, gauges and info metrics: one number each
+        assert not isinstance(value, Histogram)
+        fam.add_sample(spec.name, labels, float(value))
 
 
 class AgentCollector:
@@ -338,12 +346,12 @@ class AgentRegistry:
 
     def __init__(self, agent_collector: AgentCollector):
         self.agent_collector = agent_collector
-        self.extras: list = []
+        self.extras: list[Collector] = []
         self._lock = threading.Lock()
         self._render_lock = threading.Lock()
         self._cached: tuple[object, float, bytes] | None = None  # (version, monotonic time, body)
 
-    def register(self, collector) -> None:
+    def register(self, collector: Collector) -> None:
         """Add a collector; ValueError if it describes a family already exported here."""
         names = {m.name for m in collector.describe()}
         with self._lock:
@@ -360,7 +368,7 @@ class AgentRegistry:
         for c in list(self.extras):
             yield from c.collect()
 
-    def _version(self, extras: list) -> object:
+    def _version(self, extras: list[Collector]) -> object:
         """What the body depends on, or None when some collector cannot say (no caching)."""
         parts = [self.agent_collector.version()]
         for c in extras:

@@ -51,9 +51,9 @@ def _sum(snap: Snapshot, name: str) -> float | None:
 def _ratio(old: Snapshot, new: Snapshot, key: str) -> float | None:
     r = RATIO[key]
     n0, n1, d0, d1 = _sum(old, r.numerator), _sum(new, r.numerator), _sum(old, r.denominator), _sum(new, r.denominator)
-    if None in (n0, n1, d0, d1) or n1 < n0:  # type: ignore[operator]
+    if n0 is None or n1 is None or d0 is None or d1 is None or n1 < n0:
         return None  # no traffic, or a counter reset (restart) inside the window
-    return r.of(n1 - n0, d1 - d0)  # type: ignore[operator]
+    return r.of(n1 - n0, d1 - d0)
 
 
 def histogram_quantile(q: float, h: Histogram) -> float | None:

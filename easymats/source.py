@@ -131,7 +131,9 @@ class Snapshot:
     def series(self) -> list[Series]:
         s = self._series
         if s is None:  # built from the raw values on first use (any thread: the result is the same)
-            s = self._series = self._builder(self.values)  # type: ignore[misc, arg-type]
+            builder, values = self._builder, self.values
+            assert builder is not None and values is not None, "a snapshot without series has a builder and values"
+            s = self._series = builder(values)
         return s
 
     @series.setter

@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 import warnings
-from typing import Mapping
+from typing import Any, Mapping
 
 from . import catalogue, layout as L, procinfo
 from .control import ControlFile, ControlRequest
@@ -205,7 +205,9 @@ class Segment:
         return self._mm is not None
 
     # -- series --------------------------------------------------------------------------------
-    def _series_for(self, name: str, type_: str, labels: dict[str, str]):
+    def _series_for(self, name: str, type_: str, labels: dict[str, str]) -> Any:
+        """The Counter, Gauge or Histogram (as ``type_`` says) of these labels; the public
+        :meth:`counter`, :meth:`gauge` and :meth:`histogram` give it its precise type."""
         key = (name, tuple(sorted(labels.items())))
         metric = self._series.get(key)
         if metric is not None:

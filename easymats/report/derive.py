@@ -147,10 +147,9 @@ class Deriver:
         hists = []
         for name, key in _HISTOGRAMS:
             h = metrics.get(key)
-            counts = h.get("counts") if isinstance(h, dict) else None
-            if isinstance(counts, list) and None not in counts:
+            if isinstance(h, dict) and isinstance(counts := h.get("counts"), list) and None not in counts:
                 if name not in self._bounds or len(self._bounds[name]) + 1 != len(counts):
-                    self._bounds[name] = [float(b) for b in h.get("bounds") or []]  # type: ignore[union-attr]
+                    self._bounds[name] = [float(b) for b in h.get("bounds") or []]
                 hists.append(tuple(counts))
             else:
                 hists.append(())

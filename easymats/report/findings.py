@@ -170,8 +170,6 @@ def poor_prefetch(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
 
 def anchor_decay(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
     docs = run.docs
-    if docs is None:
-        return []
     lim = thresholds.BY_NAME["anchor_hit_rate"].limit
     # decay = a healthy first half and an unhealthy second half of a long document (a document
     # that is poor throughout is the anchor_low finding instead)
