@@ -30,12 +30,13 @@ if TYPE_CHECKING:
 
 
 class Collector(Protocol):
-    """What :meth:`Registry.register` takes: a prometheus_client collector with ``describe()``
+    """What :meth:`AgentRegistry.register` takes: a prometheus_client collector with ``describe()``
     (registering reads nothing); an optional ``version()`` lets /metrics reuse its body."""
 
     def describe(self) -> Iterable[Metric]: ...
 
     def collect(self) -> Iterable[Metric]: ...
+
 
 log = logging.getLogger("easymats.exporter")
 
