@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install everything, run the easymats demo (no download, no services)
 #   make test   - create .venv, install everything, run the test suite
+#   make lint   - ruff (pycodestyle, pyflakes, import order) on the tree and mypy on easymats/
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -26,7 +27,7 @@ INTEGRATION_TESTS = tests/test_integration.py tests/test_integration_checks.py \
                     tests/test_runtime_equivalence.py tests/test_runtime_multidevice.py \
                     tests/test_real_model.py
 
-.PHONY: venv venv-floor demo test test-floor test-gpu system-deps clean
+.PHONY: venv venv-floor demo test lint test-floor test-gpu system-deps clean
 
 # The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages;
 # the Kubernetes tests render deploy/kubernetes with `kubectl kustomize` (Debian's kubernetes-client);
@@ -76,6 +77,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 test: $(VENV)/.installed-test system-deps
 	$(PY) -m pytest -q
+
+# Settings in pyproject.toml ([tool.ruff], [tool.mypy]). Both run, so one pass shows every
+# finding; non-zero on any.
+lint: venv
+	@status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/mypy || status=1; exit $$status
 
 # The integration tests again with the oldest transformers that pyproject accepts.
 test-floor: venv-floor

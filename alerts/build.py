@@ -29,8 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from easymats import catalogue, thresholds as T  # noqa: E402
 from alerts import promql  # noqa: E402
+from easymats import catalogue, thresholds as T  # noqa: E402
 
 RULES_PATH = os.path.join(ROOT, "alerts", "rules.yml")
 FLEET_RULES_PATH = os.path.join(ROOT, "alerts", "fleet_rules.yml")

@@ -223,7 +223,8 @@ def main() -> None:
     args = ap.parse_args()
     use_private_segment_dir()
     workdir = tempfile.mkdtemp(prefix="bench-agent-")
-    print(f"log: {'off' if args.no_log else 'on'}; machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+    print(f"log: {'off' if args.no_log else 'on'}; "
+          f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
           f"python {platform.python_version()}; targets publish at {args.target_rate:g} Hz; agent at 10 Hz")
     results = []
     for n in [int(x) for x in args.targets.split(",")]:

@@ -40,10 +40,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import yaml  # noqa: E402
+from helpers_targets import free_port  # noqa: E402
 
 from alerts import build as rules  # noqa: E402
 from easymats import cardinality  # noqa: E402
-from helpers_targets import free_port  # noqa: E402
 
 WRITER = os.path.join(ROOT, "tests", "helpers_targets.py")
 

@@ -61,7 +61,8 @@ def ceilings(pool: torch.Tensor) -> dict:
     dev = torch.empty(pool.shape, device="cuda", dtype=torch.uint8)
     ms_h2d = bench(lambda: dev.copy_(pool, non_blocking=True), warmup=5, rep=50)
     h2d = pool.numel() / ms_h2d / 1e6
-    del dev
+    # Rebound, not deleted, to free device memory early: the timed lambdas close over these names.
+    dev = None
     c = {"hbm_copy_GBps": hbm, "h2d_bulk_GBps": h2d, "hbm_copy_bytes": 2 * n, "h2d_bytes": pool.numel()}
     RESULTS["ceilings"] = c
     print(f"HBM copy (read+write) {hbm:8.1f} GB/s   bulk pinned H2D {h2d:6.1f} GB/s", flush=True)
@@ -92,7 +93,7 @@ def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
             RESULTS["swap_in"].append({"row_bytes": row_bytes, "rows": m, "pattern": pattern, "ms": ms, "GBps": gbps,
                                        "pct_bulk": 100 * gbps / h2d})
             print(f"{row_bytes:6d} {m:8d} {ms:8.3f} {gbps:7.1f} {100 * gbps / h2d:6.1f}%  {pattern}", flush=True)
-        del src, dst
+        src = dst = None
     # fused dequant: D = 128 codes per row at 4 and 8 bits into bf16
     for bits in (4, 8):
         d = 128
@@ -107,13 +108,14 @@ def bench_swap_in(pool: torch.Tensor, h2d: float, quick: bool) -> None:
         dst_rows = torch.arange(m, device="cuda")
         for pattern in ("random", "runs64"):
             src_rows = runs_of(r, m, 1 if pattern == "random" else 64)
-            ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows), warmup=5, rep=40)
+            ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows),
+                       warmup=5, rep=40)
             gbps = m * p / ms / 1e6
             RESULTS["swap_in"].append({"dequant_bits": bits, "row_bytes": p, "rows": m, "pattern": pattern, "ms": ms,
                                        "GBps_packed": gbps, "pct_bulk": 100 * gbps / h2d, "rows_per_s": m / ms * 1e3})
             print(f"dequant {bits}b row {p:3d} B {pattern:>7}: {ms:7.3f} ms {gbps:6.1f} GB/s of packed rows "
                   f"({100 * gbps / h2d:5.1f}% bulk), {m / ms / 1e3:6.1f} M rows/s", flush=True)
-        del packed, dst
+        packed = dst = None
 
 
 GROUP = 16            # blocks per super-block of the two-level bounds (the runtime's default)
@@ -164,7 +166,8 @@ def sweep_attention(q, k_buf, v_buf, slots, nbytes: int, hbm: float) -> None:
 
 
 def bench_attention(hbm: float, quick: bool) -> None:
-    print("\nsparse decode attention: top_k 2048, 32 q / 8 kv heads, d 128, bf16, block 64, hot buffer 4096", flush=True)
+    print("\nsparse decode attention: top_k 2048, 32 q / 8 kv heads, d 128, bf16, block 64, hot buffer 4096",
+          flush=True)
     print(f"{'B':>3} {'ctx':>8} {'attn ms':>8} {'attn GB/s':>9} {'%HBM':>5} {'step ms':>8} {'step graph':>10} "
           f"{'dense ms':>9} {'dense/step':>10}")
     Hq, Hkv, D, top_k, S, bs, window = 32, 8, 128, 2048, 4096, 64, 1024
@@ -233,13 +236,15 @@ def bench_attention(hbm: float, quick: bool) -> None:
                    "speedup_vs_dense": ms_dense / ms_graph if ms_dense else None}
             RESULTS["attention"].append(row)
             dense = f"{ms_dense:9.3f} {ms_dense / ms_graph:9.1f}x" if ms_dense else f"{'no fit':>9} {'-':>10}"
-            print(f"{B:3d} {ctx:8d} {ms_attn:8.4f} {gbps:9.1f} {100 * gbps / hbm:4.0f}% {ms_step:8.4f} {ms_graph:10.4f} {dense}"
-                  f"\n      graph: scores {g_scores:.4f} ms ({bytes_scores / g_scores / 1e6:.0f} GB/s), topk {g_topk:.4f}, "
-                  f"top_blocks {g_top2:.4f}, attention {g_attn:.4f}; step with plain topk {ms_graph_plain:.4f}"
-                  f"\n      levels {1 if sup is None else 2}: pick_blocks {g_pick:.4f} ms, bounds read {bound_bytes / 1e6:.1f} MB; "
-                  f"one-level step {ms_graph_flat:.4f} ms"
+            print(f"{B:3d} {ctx:8d} {ms_attn:8.4f} {gbps:9.1f} {100 * gbps / hbm:4.0f}% {ms_step:8.4f} "
+                  f"{ms_graph:10.4f} {dense}"
+                  f"\n      graph: scores {g_scores:.4f} ms ({bytes_scores / g_scores / 1e6:.0f} GB/s), "
+                  f"topk {g_topk:.4f}, top_blocks {g_top2:.4f}, attention {g_attn:.4f}; "
+                  f"step with plain topk {ms_graph_plain:.4f}"
+                  f"\n      levels {1 if sup is None else 2}: pick_blocks {g_pick:.4f} ms, "
+                  f"bounds read {bound_bytes / 1e6:.1f} MB; one-level step {ms_graph_flat:.4f} ms"
                   + (f"; blocks shared with one-level {100 * same:.1f} %" if sup is not None else ""), flush=True)
-            del q, k_buf, v_buf, kmin, kmax
+            q = k_buf = v_buf = kmin = kmax = None
             torch.cuda.empty_cache()
 
 
@@ -262,12 +267,14 @@ def sweep_scores(hbm: float) -> None:
     for values, warps in [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (2048, 4)]:
         ms = bench_graph(lambda: Bt.scores(q, kmin, kmax, block_values=values, num_warps=warps))
         rows.append({"block_values": values, "num_warps": warps, "ms": ms, "GBps": nbytes / ms / 1e6})
-        print(f"    scores B=1 1M block_values={values} warps={warps}: {ms:.4f} ms {nbytes / ms / 1e6:.0f} GB/s", flush=True)
+        print(f"    scores B=1 1M block_values={values} warps={warps}: {ms:.4f} ms {nbytes / ms / 1e6:.0f} GB/s",
+              flush=True)
     RESULTS["scores_sweep"] = rows
 
 
 def bench_quant_shape(hbm: float, shape: tuple[int, int, int]) -> None:
-    print(f"\nblock quantize / dequantize: {shape[0]} blocks x {shape[1]} tokens x {shape[2]}, bf16 (bytes = in + out)", flush=True)
+    print(f"\nblock quantize / dequantize: {shape[0]} blocks x {shape[1]} tokens x {shape[2]}, bf16 "
+          "(bytes = in + out)", flush=True)
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     for bits in (4, 5, 6, 8):
         packed, scale, zero = K.quantize_blocks(x, bits)
@@ -275,7 +282,8 @@ def bench_quant_shape(hbm: float, shape: tuple[int, int, int]) -> None:
         ms_d = bench(lambda: K.dequantize_blocks(packed, scale, zero, bits, 128, dtype=torch.bfloat16))
         moved = x.numel() * 2 + packed.numel()
         gq, gd = moved / ms_q / 1e6, moved / ms_d / 1e6
-        RESULTS["quant"].append({"shape": list(shape), "bits": bits, "quant_ms": ms_q, "quant_GBps": gq, "quant_pct_hbm": 100 * gq / hbm,
+        RESULTS["quant"].append({"shape": list(shape), "bits": bits,
+                                 "quant_ms": ms_q, "quant_GBps": gq, "quant_pct_hbm": 100 * gq / hbm,
                                  "dequant_ms": ms_d, "dequant_GBps": gd, "dequant_pct_hbm": 100 * gd / hbm,
                                  "bytes": moved})
         print(f"{bits}b: quantize {ms_q:7.3f} ms {gq:7.1f} GB/s ({100 * gq / hbm:4.1f}% HBM copy)   "
@@ -284,13 +292,15 @@ def bench_quant_shape(hbm: float, shape: tuple[int, int, int]) -> None:
 
 def bench_hit_detection() -> None:
     """Host round trip (selection to host, lookup in numpy, slots back) vs the same on the device."""
-    print("\nhit detection + slot assignment: host round trip vs device (torch ops), 8 kv heads, 2048 selected, 4096 slots", flush=True)
+    print("\nhit detection + slot assignment: host round trip vs device (torch ops), 8 kv heads, 2048 selected, "
+          "4096 slots", flush=True)
     Hkv, top_k, S, ctx = 8, 2048, 4096, 128 << 10
     for B in (1, 64):
         g = torch.Generator(device="cuda").manual_seed(0)
         slot_of_token = torch.full((B, Hkv, ctx), -1, device="cuda", dtype=torch.int32)
         resident = torch.randint(0, ctx, (B, Hkv, S), device="cuda", generator=g)
-        slot_of_token.scatter_(2, resident, torch.arange(S, device="cuda", dtype=torch.int32).expand(B, Hkv, S).contiguous())
+        slots = torch.arange(S, device="cuda", dtype=torch.int32).expand(B, Hkv, S).contiguous()
+        slot_of_token.scatter_(2, resident, slots)
         lru = torch.argsort(torch.rand(B, Hkv, S, device="cuda", generator=g), dim=-1).to(torch.int32)
         sel = torch.randint(0, ctx, (B, Hkv, top_k), device="cuda", generator=g)
         host_map = slot_of_token.cpu().numpy()
@@ -348,7 +358,8 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     RESULTS["device"] = {"name": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
                          "triton": triton.__version__}
-    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
     only = set(args.only.split(","))
     if SWEEP:
         only.add("scores_sweep")

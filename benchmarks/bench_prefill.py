@@ -72,8 +72,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    import hi_sparse as hs
     from transformers import DynamicCache
+
+    import hi_sparse as hs
 
     dev = torch.device(args.device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16

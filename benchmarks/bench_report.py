@@ -114,7 +114,8 @@ def main() -> None:
         gen = time.perf_counter() - t
         total, lines = log_size(log)
         print(f"\n[{label}] {total / 1e6:.1f} MB, {lines} lines, {info['seconds'] / 3600:.2f} h at 10 Hz, "
-              f"{len([p for p in os.listdir(sub) if p.startswith('run.log')])} rotated file(s) (generated in {gen:.1f} s)")
+              f"{len([p for p in os.listdir(sub) if p.startswith('run.log')])} rotated file(s) "
+              f"(generated in {gen:.1f} s)")
         for mode, extra in (("plots + PNGs", ("--png", os.path.join(sub, "png"))), ("--no-plots", ("--no-plots",))):
             r = run_report(log, sub, *extra)
             print(f"  report {mode:13s}: {r['wall_s']:6.1f} s wall, {lines / r['wall_s']:8.0f} lines/s, "

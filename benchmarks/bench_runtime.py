@@ -161,7 +161,7 @@ def main() -> None:
           "hot-buffer hit rate | swap-in KiB/step | audited hit rate |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        d, h, t = summary(r["dense"]["times"]), summary(r["hisparse"]["times"]), summary(r["hisparse_telemetry"]["times"])
+        d, h, t = (summary(r[run]["times"]) for run in ("dense", "hisparse", "hisparse_telemetry"))
         hs = r["hisparse"]
         print(f"| {r['context']} | {d[0]:.2f} / {d[1]:.2f} | {h[0]:.2f} / {h[1]:.2f} | {t[0]:.2f} / {t[1]:.2f} | "
               f"{hs['hit_rate']:.3f} | {hs['swap_in_bytes_per_step'] / 1024:.1f} | {hs['audited_hit_rate']:.2f} |")

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import quant_variants as V  # run as `python benchmarks/diag_quant.py`
 import torch
 import triton
 import triton.language as tl
-
-import quant_variants as V                       # run as `python benchmarks/diag_quant.py`
 from bench_kernels import bench, hbm_copy_rate
+
 from hi_sparse.kernels import _quant_triton as Q
 
 

@@ -29,6 +29,7 @@ import sys
 import time
 
 import torch
+
 from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
 
 GiB = 1 << 30
@@ -602,7 +603,8 @@ def main() -> int:
     if device != "cuda":
         return 0
     hbm = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
-    host_ram = (args.host_ram_gib * GiB) if args.host_ram_gib else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host_ram = (args.host_ram_gib * GiB if args.host_ram_gib
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     reserve = 8 * GiB  # activations, allocator slack, CUDA context
     cap = []
     single = [r for r in results["runs"] if "error" not in r and r["batch"] == 1]

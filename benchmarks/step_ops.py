@@ -112,12 +112,12 @@ def _patch_bodies() -> str:
                 LOG.phase = before
         return wrapped
     try:
-        from hi_sparse import decode                     # one decode path (issue 18)
+        from hi_sparse import decode  # one decode path (issue 18)
         decode.append_body = phased(decode.append_body)
         decode.attend_body = phased(decode.attend_body)
         return "one path"
     except ImportError:
-        from hi_sparse.batch_step import BatchStep       # before: the static batch step
+        from hi_sparse.batch_step import BatchStep  # before: the static batch step
         BatchStep.append_body = phased(BatchStep.append_body)
         BatchStep.attend_body = phased(BatchStep.attend_body)
         return "static batch step"

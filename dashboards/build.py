@@ -28,8 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from alerts import build as rules  # noqa: E402
-from alerts import promql  # noqa: E402
+from alerts import build as rules, promql  # noqa: E402
 from easymats import catalogue, thresholds as T  # noqa: E402
 from easymats.catalogue import RATIO  # noqa: E402
 
@@ -123,14 +122,18 @@ ROWS: tuple[Row, ...] = (
                   line=Line(T.PREFETCH_EFFICIENCY_MIN, "min"), ratio=True),
         PanelSpec("Hot buffer occupancy",
                   "Token slots holding a token, slots in all, and the peak the 100 ms samples saw.",
-                  "short", (_q(f"sum by (target) (hisparse_hot_buffer_resident_tokens{{{SEL}}})", "{{target}} resident"),
-                            _q(f"sum by (target) (hisparse_hot_buffer_capacity_tokens{{{SEL}}})", "{{target}} capacity"),
+                  "short", (_q(f"sum by (target) (hisparse_hot_buffer_resident_tokens{{{SEL}}})",
+                               "{{target}} resident"),
+                            _q(f"sum by (target) (hisparse_hot_buffer_capacity_tokens{{{SEL}}})",
+                               "{{target}} capacity"),
                             _q(f"max by (target) (easymats_hot_buffer_resident_tokens_max{{{SEL}}})",
                                "{{target}} peak (100 ms samples)"))),
         PanelSpec("Swap-in and backup traffic",
                   "Host-to-device bytes into the hot buffer, and device-to-host backup of new KV.",
-                  "Bps", (_q(f"sum by (target) (rate(hisparse_swap_in_bytes_total{{{SEL}}}[{RI}]))", "{{target}} swap-in"),
-                          _q(f"sum by (target) (rate(hisparse_backup_bytes_total{{{SEL}}}[{RI}]))", "{{target}} backup"))),
+                  "Bps", (_q(f"sum by (target) (rate(hisparse_swap_in_bytes_total{{{SEL}}}[{RI}]))",
+                             "{{target}} swap-in"),
+                          _q(f"sum by (target) (rate(hisparse_backup_bytes_total{{{SEL}}}[{RI}]))",
+                             "{{target}} backup"))),
     )),
     Row("KV blocks", (
         PanelSpec("KV blocks by state",
@@ -155,10 +158,14 @@ ROWS: tuple[Row, ...] = (
         PanelSpec("Block lifecycle",
                   "Blocks allocated, recycled, reclaimed within their grace period, and overwritten by "
                   "streaming mode, per second.",
-                  "ops", (_q(f"sum by (target) (rate(hisparse_kv_block_allocations_total{{{SEL}}}[{RI}]))", "{{target}} allocated"),
-                          _q(f"sum by (target) (rate(hisparse_kv_block_recycles_total{{{SEL}}}[{RI}]))", "{{target}} recycled"),
-                          _q(f"sum by (target) (rate(hisparse_kv_block_reclaims_total{{{SEL}}}[{RI}]))", "{{target}} reclaimed"),
-                          _q(f"sum by (target) (rate(hisparse_kv_block_evictions_total{{{SEL}}}[{RI}]))", "{{target}} evicted"))),
+                  "ops", (_q(f"sum by (target) (rate(hisparse_kv_block_allocations_total{{{SEL}}}[{RI}]))",
+                             "{{target}} allocated"),
+                          _q(f"sum by (target) (rate(hisparse_kv_block_recycles_total{{{SEL}}}[{RI}]))",
+                             "{{target}} recycled"),
+                          _q(f"sum by (target) (rate(hisparse_kv_block_reclaims_total{{{SEL}}}[{RI}]))",
+                             "{{target}} reclaimed"),
+                          _q(f"sum by (target) (rate(hisparse_kv_block_evictions_total{{{SEL}}}[{RI}]))",
+                             "{{target}} evicted"))),
         PanelSpec(RATIO["block_density"].title,
                   "Selected tokens per token in the blocks selection touched: low density means block "
                   "loads carry many unused tokens (a smaller cache_block_size helps).",
@@ -239,7 +246,8 @@ ROWS: tuple[Row, ...] = (
                   "Samples per second, failed samples, and segment reads retried because a publish was "
                   "in progress.",
                   "ops", (_q(f"sum by (target) (rate(easymats_samples_total{{{SEL}}}[{RI}]))", "{{target}} samples"),
-                          _q(f"sum by (target) (rate(easymats_sample_errors_total{{{SEL}}}[{RI}]))", "{{target}} errors"),
+                          _q(f"sum by (target) (rate(easymats_sample_errors_total{{{SEL}}}[{RI}]))",
+                             "{{target}} errors"),
                           _q(f"sum by (target) (rate(easymats_segment_read_retries_total{{{SEL}}}[{RI}]))",
                              "{{target}} retries"))),
         PanelSpec("Webhook and recalibration requests",
@@ -334,8 +342,7 @@ def _threshold_steps(line: Line) -> list:
 
 
 def _panel(spec: PanelSpec, panel_id: int):
-    from grafana_foundation_sdk.builders import common as cb
-    from grafana_foundation_sdk.builders import dashboard, prometheus, table, timeseries
+    from grafana_foundation_sdk.builders import common as cb, dashboard, prometheus, table, timeseries
     from grafana_foundation_sdk.models import common
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, DynamicConfigValue, ThresholdsMode
 

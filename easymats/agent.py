@@ -27,10 +27,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterable, TextIO
+from types import FrameType
+from typing import Any, Callable, Iterable, TextIO
 
 from .discovery import Discovery
 from .exporter import AgentCollector, LagHistogram, make_registry, serve
+from .httpserve import BoundedServer
 from .liveview import WINDOW_S as view_window_s, LiveView
 from .logwriter import LogWriter
 from .nvml import Nvml, NvmlSnapshot
@@ -114,7 +116,7 @@ class Agent:
         self._stop = threading.Event()
         self._done = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._server = None
+        self._server: BoundedServer | None = None
         self._opened = False
         self._closed = False
         self._warned: set[str] = set()
@@ -302,7 +304,7 @@ class Agent:
             raise AgentError(str(exc)) from None
         for tg in engines:
             self._event("attach", tg, detail=f"{tg.kind} {tg.where}")
-        self._targets = self._targets + engines
+        self._targets = [*self._targets, *engines]
 
     def _say(self, message: str) -> None:
         try:
@@ -452,7 +454,7 @@ class Agent:
     def _install_signals(self):
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {}
+        previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None] = {}
 
         def handler(signum: int, frame: object) -> None:
             self.stop()

@@ -190,7 +190,7 @@ def main(ctx: click.Context, pid_values: tuple[str, ...], children: bool, scrape
                       stale_after=stale_after or None, argv=sys.argv, scrapes=scrapes,
                       follow_logs=follow_logs, scrape_timeout=scrape_timeout)
         agent.open()
-        if webhook_addr:
+        if webhook_addr and webhook_listen:
             try:
                 from . import webhook
             except ImportError as exc:

@@ -28,11 +28,15 @@ import sys
 import tempfile
 import threading
 import time
+from typing import IO, TYPE_CHECKING
 
 import click
 
-from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
 from .segment import segment_dir, segments_for_pid
+from .usage import DEFAULT_LISTEN, UsageFailure, check_interval, parse_listen
+
+if TYPE_CHECKING:
+    from .agent import Agent
 
 STARTUP_TIMEOUT_S = 180.0  # importing torch + transformers on a slow cold machine
 STOP_TIMEOUT_S = 20.0
@@ -53,7 +57,7 @@ def _check_port_free(addr: tuple[str, int] | None, option: str) -> None:
                                "choose another port, e.g. --listen 127.0.0.1:9465, or --listen none") from None
 
 
-def _start_workload(duration: float, device: str, synthetic: bool, stderr_file) -> subprocess.Popen:
+def _start_workload(duration: float, device: str, synthetic: bool, stderr_file: IO[bytes]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hi_sparse.demo", "--duration", f"{duration:g}", "--device", device]
     if synthetic:
         cmd.append("--synthetic")
@@ -104,7 +108,7 @@ def _fresh_log_path(output: str | None) -> str:
     return output
 
 
-def _request_recalibration(agent, delay_s: float, stop: threading.Event, notes: list[str]) -> None:
+def _request_recalibration(agent: Agent, delay_s: float, stop: threading.Event, notes: list[str]) -> None:
     """After ``delay_s``, ask the long-context driver to recalibrate through its control file."""
     if stop.wait(delay_s):
         return

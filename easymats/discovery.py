@@ -139,7 +139,7 @@ class Discovery:
         files) if it shows one, else process and GPU metrics only, with the reason (said once) as
         their error."""
         have = {p for tg in targets if not tg.gone and (tg.path or is_engine(tg)) for p in (tg.pid, tg.named_pid)}
-        out = []
+        out: list[Target] = []
         for pid in self.pids:
             if pid in have or not procinfo.pid_exists(pid):
                 continue

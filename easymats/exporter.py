@@ -13,9 +13,10 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
 from . import __version__, catalogue
+
 # /metrics over HTTP lives with the server (formatting here is pure); re-exported for callers.
 from .httpserve import serve_metrics as serve  # noqa: F401
 from .logwriter import LogWriter, escape_label_value
@@ -26,6 +27,16 @@ from .targets import Target
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
+
+
+class Collector(Protocol):
+    """What :meth:`AgentRegistry.register` takes: a prometheus_client collector with ``describe()``
+    (registering reads nothing); an optional ``version()`` lets /metrics reuse its body."""
+
+    def describe(self) -> Iterable[Metric]: ...
+
+    def collect(self) -> Iterable[Metric]: ...
+
 
 log = logging.getLogger("easymats.exporter")
 
@@ -75,17 +86,16 @@ def _family(spec: catalogue.MetricSpec) -> "Metric":
 
 
 def _add(fam: "Metric", spec: catalogue.MetricSpec, labels: dict[str, str], value: float | Histogram) -> None:
-    if spec.type == catalogue.COUNTER:
-        fam.add_sample(spec.name, labels, float(value))  # type: ignore[arg-type]
-    elif spec.type == catalogue.HISTOGRAM:
+    if spec.type == catalogue.HISTOGRAM:
         assert isinstance(value, Histogram)
         for bound, cum in value.cumulative():
             le = "+Inf" if bound == float("inf") else repr(float(bound))
             fam.add_sample(spec.name + "_bucket", {**labels, "le": le}, cum)
         fam.add_sample(spec.name + "_count", labels, value.count)
         fam.add_sample(spec.name + "_sum", labels, value.sum)
-    else:
-        fam.add_sample(spec.name, labels, float(value))  # type: ignore[arg-type]
+    else:  # counters, gauges and info metrics: one number each
+        assert not isinstance(value, Histogram)
+        fam.add_sample(spec.name, labels, float(value))
 
 
 class AgentCollector:
@@ -173,7 +183,7 @@ class AgentCollector:
                         yield "easymats_process_gpu_utilization_ratio", gl, g.utilization_ratio
         if gpu is not None:
             for d in gpu.gpus:
-                dl = {"gpu": d.index, "uuid": d.uuid}
+                dl = {"gpu": d.gpu, "uuid": d.uuid}
                 if d.utilization_ratio is not None:
                     yield "easymats_gpu_utilization_ratio", dl, d.utilization_ratio
                 if d.memory_used_bytes is not None:
@@ -258,14 +268,14 @@ class AgentCollector:
                 continue
             series = snap.series
             for i, name, prefixes in self._runtime_lines(tg, snap):
-                lines = groups.get(name)
-                if lines is None:
-                    lines = groups[name] = []
+                group = groups.get(name)
+                if group is None:
+                    group = groups[name] = []
                 value = series[i].value
                 if isinstance(value, Histogram):
-                    lines.extend(_histogram_lines(name, prefixes, value))
+                    group.extend(_histogram_lines(name, prefixes, value))
                 else:
-                    lines.append(f"{prefixes[0]}{_fv(value)}\n")
+                    group.append(f"{prefixes[0]}{_fv(value)}\n")
         parts = []
         for name, lines in groups.items():
             parts.append(_HEADERS[name])
@@ -337,12 +347,12 @@ class AgentRegistry:
 
     def __init__(self, agent_collector: AgentCollector):
         self.agent_collector = agent_collector
-        self.extras: list = []
+        self.extras: list[Collector] = []
         self._lock = threading.Lock()
         self._render_lock = threading.Lock()
         self._cached: tuple[object, float, bytes] | None = None  # (version, monotonic time, body)
 
-    def register(self, collector) -> None:
+    def register(self, collector: Collector) -> None:
         """Add a collector; ValueError if it describes a family already exported here."""
         names = {m.name for m in collector.describe()}
         with self._lock:
@@ -359,7 +369,7 @@ class AgentRegistry:
         for c in list(self.extras):
             yield from c.collect()
 
-    def _version(self, extras: list) -> object:
+    def _version(self, extras: list[Collector]) -> object:
         """What the body depends on, or None when some collector cannot say (no caching)."""
         parts = [self.agent_collector.version()]
         for c in extras:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass
-from typing import Iterable, TextIO
+from typing import Callable, Iterable, Protocol, TextIO
 
 from . import thresholds as th
 from .catalogue import RATIO
@@ -35,17 +35,25 @@ class Derived:
     tokens_per_s: float | None
 
 
+class Diagnosis(Protocol):
+    """What the live view asks of a per-target diagnosis (easymats.report.live.LiveDiagnosis)."""
+
+    def feed_snapshot(self, snap: Snapshot, target: str, t: float | None = None) -> None: ...
+
+    def urgent(self, now: float | None = None) -> str | None: ...
+
+
 def _sum(snap: Snapshot, name: str) -> float | None:
     vals = [s.value for s in snap.series if s.name == name and not isinstance(s.value, Histogram)]
-    return float(sum(vals)) if vals else None  # type: ignore[arg-type]
+    return float(sum(vals)) if vals else None
 
 
 def _ratio(old: Snapshot, new: Snapshot, key: str) -> float | None:
     r = RATIO[key]
     n0, n1, d0, d1 = _sum(old, r.numerator), _sum(new, r.numerator), _sum(old, r.denominator), _sum(new, r.denominator)
-    if None in (n0, n1, d0, d1) or n1 < n0:  # type: ignore[operator]
+    if n0 is None or n1 is None or d0 is None or d1 is None or n1 < n0:
         return None  # no traffic, or a counter reset (restart) inside the window
-    return r.of(n1 - n0, d1 - d0)  # type: ignore[operator]
+    return r.of(n1 - n0, d1 - d0)
 
 
 def histogram_quantile(q: float, h: Histogram) -> float | None:
@@ -137,22 +145,25 @@ def _ms(x: float | None) -> str:
 class LiveView:
     """Keeps WINDOW_S of snapshots per target and renders the table or the summary line."""
 
-    def __init__(self, window_s: float = WINDOW_S, colour: bool = True, diagnosis_factory=None):
+    def __init__(self, window_s: float = WINDOW_S, colour: bool = True,
+                 diagnosis_factory: Callable[[], Diagnosis] | None = None):
         """``diagnosis_factory()`` makes one live diagnosis per target (default: the report's
         LiveDiagnosis with its two-minute horizon); the table shows its most urgent finding."""
         self.window_s = window_s
         self._diagnosis_factory = diagnosis_factory
         self.colour = colour
         self._hist: dict[int, collections.deque[tuple[float, Snapshot]]] = {}
-        self._diagnosis: dict[int, object] = {}  # per target: the report's rules over the live run
+        self._diagnosis: dict[int, Diagnosis] = {}  # per target: the report's rules over the live run
 
     def _diagnose(self, tg: Target, snap: Snapshot, now: float) -> None:
         diag = self._diagnosis.get(id(tg))
         if diag is None:
-            factory = self._diagnosis_factory
-            if factory is None:
-                from .report.live import LiveDiagnosis as factory  # the rules of `easymats report`
-            diag = self._diagnosis[id(tg)] = factory()
+            if self._diagnosis_factory is not None:
+                diag = self._diagnosis_factory()
+            else:
+                from .report.live import LiveDiagnosis  # the rules of `easymats report`
+                diag = LiveDiagnosis()
+            self._diagnosis[id(tg)] = diag
         diag.feed_snapshot(snap, tg.name, now)
 
     def urgent(self, targets: Iterable[Target]) -> list[str]:
@@ -202,11 +213,14 @@ class LiveView:
                 lines.append(f"{name:<16} {tg.pid:>7} {up:>3}  (waiting for a second sample)"
                              if tg.up else f"{name:<16} {tg.pid:>7} {up:>3}  {shown(tg.error or '')}")
                 continue
+            anchor_health = th.health("anchor_hit_rate", d.anchor_hit_rate)
+            hot_health = th.health("hot_buffer_hit_rate", d.hot_buffer_hit_rate)
+            prefetch_health = th.health("prefetch_efficiency", d.prefetch_efficiency)
             lines.append(
                 f"{name:<16} {tg.pid:>7} {up:>3} "
-                f"{self._c(f'{_pct(d.anchor_hit_rate):>7}', th.health('anchor_hit_rate', d.anchor_hit_rate))} "
-                f"{self._c(f'{_pct(d.hot_buffer_hit_rate):>7}', th.health('hot_buffer_hit_rate', d.hot_buffer_hit_rate))} "
-                f"{self._c(f'{_pct(d.prefetch_efficiency):>8}', th.health('prefetch_efficiency', d.prefetch_efficiency))} "
+                f"{self._c(f'{_pct(d.anchor_hit_rate):>7}', anchor_health)} "
+                f"{self._c(f'{_pct(d.hot_buffer_hit_rate):>7}', hot_health)} "
+                f"{self._c(f'{_pct(d.prefetch_efficiency):>8}', prefetch_health)} "
                 f"{self._c(f'{_pct(d.block_recycle_rate):>9}', recycle_health(d))} "
                 f"{_num(d.active_blocks):>7} {_num(d.free_blocks):>7} {_num(d.pending_blocks):>7} "
                 f"{_ms(d.step_p50_s):>7} {_ms(d.step_p99_s):>7} {_num(d.tokens_per_s):>8}")

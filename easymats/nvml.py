@@ -27,7 +27,7 @@ DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")
 
 
 class GpuReading(NamedTuple):
-    index: str  # device index as a label value ("0", "1", ...)
+    gpu: str  # device index as a label value ("0", "1", ...); not `index`, which is tuple.index
     uuid: str
     utilization_ratio: float | None  # 0..1 over NVML's last sample period
     memory_used_bytes: float | None

@@ -18,14 +18,20 @@ import time
 from itertools import repeat
 from typing import Callable, NamedTuple
 
-from . import layout as L
-from . import procinfo
+from . import layout as L, procinfo
 
 # Re-exported for the reader's callers: where segments live and the limits of a valid one are
 # part of the contract (layout.py holds them for the writer, telemetry.py, and this reader alike),
 # and the data model is shared with every other kind of source (source.py).
-from .layout import (ENV_DIR, MAX_ENTRIES, MAX_ENTRY_BYTES, MAX_FILE_BYTES,  # noqa: F401
-                     MAX_HEADER_BYTES, control_path, segment_dir)
+from .layout import (  # noqa: F401
+    ENV_DIR,
+    MAX_ENTRIES,
+    MAX_ENTRY_BYTES,
+    MAX_FILE_BYTES,
+    MAX_HEADER_BYTES,
+    control_path,
+    segment_dir,
+)
 from .source import Histogram, Series, Snapshot, SourceError  # noqa: F401
 
 # Retry pacing while the seq word is odd or moving: yield first, then short sleeps (~5 ms total).

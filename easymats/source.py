@@ -37,10 +37,19 @@ class SourceError(Exception):
 
 
 class Source(Protocol):
-    path: str | None
-    pid: int
-    name: str
-    labels: dict[str, str]
+    # Read-only properties, so that a source may hold a narrower type (a segment's path is always
+    # a str, an engine reader's always None) or a plain attribute.
+    @property
+    def path(self) -> str | None: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def labels(self) -> dict[str, str]: ...
 
     def read(self) -> "Snapshot": ...
 
@@ -122,7 +131,9 @@ class Snapshot:
     def series(self) -> list[Series]:
         s = self._series
         if s is None:  # built from the raw values on first use (any thread: the result is the same)
-            s = self._series = self._builder(self.values)  # type: ignore[misc, arg-type]
+            builder, values = self._builder, self.values
+            assert builder is not None and values is not None, "a snapshot without series has a builder and values"
+            s = self._series = builder(values)
         return s
 
     @series.setter

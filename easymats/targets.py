@@ -18,7 +18,7 @@ import json
 import math
 import operator
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from . import procinfo
 from .logwriter import LOG_VERSION, json_safe, series_key
@@ -123,7 +123,7 @@ class Target:
         self.exposition_cache: tuple | None = None  # owned by the exporter's fast path
         self._peak_cache: tuple | None = None
         self._json_cache: tuple | None = None
-        self._head: tuple[str, str] | None = None
+        self._head: tuple[str, str, str] | None = None  # name, short and full line templates
         self._process_text: tuple[ProcessReading | None, str] = (None, ',"process":null')
         self._gpu_text: tuple[list | None, str] = (None, "")
         self.gpu_source: object = None  # the NVML snapshot self.gpu was taken from
@@ -185,9 +185,9 @@ class Target:
         if self._stale(snap, self.sample_mono):
             return False, self.error
         self.snapshot, self.up, self.error, self.error_kind = snap, True, None, None
-        values = snap.values
-        if values is None:  # a snapshot built from series (not by a reader): slots are indices
-            values = [s.value for s in snap.series]
+        # Raw slot values from a reader; from a snapshot built from series (not by a reader) the
+        # slots are series indices, and the peak plan points at scalar series only.
+        values: Sequence[Any] = snap.values if snap.values is not None else [s.value for s in snap.series]
         cached = self._peak_cache
         if (cached is None or cached[0] is not snap.value_slots or cached[1] != snap.layout_generation
                 or cached[0] is None):
@@ -196,7 +196,7 @@ class Target:
         mono = self.sample_mono  # peak windows are intervals: monotonic, whatever the wall clock does
         for name, window, slots in cached[2]:
             window.push(mono, values[slots[0]] if len(slots) == 1 else
-                        sum([values[i] for i in slots]))  # type: ignore[index]
+                        sum([values[i] for i in slots]))
             peaks[name] = window.peek()
         self.peaks = peaks
         return False, None
@@ -277,7 +277,9 @@ class Target:
         scalars first, then the texts, and the template refers to them by position."""
         values = snap.values
         assert values is not None and snap.value_slots is not None
-        pieces, scalar_slots, hists = [], [], []
+        pieces: list[tuple[str, int]] = []  # (text before a hole, the hole's reference)
+        scalar_slots: list[int] = []
+        hists: list[list[Any]] = []  # [counts start, sum end (slice), format, last values, text]
         for k, s, (slot, b) in zip(self.metric_keys(snap), snap.series, snap.value_slots):
             k_json = json.dumps(k).replace("%", "%%")
             if isinstance(s.value, Histogram):
@@ -319,8 +321,8 @@ class Target:
             self._head = head = (self.name, start, start + ',"heartbeat_t":%r,"seq":%d%s%s,"metrics":%s}')
         p = self.process
         if p is not self._process_text[0]:  # psutil/proc readings change once a second
-            self._process_text = (p, ',"process":{"cpu_seconds":%r,"rss_bytes":%d}' % (float(p.cpu_seconds), p.rss_bytes)
-                                  if p is not None else ',"process":null')
+            self._process_text = (p, ',"process":{"cpu_seconds":%r,"rss_bytes":%d}'
+                                  % (float(p.cpu_seconds), p.rss_bytes) if p is not None else ',"process":null')
         g = self.gpu
         gpu_text = ""
         if g is not None:
@@ -354,8 +356,8 @@ class Target:
         if not with_metrics:
             pass
         elif snap is not None:
-            line["metrics"] = {k: (v if v.__class__ is float else
-                                   {"bounds": v.bounds, "counts": v.counts, "sum": v.sum})
+            line["metrics"] = {k: ({"bounds": v.bounds, "counts": v.counts, "sum": v.sum}
+                                   if isinstance(v, Histogram) else v)
                                for k, v in zip(self.metric_keys(snap), [s.value for s in snap.series])}
         else:
             line["metrics"] = {}

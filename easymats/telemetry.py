@@ -28,11 +28,9 @@ import struct
 import threading
 import time
 import warnings
-from typing import Mapping
+from typing import Any, Mapping
 
-from . import catalogue
-from . import layout as L
-from . import procinfo
+from . import catalogue, layout as L, procinfo
 from .control import ControlFile, ControlRequest
 from .layout import ENV_DIR, MAX_ENTRIES, MAX_FILE_BYTES, control_path, segment_dir
 
@@ -110,8 +108,8 @@ class Segment:
         self._pid = os.getpid()
         # Reentrant: a publish that fails tears the segment down while holding it.
         self._lock = threading.RLock()
-        self._series: dict[tuple, object] = {}
-        self._order: list[tuple[str, object]] = []  # (type, metric) in value-slot order
+        self._series: dict[tuple, Counter | Gauge | Histogram] = {}
+        self._order: list[tuple[str, Counter | Gauge | Histogram]] = []  # (type, metric) in value-slot order
         self._capacity = capacity
         self._slots_capacity = value_slots
         self._slots_used = 0
@@ -207,7 +205,9 @@ class Segment:
         return self._mm is not None
 
     # -- series --------------------------------------------------------------------------------
-    def _series_for(self, name: str, type_: str, labels: dict[str, str]):
+    def _series_for(self, name: str, type_: str, labels: dict[str, str]) -> Any:
+        """The Counter, Gauge or Histogram (as ``type_`` says) of these labels; the public
+        :meth:`counter`, :meth:`gauge` and :meth:`histogram` give it its precise type."""
         key = (name, tuple(sorted(labels.items())))
         metric = self._series.get(key)
         if metric is not None:
@@ -232,7 +232,8 @@ class Segment:
             self._series[key] = metric
         return metric
 
-    def _add_entry(self, spec: catalogue.MetricSpec, labels: dict[str, str], metric: object) -> None:
+    def _add_entry(self, spec: catalogue.MetricSpec, labels: dict[str, str],
+                   metric: Counter | Gauge | Histogram) -> None:
         type_code = L.TYPE_CODES[spec.type]
         n_buckets = len(spec.buckets) if spec.type == catalogue.HISTOGRAM else 0
         slots = L.value_slots(type_code, n_buckets)
@@ -250,7 +251,7 @@ class Segment:
                                     spec.name.encode(), L.encode_labels(labels, L.ENTRY_LABELS_FIELD),
                                     spec.unit.encode())
         mm = self._mm
-        self._begin()
+        self._begin(mm)
         _write_at(mm, L.HEADER_SIZE + index * L.ENTRY_SIZE, entry)
         if n_buckets:
             _write_at(mm, self._values_off + slot * 8, struct.pack(f"<{n_buckets}d", *spec.buckets))
@@ -258,7 +259,7 @@ class Segment:
         _write_at(mm, L.OFF_LAYOUT_GENERATION, L.U64.pack(self._generation))
         _write_at(mm, L.OFF_ENTRY_COUNT, L.U32.pack(index + 1))
         _write_at(mm, L.OFF_VALUES_USED, L.U64.pack(self._slots_used * 8))
-        self._end()
+        self._end(mm)
 
     def counter(self, name: str, **labels: str) -> Counter:
         return self._series_for(name, catalogue.COUNTER, labels)
@@ -274,13 +275,13 @@ class Segment:
         self._series_for(name, catalogue.INFO, labels).set(1.0)
 
     # -- publishing ----------------------------------------------------------------------------
-    def _begin(self) -> None:
+    def _begin(self, mm: mmap.mmap) -> None:
         self._seq += 1  # odd: a write is in progress
-        _write_at(self._mm, L.OFF_SEQ, L.U64.pack(self._seq))
+        _write_at(mm, L.OFF_SEQ, L.U64.pack(self._seq))
 
-    def _end(self) -> None:
+    def _end(self, mm: mmap.mmap) -> None:
         self._seq += 1
-        _write_at(self._mm, L.OFF_SEQ, L.U64.pack(self._seq))
+        _write_at(mm, L.OFF_SEQ, L.U64.pack(self._seq))
 
     def publish(self) -> None:
         """Copy every value into the segment as one consistent snapshot and beat the heartbeat."""
@@ -292,8 +293,8 @@ class Segment:
                 return
             vals: list[float] = []
             append, extend = vals.append, vals.extend
-            for type_, m in self._order:
-                if type_ == "histogram":
+            for _, m in self._order:
+                if isinstance(m, Histogram):
                     extend(m.bounds)
                     extend(m.counts)
                     append(m.sum)
@@ -303,12 +304,12 @@ class Segment:
                 self._pack = struct.Struct(f"<{len(vals)}d")
             self._last_publish = time.monotonic()
             try:
-                self._begin()
+                self._begin(mm)
                 # Written in place while seq is odd: a reader that overlaps discards what it read.
                 self._pack.pack_into(mm, self._values_off, *vals)
                 mm[L.OFF_HEARTBEAT_UNIX_NS:L.OFF_HEARTBEAT_MONO_NS + 8] = struct.pack(
                     "<QQ", time.time_ns(), time.monotonic_ns())
-                self._end()
+                self._end(mm)
             except (ValueError, OSError, BufferError) as exc:  # e.g. a map closed under us
                 self._disable(f"telemetry segment {self.path} could not be written ({exc}); "
                               "metrics stay in memory only")

@@ -5,15 +5,32 @@ interpreter tests use with TRITON_INTERPRET=1) and its fp32 reference otherwise.
 imported only on first use, so this package imports without it.
 """
 from .attention import reference_sparse_decode_attention, sparse_decode_attention
-from .bounds import (block_bounds, block_scores, reference_block_bounds, reference_block_scores, superblock_bounds,
-                     top_blocks, two_level_candidates, two_level_pays)
-from .quant import (SUPPORTED_BITS, dequantize_blocks, pack_codes, packed_width, quantize_blocks,
-                    reference_dequantize_blocks, reference_quantize_blocks, unpack_codes)
+from .bounds import (
+    block_bounds,
+    block_scores,
+    reference_block_bounds,
+    reference_block_scores,
+    superblock_bounds,
+    top_blocks,
+    two_level_candidates,
+    two_level_pays,
+)
+from .quant import (
+    SUPPORTED_BITS,
+    dequantize_blocks,
+    pack_codes,
+    packed_width,
+    quantize_blocks,
+    reference_dequantize_blocks,
+    reference_quantize_blocks,
+    unpack_codes,
+)
 from .swap_in import reference_swap_in, reference_swap_in_dequant, swap_in, swap_in_dequant
 
 __all__ = [
     "sparse_decode_attention", "swap_in", "swap_in_dequant", "quantize_blocks", "dequantize_blocks",
-    "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_pays", "reference_sparse_decode_attention", "reference_swap_in",
+    "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_pays",
+    "reference_sparse_decode_attention", "reference_swap_in",
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
     "SUPPORTED_BITS",

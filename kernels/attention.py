@@ -48,9 +48,9 @@ def reference_sparse_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_bu
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # all-masked row: p = 0, not NaN
     p = torch.exp(s - m)
-    l = p.sum(dim=-1, keepdim=True)
+    denom = p.sum(dim=-1, keepdim=True)
     o = torch.einsum("bhgk,bhkd->bhgd", p, v)
-    o = torch.where(l > 0, o / l.clamp_min(1e-30), torch.zeros_like(o))
+    o = torch.where(denom > 0, o / denom.clamp_min(1e-30), torch.zeros_like(o))
     return o.reshape(B, Hq, D).to(q.dtype)
 
 

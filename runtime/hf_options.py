@@ -65,7 +65,8 @@ def fit_name(name: str, limit: int = 64, fallback: str = "hisparse") -> str:
 def build_config(config_cls: type, options: dict[str, Any], *, default_name: str) -> Any:
     """A validated ``config_cls`` (HiSparseConfig) from the user's options.
 
-    ``kv_dtype`` may be a torch dtype or its name ("fp16", "bfloat16"); ``name`` defaults to ``default_name`` so the agent shows the model.
+    ``kv_dtype`` may be a torch dtype or its name ("fp16", "bfloat16"); ``name`` defaults to
+    ``default_name`` so the agent shows the model.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
     fields = set(defaults)

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from . import hf_attention, hf_cache, hf_compat, hf_generate, hf_options, hf_support
-from .bindings import BINDINGS as _BINDINGS
-from .bindings import Binding, binding_of
+from .bindings import BINDINGS as _BINDINGS, Binding, binding_of
 from .hf_options import HiSparseOptionError
 from .hf_support import UnsupportedModelError
 

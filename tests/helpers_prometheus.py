@@ -16,7 +16,6 @@ import urllib.request
 from typing import Any, Callable
 
 import pytest
-
 from helpers_targets import free_port
 
 __all__ = ["free_port", "binary", "http_json", "poll", "Prom", "start_prometheus", "start_alertmanager",

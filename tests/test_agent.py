@@ -74,7 +74,8 @@ def test_kill9_target_others_continue(tmp_path):
     wait_for(lambda: value(scrape(port), "easymats_target_up", target="victim") == 1.0)
     a.send_signal(signal.SIGKILL)
     a.wait()
-    m = wait_for(lambda: (lambda s: s if value(s, "easymats_target_up", target="victim") == 0.0 else None)(scrape(port)))
+    m = wait_for(lambda: (lambda s: s if value(s, "easymats_target_up", target="victim") == 0.0 else None)(
+        scrape(port)))
     assert value(m, "easymats_target_up", target="survivor") == 1.0
     before = value(m, "easymats_samples_total", target="survivor")
     m2 = wait_for(lambda: (lambda s: s if value(s, "easymats_samples_total", target="survivor") > before + 3

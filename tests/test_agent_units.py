@@ -126,10 +126,11 @@ def test_live_view_shows_the_most_urgent_finding_of_a_real_target():
     import io
     import time
 
+    from helpers_targets import start_target
+
     from easymats.liveview import LiveView
     from easymats.report.live import LiveDiagnosis
     from easymats.targets import Target
-    from helpers_targets import start_target
 
     proc, path = start_target("decode-0", duration=6.0, extra=["--anchor-hit", "0.2"])
     view = LiveView(colour=False, diagnosis_factory=lambda: LiveDiagnosis(horizon_s=2.0, window_s=1.0))

@@ -18,9 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from easymats import cardinality, catalogue  # noqa: E402
 from helpers_prometheus import stop  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
+
+from easymats import cardinality, catalogue  # noqa: E402
 
 # The budget per runtime target with the default catalogue on one GPU (docs/scaling.md): the
 # catalogue allows 82 today. A per-layer label on one counter of a 32-layer model alone would

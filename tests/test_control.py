@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from easymats import layout as L
-from easymats import segment, telemetry
+from easymats import layout as L, segment, telemetry
 from easymats.control import ControlFile
 
 RUNTIME = textwrap.dedent("""

@@ -15,8 +15,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from alerts import build as rules  # noqa: E402
-from alerts import promql  # noqa: E402
+from alerts import build as rules, promql  # noqa: E402
 from dashboards import build  # noqa: E402
 from easymats import thresholds  # noqa: E402
 

@@ -27,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from helpers_prometheus import binary, free_port, http_json, poll, queries_without_data  # noqa: E402
+
 from alerts import build as rules  # noqa: E402
 from dashboards import build as dashboards  # noqa: E402
 from easymats import thresholds  # noqa: E402
-from easymats.segment import read_segment  # noqa: E402
-from helpers_prometheus import binary, free_port, http_json, poll, queries_without_data  # noqa: E402
 
 SCRAPE_S = 1
 RATE_WINDOW = "6s"  # the rules' 5m window, compressed: at least four scrapes

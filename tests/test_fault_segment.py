@@ -27,8 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers_agent import AGENT, agent_proc, finish, read_log, scrape, target_proc, value, wait_for  # noqa: E402
 from helpers_targets import free_port  # noqa: E402
 
-from easymats import layout as L  # noqa: E402
-from easymats import segment, telemetry  # noqa: E402
+from easymats import layout as L, segment, telemetry  # noqa: E402
 
 pytestmark = pytest.mark.fault
 

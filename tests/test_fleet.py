@@ -33,12 +33,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from alerts import build as rules  # noqa: E402
-from alerts import fleet  # noqa: E402
+from helpers_prometheus import (  # noqa: E402
+    Prom,
+    free_port,
+    http_json,
+    logs,
+    poll,
+    queries_without_data,
+    start_alertmanager,
+    start_prometheus,
+    stop,
+)
+
+from alerts import build as rules, fleet  # noqa: E402
 from dashboards import build as dashboards  # noqa: E402
 from easymats import thresholds  # noqa: E402
-from helpers_prometheus import (Prom, free_port, http_json, logs, poll, queries_without_data,  # noqa: E402
-                                start_alertmanager, start_prometheus, stop)
 
 WRITERS = {"node-a": 2, "node-b": 3, "node-c": 4, "node-d": 2, "node-e": 3, "node-f": 2}
 SCRAPE_S = 1

@@ -15,9 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from alerts import build as rules  # noqa: E402
-from alerts import fleet  # noqa: E402
 from helpers_prometheus import binary  # noqa: E402
+
+from alerts import build as rules, fleet  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "alerts", "fleet.example.yml")
 

@@ -11,14 +11,24 @@ import warnings
 
 import pytest
 import torch
-from transformers import (DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import hi_sparse as hs
 from easymats.segment import SegmentReader, segments_for_pid
-from hi_sparse.hf_support import UnsupportedModelError
 from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
+from hi_sparse.hf_support import UnsupportedModelError
 from hi_sparse.integration import binding_of
 
 FAMILIES = {

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.hf_options import HiSparseOptionError, build_config
-from hi_sparse.hf_support import (UnsupportedModelError, check_family, check_generation_config,
-                                  check_sliding_window, sliding_window_of)
+from hi_sparse.hf_support import (
+    UnsupportedModelError,
+    check_family,
+    check_generation_config,
+    check_sliding_window,
+    sliding_window_of,
+)
 from hi_sparse.integration import left_pad_lengths
 
 
 def test_supported_families_pass_and_others_are_named():
     for cfg in (LlamaConfig(), MistralConfig(), Qwen2Config(), Qwen3Config()):
         assert check_family(cfg) == cfg.model_type
-    with pytest.raises(UnsupportedModelError, match="supports Llama, Mistral, Qwen2 and Qwen3 models; got model_type 'gpt2'"):
+    with pytest.raises(UnsupportedModelError,
+                       match="supports Llama, Mistral, Qwen2 and Qwen3 models; got model_type 'gpt2'"):
         check_family(GPT2Config())
 
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kernels_interpret_cases import CASES
 
 HERE = pathlib.Path(__file__).parent

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hi_sparse.recalibration import attention_mass, distillation_target
 from hi_sparse.probe import ImportanceProbe, fit_probes, probe_threshold
+from hi_sparse.recalibration import attention_mass, distillation_target
 
 
 @pytest.mark.parametrize("D", [16, 64, 128, 256])

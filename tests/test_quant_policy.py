@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from hi_sparse.kernels import dequantize_blocks, quantize_blocks
-from hi_sparse.quant_policy import (ErrorBudgetPolicy, FixedBits, SeedBimodalPolicy, peak_separation,
-                                    quantize_roundtrip, relative_error)
+from hi_sparse.quant_policy import (
+    ErrorBudgetPolicy,
+    FixedBits,
+    SeedBimodalPolicy,
+    peak_separation,
+    quantize_roundtrip,
+    relative_error,
+)
 
 EXPECTED = {4: 0.13, 5: 0.062, 6: 0.030, 8: 0.0075}  # documented in hi_sparse.quant_policy
 

@@ -13,8 +13,7 @@ import sys
 import tracemalloc
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers_logs as H  # noqa: E402
@@ -421,15 +420,18 @@ def test_target_filter_with_a_name_json_may_escape(tmp_path):
 _json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False),
                          st.text(max_size=5))
 _metric_value = st.one_of(_json_scalar, st.fixed_dictionaries(
-    {"bounds": st.lists(st.floats(0, 1), max_size=3), "counts": st.lists(_json_scalar, max_size=4), "sum": _json_scalar}))
+    {"bounds": st.lists(st.floats(0, 1), max_size=3), "counts": st.lists(_json_scalar, max_size=4),
+     "sum": _json_scalar}))
 
 
 @given(st.lists(st.one_of(
     st.binary(max_size=40),
     st.fixed_dictionaries({
         "v": st.sampled_from([1, 1, 2, "1"]), "kind": st.sampled_from(["sample", "event", "header", "x"]),
-        "t": st.one_of(st.floats(1e9, 2e9), _json_scalar), "target": st.one_of(st.sampled_from(["a", "b"]), _json_scalar),
-        "pid": _json_scalar, "up": _json_scalar, "lag_s": _json_scalar, "event": st.sampled_from(["restart", "down", "attach"]),
+        "t": st.one_of(st.floats(1e9, 2e9), _json_scalar),
+        "target": st.one_of(st.sampled_from(["a", "b"]), _json_scalar),
+        "pid": _json_scalar, "up": _json_scalar, "lag_s": _json_scalar,
+        "event": st.sampled_from(["restart", "down", "attach"]),
         "metrics": st.one_of(_json_scalar, st.dictionaries(
             st.sampled_from(["hisparse_anchor_hits_total", "hisparse_anchor_lookups_total",
                              'hisparse_kv_blocks{state="active"}', 'hisparse_kv_blocks{state="free"}',
@@ -479,7 +481,8 @@ def test_infinite_or_nan_times_and_values_are_handled(tmp_path):
         '{"v":1,"kind":"sample","t":1795990000.0,"target":"a","pid":1,"up":true,"lag_s":0,"metrics":{"%s":3}}' % a,
         '{"v":1,"kind":"sample","t":Infinity,"target":"a","pid":1,"up":true,"lag_s":0,"metrics":{"%s":3}}' % a,
         '{"v":1,"kind":"sample","t":NaN,"target":"a","pid":1,"up":true,"lag_s":0,"metrics":{}}',
-        '{"v":1,"kind":"sample","t":1795990000.1,"target":"a","pid":1,"up":true,"lag_s":NaN,"metrics":{"%s":Infinity}}' % a,
+        '{"v":1,"kind":"sample","t":1795990000.1,"target":"a","pid":1,"up":true,"lag_s":NaN,'
+        '"metrics":{"%s":Infinity}}' % a,
     ]) + "\n")
     an, stats = analyse_file(str(path))
     assert stats.samples == 2 and stats.skipped == 2

@@ -10,9 +10,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers_logs as H  # noqa: E402
 
-from easymats.report import reader  # noqa: E402
+from easymats.report import plots, reader  # noqa: E402
 from easymats.report.analyse import Analysis  # noqa: E402
-from easymats.report import plots  # noqa: E402
 
 mpimg = pytest.importorskip("matplotlib.image")  # the `report` extra; installed in dev and CI
 
@@ -77,7 +76,8 @@ def test_restart_is_marked_on_every_panel(runs, tmp_path):
     for p in drawn:
         rgb = decode(p.png, tmp_path, p.name)
         area = plot_area(rgb)
-        cols = [x for x in range(area.shape[1]) if count_colour(area[:, x:x + 1], plots.RESTART_COLOR) > 0.5 * area.shape[0]]
+        cols = [x for x in range(area.shape[1])
+                if count_colour(area[:, x:x + 1], plots.RESTART_COLOR) > 0.5 * area.shape[0]]
         assert cols, p.name  # a full-height vertical line ...
         # ... in the middle of the time axis, where the scenario restarts (120 s of 240 s)
         assert 0.35 < cols[0] / area.shape[1] < 0.6, (p.name, cols[0] / area.shape[1])

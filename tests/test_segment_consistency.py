@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from easymats import layout as L
-from easymats import segment
+from easymats import layout as L, segment
 
 # 16 counters from the catalogue, updated in lockstep by the writer, plus a histogram that
 # observes once per step: every consistent snapshot has 16 equal counters and a histogram whose

@@ -8,11 +8,9 @@ import sys
 import textwrap
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from easymats import layout as L
-from easymats import segment, telemetry
+from easymats import layout as L, segment, telemetry
 from easymats.segment import SegmentError
 
 OTHER_UID = 12345

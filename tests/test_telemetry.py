@@ -12,8 +12,7 @@ import warnings
 import pytest
 from helpers_faults import fill, small_filesystem
 
-from easymats import catalogue, segment, telemetry
-from easymats import layout as L
+from easymats import catalogue, layout as L, segment, telemetry
 from easymats.telemetry import TelemetryWarning
 
 NOBODY = 65534

@@ -22,8 +22,8 @@ from helpers_targets import free_port, start_target  # noqa: E402
 
 from easymats import webhook  # noqa: E402
 from easymats.agent import Agent  # noqa: E402
-from easymats.segment import control_path, read_segment  # noqa: E402
 from easymats.control import ControlFile  # noqa: E402
+from easymats.segment import control_path, read_segment  # noqa: E402
 
 TOKEN = "s3cret-token"
 CLI = [sys.executable, "-c", "from easymats.cli import main; main()"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
 _log = math.log
 
 
@@ -105,7 +104,7 @@ class Downsampler:
             t0 = self.t0 = t
         i = int((t - t0) // self.width) if t >= t0 else 0
         while i >= self.n:
-            self._halve()
+            self._halve(t0)
             i = int((t - t0) // self.width)
         b = self.buckets.get(i)
         if b is None:
@@ -118,14 +117,14 @@ class Downsampler:
             b.total += v
             b.n += 1
 
-    def _halve(self) -> None:
+    def _halve(self, t0: float) -> None:
         merged: dict[int, Bucket] = {}
         for i in sorted(self.buckets):
             b = self.buckets[i]
             j = i // 2
             m = merged.get(j)
             if m is None:
-                merged[j] = Bucket(self.t0 + j * 2 * self.width, b.lo, b.hi, b.total, b.n)  # type: ignore[operator]
+                merged[j] = Bucket(t0 + j * 2 * self.width, b.lo, b.hi, b.total, b.n)
             else:
                 m.lo, m.hi, m.total, m.n = min(m.lo, b.lo), max(m.hi, b.hi), m.total + b.total, m.n + b.n
         self.buckets = merged

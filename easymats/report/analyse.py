@@ -71,19 +71,21 @@ class DocumentTracker:
         self.peak = 0.0
         self.width = 64.0
         self.bins: dict[int, list[float]] = {}  # i -> [hits, lookups, first_t, last_t, below_s]
-        self.use_time = None  # decided by the first sample: context tokens if logged, else time
+        self.use_time: bool | None = None  # decided by the first sample: context tokens if logged, else time
 
     def add(self, d: Derived, dt: float) -> None:
         ctx = d.values.get("context_tokens")
-        if self.start_t is None:
+        start_t = self.start_t
+        if start_t is None:
             self._reset(d.t)
+            start_t = d.t
             self.use_time = ctx is None
             self.width = 1.0 if self.use_time else 64.0
         if ctx is not None and not self.use_time and self.peak > 0 and ctx < 0.5 * self.peak:
             self.finish()
             self._reset(d.t)
             self.use_time = False
-        pos = (d.t - self.start_t) if self.use_time else (ctx or 0.0)  # type: ignore[operator]
+        pos = (d.t - start_t) if self.use_time else (ctx or 0.0)  # a document restarted here counts tokens
         self.peak = max(self.peak, pos)
         self.end_t = d.t
         if d.anchor_lookups <= 0 and "anchor_hit_rate" not in d.values:
@@ -131,7 +133,7 @@ class DocumentTracker:
                 below_from, below_from_t = i * self.width, b[2]
                 break
         self.results.append(DocResult(
-            start_t=self.start_t, end_t=self.end_t or self.start_t, length=self.peak,  # type: ignore[arg-type]
+            start_t=self.start_t, end_t=self.end_t or self.start_t, length=self.peak,
             unit="s" if self.use_time else "tokens", first_rate=h1 / l1, second_rate=h2 / l2,
             below_from=below_from, below_from_t=below_from_t, below_s=sum(b[4] for b in second)))
         if len(self.results) > MAX_MARKERS:
@@ -198,8 +200,8 @@ class TargetRun:
     evictions: float = 0.0  # streaming-mode overwrites: a full pool is then by design
     pool_grew: bool = False  # a pool without a logged limit grew on demand: "free" then means nothing
     trends: list[Trend] = field(default_factory=list)  # device metadata bytes, per process
-    docs: DocumentTracker | None = None
-    _deriver: Deriver | None = None
+    docs: DocumentTracker = field(init=False)  # set by Analysis._target, with the run
+    _deriver: Deriver = field(init=False)
     _last_up_t: float | None = None
     _prev_t: float | None = None
 
@@ -295,7 +297,7 @@ class Analysis:
         gap_cap = max(1.0, 5 * self.interval_s)
         dt = min(max(0.0, t - run._prev_t), gap_cap) if run._prev_t is not None else self.interval_s
         run._prev_t = t
-        d = run._deriver.feed(rec)  # type: ignore[union-attr]
+        d = run._deriver.feed(rec)
         if not d.up:
             run.down_samples += 1
             return
@@ -305,7 +307,7 @@ class Analysis:
                 run.pids.append(pid)
         if d.restart is not None:
             self._add_restart(run, RestartMark(d.t, d.restart.old_pid, d.restart.new_pid, d.restart.why))
-            run.docs.restart(t)  # type: ignore[union-attr]
+            run.docs.restart(t)
             for ep in run.episodes.values():
                 ep.close()
         run._last_up_t = t
@@ -332,7 +334,7 @@ class Analysis:
                 ep.close()  # recycling is only slow while blocks wait for it
                 continue
             ep.add(t, values.get(key), dt)
-        run.docs.add(d, dt)  # type: ignore[union-attr]
+        run.docs.add(d, dt)
         meta = values.get("device_metadata_bytes")
         if meta is not None:
             tr = run.trends[-1] if run.trends else None
@@ -349,5 +351,5 @@ class Analysis:
         for run in self.targets.values():
             for ep in run.episodes.values():
                 ep.close()
-            run.docs.finish()  # type: ignore[union-attr]
+            run.docs.finish()
         return self

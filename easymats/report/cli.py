@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import ModuleType
 from typing import Any
 
 import click
@@ -73,11 +74,12 @@ def _targets_present(files: list[str]) -> list[str]:
 def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_from: str | None,
            t_to: str | None, window_s: float, no_plots: bool) -> None:
     """Plots, a summary and findings from an easymats log RUN.log (and its rotated files)."""
-    plots_mod = None
+    plots_mod: ModuleType | None = None
     if not no_plots:
         try:
-            from . import plots as plots_mod
-            plots_mod._matplotlib()
+            from . import plots
+            plots._matplotlib()
+            plots_mod = plots
         except ImportError:
             plots_mod = None
         except Exception as exc:  # PlotsUnavailable
@@ -99,8 +101,8 @@ def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_f
         raise Usage(f"--from ({fmt_t(lo)}) must be before --to ({fmt_t(hi)})")
     stats = reader.ReadStats()
     head = reader.peek_header(files) or {}
-    interval = head.get("interval_s") if isinstance(head.get("interval_s"), (int, float)) else 0.1
-    interval = min(max(float(interval), 0.001), 60.0)
+    logged = head.get("interval_s")
+    interval = min(max(float(logged), 0.001), 60.0) if isinstance(logged, (int, float)) else 0.1
     analysis = Analysis(window_s=window_s, interval_s=interval)
     try:
         analysis.feed_all(reader.iter_records(files, stats, target=target, t_from=lo, t_to=hi))
@@ -117,7 +119,7 @@ def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_f
         raise Usage(f"{log} has no sample lines ({stats.lines} lines, {stats.skipped} unreadable): "
                     "is it a log written by `easymats --output`?")
     findings = diagnose_all(analysis.targets)
-    rendered = []
+    rendered: list[Any] = []  # plots.Plot; plots imports matplotlib
     if plots_mod is not None:
         for name in sorted(analysis.targets):
             rendered.extend(plots_mod.render_target(analysis.targets[name]))
@@ -163,6 +165,7 @@ def doctor(pid: int | None, scrape_url: str | None, window_s: float, interval_s:
     if (pid is None) == (scrape_url is None):
         raise Usage("give one of --pid PID and --scrape URL")
     try:
+        readers: list[tuple[str, live.SnapshotReader]]
         if scrape_url is not None:
             from easymats.sources.target import LiveReader, scrape_target
 
@@ -173,6 +176,7 @@ def doctor(pid: int | None, scrape_url: str | None, window_s: float, interval_s:
             tg.reader.wait_first(0.8 * interval_s)
             readers = [(tg.name, LiveReader(tg))]
         else:
+            assert pid is not None  # exactly one of --pid and --scrape, checked above
             readers = live.open_readers(pid)
     except live.LiveError as exc:
         raise Usage(str(exc)) from None

@@ -164,10 +164,9 @@ class Deriver:
         hists = []
         for name, key in _HISTOGRAMS:
             h = metrics.get(key)
-            counts = h.get("counts") if isinstance(h, dict) else None
-            if isinstance(counts, list) and None not in counts:
+            if isinstance(h, dict) and isinstance(counts := h.get("counts"), list) and None not in counts:
                 if name not in self._bounds or len(self._bounds[name]) + 1 != len(counts):
-                    self._bounds[name] = [float(b) for b in h.get("bounds") or []]  # type: ignore[union-attr]
+                    self._bounds[name] = [float(b) for b in h.get("bounds") or []]
                 hists.append(tuple(counts))
             else:
                 hists.append(())
@@ -215,8 +214,8 @@ class Deriver:
     def _deltas(self, out: Derived, counters: tuple[float, ...], recal: dict[str, float]) -> None:
         """What happened since the previous sample: recalibrations, audits, evictions."""
         if self._recal or self._win:
-            for reason, v in recal.items():
-                d = v - self._recal.get(reason, 0.0)
+            for reason, total in recal.items():
+                d = total - self._recal.get(reason, 0.0)
                 if d > 0:
                     out.recalibrations[reason] = d
         self._recal = recal

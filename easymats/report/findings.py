@@ -170,8 +170,6 @@ def poor_prefetch(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
 
 def anchor_decay(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
     docs = run.docs
-    if docs is None:
-        return []
     lim = thresholds.BY_NAME["anchor_hit_rate"].limit
     # decay = a healthy first half and an unhealthy second half of a long document (a document
     # that is poor throughout is the anchor_low finding instead)
@@ -208,7 +206,8 @@ def anchor_low(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
     if not found:
         return []
     n = sum(run.recal_counts.values())
-    more = [f"Recalibrations during the run: {n:.0f} ({', '.join(f'{k} {v:.0f}' for k, v in sorted(run.recal_counts.items()))})."
+    by_reason = ", ".join(f"{k} {v:.0f}" for k, v in sorted(run.recal_counts.items()))
+    more = [f"Recalibrations during the run: {n:.0f} ({by_reason})."
             if n else "No recalibration happened during the run."]
     return [_finding_from(
         run, "anchor_low", "anchor_hit_rate", found, "warning",
@@ -241,7 +240,8 @@ def metadata_growth(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
         title="KV metadata on the device keeps growing",
         evidence=[
             f"Device-tier KV metadata grew from {fmt_value(tr.first, 'bytes')} to {fmt_value(tr.last, 'bytes')} "
-            f"between {fmt_t(tr.first_t, run)} and {fmt_t(tr.last_t)} ({fmt_value(tr.growth / span * 4 / 3, 'bytes')}/s).",
+            f"between {fmt_t(tr.first_t, run)} and {fmt_t(tr.last_t)} "
+            f"({fmt_value(tr.growth / span * 4 / 3, 'bytes')}/s).",
             "Mean per quarter of the process's life: " + " -> ".join(fmt_value(x, "bytes") for x in q) + rel + "; "
             f"peak {fmt_value(tr.peak, 'bytes')} of device memory held by page tables and block state.",
         ],
@@ -266,7 +266,8 @@ def pool_exhaustion(run: TargetRun, cfg: RuleConfig) -> list[Finding]:
     act, lim = run.sketches["active_blocks"], run.sketches["pool_limit_blocks"]
     pool = lim if lim.count else run.sketches["pool_blocks"]
     what = "limit (host_pool_blocks)" if lim.count else "pool"
-    more = [f"Active blocks peaked at {act.max:.0f} of a {pool.max:.0f}-block {what}."] if act.count and pool.count else []
+    more = ([f"Active blocks peaked at {act.max:.0f} of a {pool.max:.0f}-block {what}."]
+            if act.count and pool.count else [])
     return [_finding_from(
         run, "pool_exhaustion", "kv_free_blocks_ratio", found, "critical",
         "KV block pool nearly exhausted: an OOM is coming",

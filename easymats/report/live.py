@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from easymats import segment
 from easymats.segment import Histogram, SegmentError, Snapshot
 
 from .reader import series_key
+
+
+class SnapshotReader(Protocol):
+    """What live sampling reads: a segment's reader, or an engine target's
+    (easymats.sources.target.LiveReader)."""
+
+    @property
+    def path(self) -> str: ...
+
+    def read(self) -> Snapshot: ...
+
+    def check_writer(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class LiveError(Exception):
@@ -31,7 +45,7 @@ def snapshot_record(snap: Snapshot, target: str, t: float, lag_s: float) -> dict
             "heartbeat_t": snap.heartbeat_unix_ns / 1e9, "seq": snap.seq, "lag_s": lag_s, "metrics": metrics}
 
 
-def open_readers(pid: int, directory: str | None = None) -> list[tuple[str, Any]]:
+def open_readers(pid: int, directory: str | None = None) -> list[tuple[str, SnapshotReader]]:
     """(target name, reader) for every segment of ``pid`` (or, without one, for the serving engine
     it is: SGLang's metric files, easymats/sources); LiveError when there is neither."""
     if pid <= 0:
@@ -47,7 +61,7 @@ def open_readers(pid: int, directory: str | None = None) -> list[tuple[str, Any]
                 tg.reader.wait_first(1.0)
                 return [(tg.name, LiveReader(tg))]
         raise LiveError(exc.detail) from None
-    readers = []
+    readers: list[tuple[str, SnapshotReader]] = []
     for p in paths:
         try:
             r = segment.SegmentReader(p)
@@ -61,7 +75,7 @@ def open_readers(pid: int, directory: str | None = None) -> list[tuple[str, Any]
     return readers
 
 
-def sample(readers: list[tuple[str, segment.SegmentReader]], window_s: float,
+def sample(readers: list[tuple[str, SnapshotReader]], window_s: float,
            interval_s: float = 0.1) -> Iterator[dict[str, Any]]:
     """Records for ``window_s`` seconds at ``interval_s`` on a drift-free schedule.
 

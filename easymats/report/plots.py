@@ -162,8 +162,8 @@ def draw_panel(run: TargetRun, panel: Panel, *, dpi: int = 100) -> Any:
         for i, r in enumerate(run.recals):
             ax.axvline((r.t - origin) / div, color=RECAL_COLOR, linewidth=1.0, linestyle="--",
                        label="recalibration" if i == 0 else None)
-    for i, r in enumerate(run.restarts):
-        ax.axvline((r.t - origin) / div, color=RESTART_COLOR, linewidth=1.8,
+    for i, mark in enumerate(run.restarts):
+        ax.axvline((mark.t - origin) / div, color=RESTART_COLOR, linewidth=1.8,
                    label="restart" if i == 0 else None)
     ax.set_title(f"{run.name}: {panel.title}", fontsize=10, loc="left")
     ax.set_ylabel(panel.unit)

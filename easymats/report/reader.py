@@ -73,9 +73,10 @@ _key_cache: dict[str, tuple[str, dict[str, str]] | None] = {}
 
 def parse_key(key: str) -> tuple[str, dict[str, str]] | None:
     """``name{a="x"}`` -> ("name", {"a": "x"}); None if the key is not a series name."""
-    hit = _key_cache.get(key, False)
-    if hit is not False:
-        return hit  # type: ignore[return-value]
+    try:
+        return _key_cache[key]
+    except KeyError:  # the first time this key is seen
+        pass
     out: tuple[str, dict[str, str]] | None = None
     m = _KEY_RE.fullmatch(key)
     if m:

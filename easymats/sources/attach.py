@@ -10,7 +10,7 @@ PID stays a plain process target, since a server creates its files with its firs
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Iterable, TypeGuard
 
 from ..targets import Target
 from .httpget import parse_url
@@ -92,7 +92,7 @@ class EngineAttach:
         return tg
 
 
-def is_engine(tg: object) -> bool:
+def is_engine(tg: object) -> TypeGuard[EngineTarget]:
     return isinstance(tg, EngineTarget)
 
 

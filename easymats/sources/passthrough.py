@@ -9,10 +9,13 @@ family has another type than the first target's is left out of that family, with
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from ..logwriter import escape_label_value
 from .translate import Family
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("easymats.exporter")
 _warned: set[str] = set()
@@ -68,7 +71,7 @@ def render(targets: Iterable[object], fv: Callable[[float], str]) -> str:
     return "".join(parts)
 
 
-def families(targets: Iterable[object]) -> Iterator[object]:
+def families(targets: Iterable[object]) -> Iterator[Metric]:
     """The same as prometheus_client Metric objects, for the collector protocol."""
     from prometheus_client.core import Metric
 

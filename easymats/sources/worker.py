@@ -87,7 +87,7 @@ class EngineReader:
         return result.snapshot
 
     # -- the rest of easymats.source.Source ---------------------------------------------------------
-    path = None  # no file to read and no control file beside one: engines have no control channel
+    path: str | None = None  # no file to read and no control file beside one: engines have no control channel
 
     def alive(self) -> bool:
         """The producer's liveness is the target's to judge (EngineTarget.alive checks its pid)."""
