@@ -58,6 +58,32 @@ def _targets_present(files: list[str]) -> list[str]:
     return sorted(names)
 
 
+def _plots_module() -> ModuleType:
+    """The plotting module, once matplotlib is known to work; Usage naming the fix otherwise."""
+    try:
+        from . import plots
+        plots._matplotlib()
+    except ImportError:
+        raise Usage("plots need matplotlib: pip install 'easymats[report]' (or pass --no-plots)") from None
+    except Exception as exc:  # PlotsUnavailable
+        raise Usage(f"{exc} (or pass --no-plots)") from None
+    return plots
+
+
+def _time_range(files: list[str], t_from: str | None, t_to: str | None) -> tuple[float | None, float | None]:
+    """--from/--to as unix seconds (offsets like +5m count from the log's first record)."""
+    start = reader.first_time(files) if (t_from or t_to) and any(
+        x and x.strip().startswith("+") for x in (t_from, t_to)) else None
+    try:
+        lo = reader.parse_time(t_from, start) if t_from else None
+        hi = reader.parse_time(t_to, start) if t_to else None
+    except ValueError as exc:
+        raise Usage(f"--from/--to: {exc}") from None
+    if lo is not None and hi is not None and lo >= hi:
+        raise Usage(f"--from ({fmt_t(lo)}) must be before --to ({fmt_t(hi)})")
+    return lo, hi
+
+
 @click.command("report")
 @click.argument("log", metavar="RUN.log", type=click.Path(dir_okay=True))
 @click.option("--out", "out_path", default="report.html", show_default=True, type=click.Path(dir_okay=False),
@@ -74,31 +100,12 @@ def _targets_present(files: list[str]) -> list[str]:
 def report(log: str, out_path: str, png_dir: str | None, target: str | None, t_from: str | None,
            t_to: str | None, window_s: float, no_plots: bool) -> None:
     """Plots, a summary and findings from an easymats log RUN.log (and its rotated files)."""
-    plots_mod: ModuleType | None = None
-    if not no_plots:
-        try:
-            from . import plots
-            plots._matplotlib()
-            plots_mod = plots
-        except ImportError:
-            plots_mod = None
-        except Exception as exc:  # PlotsUnavailable
-            raise Usage(f"{exc} (or pass --no-plots)") from None
-        if plots_mod is None:
-            raise Usage("plots need matplotlib: pip install 'easymats[report]' (or pass --no-plots)")
+    plots_mod = None if no_plots else _plots_module()
     try:
         files = reader.log_files(log)
     except reader.LogError as exc:
         raise Usage(str(exc)) from None
-    start = reader.first_time(files) if (t_from or t_to) and any(
-        x and x.strip().startswith("+") for x in (t_from, t_to)) else None
-    try:
-        lo = reader.parse_time(t_from, start) if t_from else None
-        hi = reader.parse_time(t_to, start) if t_to else None
-    except ValueError as exc:
-        raise Usage(f"--from/--to: {exc}") from None
-    if lo is not None and hi is not None and lo >= hi:
-        raise Usage(f"--from ({fmt_t(lo)}) must be before --to ({fmt_t(hi)})")
+    lo, hi = _time_range(files, t_from, t_to)
     stats = reader.ReadStats()
     head = reader.peek_header(files) or {}
     logged = head.get("interval_s")
