@@ -144,6 +144,71 @@ def teacher_forced(model, prompt: torch.Tensor, forced: torch.Tensor, cache) -> 
     return torch.stack(logits, 1)
 
 
+def static_dense(model, ids: torch.Tensor, steps: int, chunk: int, device: str) -> dict:
+    """The fair dense baseline: transformers' StaticCache (preallocated, fixed shapes) with each
+    decode step replayed from one CUDA graph of the whole model (eager on a CPU), what an HF user
+    would pick for fast dense decode. Chunked prefill, then ``steps`` greedy steps (one warm-up
+    pair first). Returns prefill seconds, step seconds and how the steps ran."""
+    from transformers import StaticCache
+
+    B, ctx = ids.shape
+    cache = StaticCache(config=model.config, max_cache_len=ctx + steps + 8)
+    sync(device)
+    t0 = time.perf_counter()
+    for start in range(0, ctx, chunk):
+        end = min(ctx, start + chunk)
+        out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    cache_position=torch.arange(start, end, device=ids.device))
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    tok = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([ctx], device=ids.device)
+
+    def step() -> torch.Tensor:
+        return model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos).logits[:, -1]
+
+    graph, how = None, "eager"
+    if device == "cuda":
+        # warm up on a side stream (workspaces, lazy initialisation), as graph capture wants; the
+        # warm-up steps write the slot of position ctx, which the first timed step writes again
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = step()
+            how = "cuda graph"
+        except RuntimeError as exc:    # measured eagerly then, and said so
+            graph, how = None, f"eager (graph capture failed: {str(exc).splitlines()[0][:200]})"
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        if graph is not None:
+            graph.replay()
+        else:
+            logits = step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        tok.copy_(logits.argmax(-1, keepdim=True))
+        pos += 1
+    return {"prefill_s": prefill_s, "times": times, "decode_mode": how}
+
+
+def hbm_copy_rate(device: str) -> float:
+    """Device memory bandwidth measured here (bytes read + written per second of a 1 GiB copy:
+    the kernels benchmark's ceiling, imported only on a GPU run, where Triton is there)."""
+    if device != "cuda":
+        return 0.0
+    from bench_kernels import hbm_copy_rate as copy_rate_gbps
+
+    return copy_rate_gbps() * 1e9
+
+
 def start_agent(row: dict, json_path: str | None):
     """easymats attached to this process at 10 Hz (a real agent process, log on, no live view)."""
     import socket
@@ -180,6 +245,10 @@ def stop_agent(agent, row: dict) -> None:
     row["agent"].update(alive_at_end=alive, log_lines=lines, stderr_tail=(err or "")[-300:])
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2]
@@ -189,6 +258,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke run of this script")
     ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--late-contexts", default="",
+                    help="comma list of contexts measured like --contexts but after the --hisparse-batch runs "
+                         "(so a time limit cuts these first; with --planted the model is planted by then)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens per forward)")
     ap.add_argument("--top-k", type=int, default=2048)
@@ -197,7 +269,8 @@ def main() -> int:
     ap.add_argument("--host-ram-gib", type=float, default=None, help="host RAM for capacity (default: this machine's)")
     ap.add_argument("--skip-quant", action="store_true")
     ap.add_argument("--variants", default=None,
-                    help="comma list of single-sequence variants to run (default: dense,hisparse,hisparse-int8,hisparse-int4)")
+                    help="comma list of single-sequence variants to run (default: dense,dense-static,hisparse,"
+                         "hisparse-int8,hisparse-int4; dense-static: StaticCache + a CUDA graph per decode step)")
     ap.add_argument("--telemetry-check", action="store_true",
                     help="at the first context also run HiSparse with telemetry on and easymats attached at 10 Hz")
     ap.add_argument("--batch", type=int, default=0, help="aggregate decode of this many sequences (0 = skip)")
@@ -249,8 +322,25 @@ def main() -> int:
     cfg = model.config
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # what a decode step must read from device memory: every weight but the embedding table (one row
+    # per sequence of it), and the KV its attention reads
+    read_weights = weights_bytes - model.model.embed_tokens.weight.numel() * dtype.itemsize
+    hbm = hbm_copy_rate(device)
     results.update(weights_bytes=weights_bytes, kv_bytes_per_token=kv_bytes_per_token,
-                   build_s=time.perf_counter() - t_build)
+                   build_s=time.perf_counter() - t_build, hbm_copy_bytes_per_s=hbm)
+
+    def limit_ms(label: str, B: int, ctx: int) -> float | None:
+        """The byte-count limit of one decode step: bytes it must read / the measured HBM rate.
+        Dense reads every token's K/V; HiSparse the selected tokens' (top_k + anchors per KV head
+        and layer; swap-ins come over PCIe, not counted)."""
+        if not hbm:
+            return None
+        if label.startswith("dense"):
+            kv = B * ctx * kv_bytes_per_token
+        else:
+            per_token = kv_bytes_per_token // cfg.num_key_value_heads // cfg.num_hidden_layers   # K+V, one head
+            kv = B * cfg.num_hidden_layers * cfg.num_key_value_heads * (args.top_k + 16) * per_token
+        return 1e3 * (read_weights + kv) / hbm
     print(f"model: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}q/{cfg.num_key_value_heads}kv heads, "
           f"d={cfg.head_dim}, weights {weights_bytes / GiB:.1f} GiB, dense KV {kv_bytes_per_token} B/token", flush=True)
     from transformers import DynamicCache
@@ -312,9 +402,27 @@ def main() -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        row = {"context": ctx, "batch": B, "variant": label}
+        row = {"context": ctx, "batch": B, "variant": label, "limit_ms": limit_ms(label, B, ctx)}
         first_row = row
         results["runs"].append(row)   # filled in below; saved even if the run dies part way
+        if label == "dense-static":
+            try:
+                with torch.no_grad():
+                    r = static_dense(model, ids.repeat(repeat, 1), args.decode_steps, max(1, args.chunk // B), device)
+                steady = r["times"][2:] or r["times"]
+                row.update(prefill_s=r["prefill_s"], decode_mode=r["decode_mode"], decode_input="greedy",
+                           decode_step_ms_median=1e3 * median(steady), decode_step_ms_all=[round(1e3 * t, 2)
+                                                                                          for t in r["times"]],
+                           decode_tokens_per_s=B / median(steady),
+                           decode_tokens_per_s_mean=B * len(steady) / sum(steady),
+                           device_kv_bytes=kv_bytes_per_token * (ctx + args.decode_steps), host_kv_bytes=0)
+                if device == "cuda":
+                    row["device_peak_bytes_over_weights"] = torch.cuda.max_memory_allocated() - base
+            except torch.cuda.OutOfMemoryError as exc:
+                row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
+            print(json.dumps({k: v for k, v in row.items() if k != "decode_step_ms_all"}), flush=True)
+            save()
+            return row
         try:
             with torch.no_grad():
                 if label == "dense":
@@ -372,6 +480,10 @@ def main() -> int:
                         row["device_kv_bytes"] = (mem[("device", "data")] + mem[("device", "metadata")]) // B
                         row["host_kv_bytes"] = (mem[("host", "data")] + mem[("host", "metadata")]) // B
                         row["memory_by_tier_all_sequences"] = {f"{t}/{k}": v for (t, k), v in mem.items()}
+                        # host RAM of the batch against one sequence's (forks share the prompt's blocks)
+                        row["host_blocks_in_use"] = eng.pool.num_active
+                        row["host_blocks_one_sequence"] = -(-ctx // eng.cfg.cache_block_size)
+                        row["host_pool_blocks"] = eng.pool.num_blocks
                         st = eng.stats
                         lookups, hits = st.hot_buffer_lookups - before[0], st.hot_buffer_hits - before[1]
                         row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
@@ -435,8 +547,8 @@ def main() -> int:
         save()
         return row
 
-    variants = [("dense", None), ("hisparse", None)] + ([] if args.skip_quant else [("hisparse-int8", 8),
-                                                                                     ("hisparse-int4", 4)])
+    variants = [("dense", None), ("dense-static", None), ("hisparse", None)]
+    variants += [] if args.skip_quant else [("hisparse-int8", 8), ("hisparse-int4", 4)]
     if args.variants:
         known = dict(variants)
         bad = [v for v in args.variants.split(",") if v not in known]
@@ -444,11 +556,14 @@ def main() -> int:
             raise SystemExit(f"unknown --variants {bad}; choose from {', '.join(known)}")
         variants = [(v, known[v]) for v in args.variants.split(",")]
     extra_tokens = 4 * args.decode_steps + (2 * ab_phases * ab_steps if args.batch_telemetry else 0)
-    for ci, ctx in enumerate(contexts):
-        ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
-        extra = [("hisparse+easymats", None)] if ci == 0 and args.telemetry_check else []
-        for label, bits in variants + extra:
-            measure(label, bits, ids)
+    def singles(ctxs: list[int], first: bool) -> None:
+        for ci, ctx in enumerate(ctxs):
+            ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
+            extra = [("hisparse+easymats", None)] if first and ci == 0 and args.telemetry_check else []
+            for label, bits in variants + extra:
+                measure(label, bits, ids)
+
+    singles(contexts, True)
     if args.batch > 1:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         for label in ("dense", "hisparse"):
@@ -463,9 +578,12 @@ def main() -> int:
             # one salient token in each of `planted` blocks, spread over the prompt before its window
             picked = torch.randperm(max(1, (ctx - args.window) // args.block_size), generator=g)[:args.planted]
             ids[0, picked.to(device) * args.block_size + args.block_size // 2] = salient
-        blocks = n * -(-(ctx + extra_tokens) // args.block_size)   # every sequence's own blocks
+        # copy-on-write forks: one copy of the prompt's blocks, and each sequence's own blocks from
+        # its partly filled last one on (what its decode adds)
+        blocks = -(-ctx // args.block_size) + n * (-(-extra_tokens // args.block_size) + 1)
         measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks,
                 telemetry_ab=args.batch_telemetry)
+    singles([min(int(c), 512) if args.tiny else int(c) for c in args.late_contexts.split(",") if c], not contexts)
     if args.dense_batch:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         measure("dense", None, ids, repeat=args.dense_batch, inputs=(False, True))
@@ -498,22 +616,25 @@ def main() -> int:
         cap.append({"context": row["context"], "variant": row["variant"], "sequences_by_device": by_dev,
                     "sequences_by_host": by_host, "sequences_fit": fit, **proj})
     results["capacity"] = cap
-    print("\n| context | variant | decode tok/s (1 seq) | device B/seq | host B/seq | seqs fit (device, host) | 1 TiB / 2 TiB host |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| context | variant | decode ms (limit ms) | decode tok/s (1 seq) | device B/seq | host B/seq "
+          "| seqs fit (device, host) | 1 TiB / 2 TiB host |")
+    print("|---|---|---|---|---|---|---|---|")
     for row, c in zip(single, cap):
-        print(f"| {row['context']} | {row['variant']} | {row['decode_tokens_per_s']:.1f} | "
+        print(f"| {row['context']} | {row['variant']} | {row['decode_step_ms_median']:.1f} "
+              f"({_ms(row.get('limit_ms'))}) | "
+              f"{row['decode_tokens_per_s']:.1f} | "
               f"{row['device_kv_bytes'] / GiB:.2f} GiB | {row['host_kv_bytes'] / GiB:.2f} GiB | "
               f"{c['sequences_fit']} ({c['sequences_by_device']}, {c['sequences_by_host']}) | "
               f"{c['1TiB_host']} / {c['2TiB_host']} |")
     batched = [r for r in results["runs"] if "error" not in r and r["batch"] > 1]
     if batched:
-        print("\n| context | variant | sequences | decode input | decode step ms | aggregate tok/s (median step; mean) "
-              "| hot-buffer hit rate |")
+        print("\n| context | variant | sequences | decode input | decode step ms (limit ms) | aggregate tok/s "
+              "(median step; mean) | hot-buffer hit rate |")
         print("|---|---|---|---|---|---|---|")
         for r in batched:
             hit = r.get("hot_buffer_hit_rate")
             print(f"| {r['context']} | {r['variant']} | {r['batch']} | {r['decode_input']} | "
-                  f"{r['decode_step_ms_median']:.1f} | {r['decode_tokens_per_s']:.1f}; "
+                  f"{r['decode_step_ms_median']:.1f} ({_ms(r.get('limit_ms'))}) | {r['decode_tokens_per_s']:.1f}; "
                   f"{r['decode_tokens_per_s_mean']:.1f} | {'-' if hit is None else f'{hit:.2f}'} |")
     on = [r for r in single if r["variant"] == "hisparse+easymats"]
     off = [r for r in single if r["variant"] == "hisparse" and on and r["context"] == on[0]["context"]]

@@ -158,11 +158,8 @@ def summarise_target(ts: TargetSeries) -> list[str]:
         f"  KV memory peak: device {_bytes(_max(ts, DEVICE_DATA))}, host {_bytes(_max(ts, HOST_DATA))}; "
         f"quantized blocks: " + (", ".join(f"{v:.0f} x INT{b}" for b, v in quant.items() if v) or "none"),
     ]
-    lines += threshold_findings({
-        "anchor_hit_rate": _ratio(_delta(ts, 'hisparse_anchor_hits_total'), _delta(ts, 'hisparse_anchor_lookups_total')),
-        "prefetch_efficiency": _ratio(_delta(ts, 'hisparse_prefetch_used_total'), _delta(ts, 'hisparse_prefetch_issued_total')),
-        "hot_buffer_hit_rate": _ratio(_delta(ts, 'hisparse_hot_buffer_hits_total'), _delta(ts, 'hisparse_hot_buffer_lookups_total')),
-    })
+    lines += threshold_findings({k: _rate(ts, k) for k in ("anchor_hit_rate", "prefetch_efficiency",
+                                                           "hot_buffer_hit_rate")})
     rates = windowed_hit_rate(ts, HIT_RATE_WINDOW_LOOKUPS)
     if len(rates) >= 3:
         low_i = min(range(len(rates)), key=lambda i: rates[i][1])

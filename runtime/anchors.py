@@ -24,21 +24,23 @@ def merge(anchor_p: torch.Tensor, anchors: torch.Tensor, p: torch.Tensor, pos: t
     anchor_p.copy_(top_p)
 
 
-def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.Tensor, start: torch.Tensor,
+def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.Tensor, pos: torch.Tensor,
                    first: torch.Tensor, threshold: tuple[float, float, float]) -> None:
-    """Score new keys k (B, Hkv, T, D) at positions start (B,) + t of the sequences in ``rows``
-    with the layer's probe and merge those above the threshold at each sequence's length (and
-    after its left padding, first (B,)) into its anchors. A no-op until the probe is fitted, and
-    with no anchor slots. No host sync."""
+    """Score new keys k (B, Hkv, T, D) at positions pos (B, Hkv, T) (each sequence's consecutive
+    positions, the same for every head) of the sequences in ``rows`` with the layer's probe and
+    merge those above the threshold at each sequence's length (and after its left padding, first
+    (B,)) into its anchors. A no-op until the probe is fitted, and with no anchor slots. No host
+    sync."""
     A = bank.size("anchors", 1)
     if A == 0 or not probe.fitted:
         return
-    B, H, T, _ = k.shape
-    pos = (start[:, None] + torch.arange(T, device=k.device))[:, None, :].expand(B, H, T)
+    T = k.shape[2]
     base, lo, hi = threshold
-    thr = probe_threshold(start + T, base, lo, hi)[:, None, None]                  # (B, 1, 1)
+    thr = probe_threshold(pos[:, 0, -1] + 1, base, lo, hi)[:, None, None]             # (B, 1, 1)
     p = probe.predict(k).to(k.device)                                                # (B, H, T)
-    p = torch.where((p > thr) & (pos >= first[:, None, None]), p, -1.0)
+    # a decode token (T == 1) is at a sequence's length, never in its left padding
+    keep = p > thr if T == 1 else (p > thr) & (pos >= first[:, None, None])
+    p = torch.where(keep, p, -1.0)
     if T > A:
         p, i = p.topk(A, dim=2)
         pos = pos.gather(2, i)

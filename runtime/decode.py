@@ -42,28 +42,42 @@ from .storage import Storage
 
 class Batch:
     """Device state of one batch of sequences in consecutive rows, on one device: block tables
-    and tail slots (refreshed in place: a captured graph keeps their addresses), first positions,
+    (refreshed in place: a captured graph keeps their addresses), tail units, first positions,
     per-layer positions and LRU clock, and the batch's graphs."""
 
     def __init__(self, seqs: list[Sequence], device: torch.device, shape: KVShape, max_seq_len: int,
-                 graphs: bool) -> None:
+                 graphs: bool, host: HostPool) -> None:
         B, H = len(seqs), shape.num_kv_heads
         self.seq_ids = tuple(s.seq_id for s in seqs)
         self.first_row, self.size = seqs[0].row, B
         self.rows = slice(self.first_row, self.first_row + B)
         self.tables = torch.full((B, -(-max_seq_len // shape.block_size)), -1, dtype=torch.int64, device=device)
         self.versions: tuple | None = None
-        self.tails = torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64).to(device)
         firsts = [s.first_token for s in seqs]
         self.first = torch.tensor(firsts, dtype=torch.int64).to(device)                    # (B,)
         self.first_lo = min(firsts)
         heads = torch.arange(B * H, device=device)
         self.seq_of_head, self.kv_head = (heads // H)[:, None], (heads % H)[:, None]        # (B*H, 1)
         self.head_rows = ((self.first_row * H + heads) * shape.slots)[:, None]             # first slot's row
-        # per layer: each sequence's first new position (append) or token count (attend), clock
-        self.positions = torch.zeros(shape.num_layers, B, dtype=torch.int64, device=device)
+        # what the decode step reads per (sequence, KV head) row, gathered once per batch: the
+        # captured step holds no indexing for them
+        self.first_of_head = self.first[self.seq_of_head]                                   # (B*H, 1)
+        tails = torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64).to(device)
+        self.tail_units = host.tail_units(tails)                                            # (B, H)
+        # per layer: each sequence's first new position (append) or token count (attend), once
+        # per KV head (so the step reads per-sequence and per-row views of one tensor), and the
+        # first LRU stamp
+        self.positions = torch.zeros(shape.num_layers, B, H, dtype=torch.int64, device=device)
         self.clock = torch.zeros(shape.num_layers, dtype=torch.int64, device=device)
         self.runner = GraphRunner(graphs)
+
+    def starts(self, layer: int) -> torch.Tensor:
+        """This step's position of each sequence at ``layer``: (B,) (a view)."""
+        return self.positions[layer, :, 0]
+
+    def head_starts(self, layer: int) -> torch.Tensor:
+        """The same per (sequence, KV head) row: (B*H, 1) (a view)."""
+        return self.positions[layer].view(-1, 1)
 
     def refresh_tables(self, pages: PageTable) -> None:
         """Block tables into the fixed buffer, when a sequence's page list changed."""
@@ -80,7 +94,7 @@ class Batch:
         if len(set(positions)) == 1:
             self.positions[layer].fill_(positions[0])       # a fill launches no host -> device copy
         else:
-            self.positions[layer].copy_(torch.tensor(positions))
+            self.positions[layer].copy_(torch.tensor(positions)[:, None].expand(self.positions.shape[1:]))
         self.clock[layer].fill_(clock)
 
 
@@ -90,10 +104,12 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     pool, key bounds widened, made hot, scored as anchors."""
     layer = rows.index
     B, H, T, D = k.shape
-    start = batch.positions[layer]
-    host.backup(layer, batch.tables, batch.tails, start, k, v)
+    start = batch.starts(layer)
+    host.backup(layer, batch.tables, batch.tail_units, start, k, v)
     key_bounds.update(rows.bank, batch.rows, start, k, shape.block_size, cfg.bound_group)
-    pos = (start[:, None] + torch.arange(T, device=k.device))[:, None, :].expand(B, H, T).reshape(B * H, T)
+    pos = batch.head_starts(layer)                                                      # (B*H, T)
+    if T > 1:
+        pos = pos + torch.arange(T, device=k.device)
     slots = rows.hot.rows(batch.first_row, B).insert(pos, batch.clock[layer])          # (B*H, T')
     # flat (Hkv*S, D) rows + index_copy_: several times cheaper on CPU than a scatter_ with an
     # index expanded over D (slots are unique per head, so the writes agree)
@@ -101,7 +117,7 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     new = slice(T - slots.shape[1], T)
     rows.k.view(-1, D).index_copy_(0, flat, k[:, :, new].reshape(-1, D))
     rows.v.view(-1, D).index_copy_(0, flat, v[:, :, new].reshape(-1, D))
-    anchors.pin_new_tokens(rows.probe, rows.bank, batch.rows, k, start, batch.first,
+    anchors.pin_new_tokens(rows.probe, rows.bank, batch.rows, k, pos.view(B, H, T), batch.first,
                            (cfg.threshold_base, cfg.threshold_min, cfg.threshold_max))
 
 
@@ -117,35 +133,37 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     layer, bank = rows.index, rows.bank.t
     B, H, D, S, bs = batch.size, shape.num_kv_heads, shape.head_dim, shape.slots, shape.block_size
     r = batch.rows
-    n = batch.positions[layer]                                                          # (B,)
-    window_block = torch.div(n - cfg.window_size + bs - 1, bs, rounding_mode="floor").clamp(min=0)
+    n, n_head = batch.starts(layer), batch.head_starts(layer)                          # (B,), (B*H, 1)
+    # the first block of each window: ceil((n - window) / bs), at least 0
+    window_block = torch.div(n - (cfg.window_size - bs + 1), bs, rounding_mode="floor").clamp(min=0)
     row_blocks = torch.div(n + bs - 1, bs, rounding_mode="floor")[:, None] if mixed_levels else None
     scores = bound_scores(q.view(B, H, shape.group_size, D), bank["kmin"][r, :, :nb], bank["kmax"][r, :, :nb],
                           bank["smin"][r], bank["smax"][r], cfg.bound_group, n_super, window_block[:, None],
                           row_blocks)
-    sel = select(scores.reshape(B * H, nb), n[batch.seq_of_head], batch.first[batch.seq_of_head],
-                 cfg.window_size, cfg.top_k, bs, bank["anchors"][r].reshape(B * H, -1),
+    sel = select(scores.reshape(B * H, nb), n_head, batch.first_of_head, cfg.window_size, cfg.top_k, bs,
+                 bank["anchors"][r].reshape(B * H, -1),
                  bank["holes"][r, :nb].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks, n_cand)
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[layer]
-    slots, miss, lookups, hits, prefetch_used = state.lookup(sel.tokens, clock)
-    used = (sel.tokens >= 0).sum(1)
+    slots, miss, used, hits, prefetch_used = state.lookup(sel.tokens, clock)         # used: (B*H,)
     loaded, prefetch_slots = state.prefetch(sel.prefetch, S - used, clock + ticks(selected=K))
     # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
-    tokens = torch.cat([sel.tokens, sel.prefetch], 1).clamp(min=0)
+    tokens = sel.both.clamp(min=0)                                  # the selection, then the prefetch
     take = torch.cat([miss, loaded], 1)
     dst = (batch.head_rows + torch.cat([slots, prefetch_slots], 1)).reshape(-1)
-    main = host.main_rows(batch.tables, batch.kv_head, tokens, seq=batch.seq_of_head)
+    logical, offset = tokens // bs, tokens % bs
+    main = host.block_rows(batch.tables, batch.kv_head, logical, offset, seq=batch.seq_of_head)
     if host.quantized:
-        in_tail = tokens // bs >= (n // bs)[batch.seq_of_head]       # the unfilled last block: the float tail
-        tail = host.tail_rows(batch.tails[batch.seq_of_head], batch.kv_head, tokens)
-        src, src_tail = torch.where(take & ~in_tail, main, -1), torch.where(take & in_tail, tail, -1)
+        in_tail = logical >= n_head // bs                       # the unfilled last block: the float tail
+        src = torch.where(take & ~in_tail, main, -1)
+        src_tail = torch.where(take & in_tail, batch.tail_units.view(-1, 1) + offset, -1)
     else:
         src, src_tail = torch.where(take, main, -1), None
     nbytes = host.load(layer, src.reshape(-1), None if src_tail is None else src_tail.reshape(-1),
                        rows.k.view(-1, D), rows.v.view(-1, D), dst)
-    rows.counters.add(lookups, hits, prefetch_used, used.sum(), sel.loaded, loaded.sum(), nbytes)
+    lookups = used.sum()                                   # every selected token is looked up
+    rows.counters.add(lookups, hits, prefetch_used, lookups, sel.loaded, loaded.sum(), nbytes)
     if cfg.streaming:
         bank["importance"][r, :nb] += sel.block_hits.view(B, H, nb).sum(1)
     remember_queries(rows.bank, r, q[:, None])
@@ -178,7 +196,7 @@ class Decoder:
             if len(self._batches) > 8:
                 self._batches.clear()
             graphs = self._graphs and device.type == "cuda"
-            batch = self._batches[key] = Batch(seqs, device, self.shape, self.cfg.max_seq_len, graphs)
+            batch = self._batches[key] = Batch(seqs, device, self.shape, self.cfg.max_seq_len, graphs, self.host)
         batch.refresh_tables(self.storage.pages)
         return batch
 

@@ -150,9 +150,11 @@ class HiSparseEngine:
 
     def fork_sequences(self, seq_id: int, copies: int) -> list[int]:
         """``copies`` new sequences that continue from ``seq_id`` as it is now (n samples of one
-        prompt: transformers' ``batch_repeat_interleave``). Each gets its own copy of the host
-        blocks, key bounds, anchors, recent queries and hot buffer, in consecutive rows (so the
-        source and its copies decode as one batch when they are consecutive too). Returns their ids.
+        prompt: transformers' ``batch_repeat_interleave``). They share the source's full host
+        blocks (copy on write: reference counts; only a partly filled last block is copied), so a
+        fork costs no host copy of the context; each gets its own key bounds, anchors, recent
+        queries and hot buffer, in consecutive rows (so the source and its copies decode as one
+        batch when they are consecutive too). Returns their ids.
         """
         src = self._sequences.get(seq_id)
         if copies < 1:

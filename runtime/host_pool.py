@@ -1,9 +1,9 @@
 """The host pool: every token's K/V, in physical blocks, optionally quantized per block.
 
 Rows: one row per (block, KV head, token in block) holds that token's D values, so that
-``row = (block_id * Hkv + head) * block_size + offset`` (:meth:`HostPool.row_of`, the one place
-that formula lives); a quantization *unit* is one (block, head) run of ``block_size`` rows,
-``unit = row // block_size``. Per layer:
+``row = (block_id * Hkv + head) * block_size + offset`` (:meth:`HostPool.unit_rows` plus the
+offset: the one place that formula lives); a quantization *unit* is one (block, head) run of
+``block_size`` rows, ``unit = row // block_size``. Per layer:
 
 - unquantized: ``k``, ``v`` (R, D) in the KV dtype;
 - quantized: ``k_packed``, ``v_packed`` (R, P_max) uint8 (a unit at b bits uses the first
@@ -105,13 +105,16 @@ class HostPool:
             else:
                 spec = {"k": ((rows, D), self.dtype), "v": ((rows, D), self.dtype)}
             for name, (shape, dt) in spec.items():
-                new = self._empty(shape, dt)
                 old = store.get(name)
+                if old is not None and old.shape == shape:
+                    continue             # more tail slots leave the main pool where it is (no copy)
+                new = self._empty(shape, dt)
                 if old is not None and old.shape[0]:
                     new[: old.shape[0]] = old
                 store[name] = new
+        if blocks != self.num_blocks:
+            self._bits_on.clear()    # rebuilt at the next prepare
         self.num_blocks, self.num_tail = blocks, tails
-        self._bits_on.clear()        # rebuilt at the next prepare
 
     def grow(self, blocks: int | None = None, tails: int | None = None) -> None:
         """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept)."""
@@ -134,51 +137,70 @@ class HostPool:
         return list(self.layers[layer].values()) + [t for (i, _), t in self._bits_on.items() if i == layer]
 
     # -- addressing ----------------------------------------------------------------------------
+    def unit_rows(self, block: torch.Tensor | int, head: torch.Tensor | int) -> torch.Tensor | int:
+        """The first row of unit (``block``, ``head``): a token's row is this plus its offset in the
+        block, ``pos % block_size`` (broadcastable int64 tensors, or ints)."""
+        return (block * self.num_kv_heads + head) * self.block_size
+
     def row_of(self, block: torch.Tensor | int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The row of token ``pos`` at KV head ``head`` in physical block (or tail slot) ``block``
         (broadcastable int64 tensors)."""
-        H, bs = self.num_kv_heads, self.block_size
-        return (block * H + head) * bs + pos % bs
+        return self.unit_rows(block, head) + pos % self.block_size
 
     def main_rows(self, tables: torch.Tensor, head: torch.Tensor, pos: torch.Tensor,
                   seq: torch.Tensor | None = None) -> torch.Tensor:
         """Main-pool rows of tokens pos (R, ...) at KV heads ``head`` (broadcastable to pos): of the
         sequence whose block table is row r of tables (R, W), or row seq[r] (seq (R, 1))."""
+        return self.block_rows(tables, head, pos // self.block_size, pos % self.block_size, seq)
+
+    def block_rows(self, tables: torch.Tensor, head: torch.Tensor, logical: torch.Tensor, offset: torch.Tensor,
+                   seq: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`main_rows` of tokens given as (logical block, offset in it), for a caller that
+        needs those anyway (the decode step: a token of the unfilled block is read from the tail)."""
         # A hole (-1: streaming mode overwrote the block) would index out of range; read block 0
         # instead. Every caller masks holes out (selection never picks them; the audit,
         # recalibration and prefill drop them through the visibility mask).
-        logical = pos // self.block_size
         if seq is None:
-            blk = tables.gather(1, logical.reshape(pos.shape[0], -1)).view(pos.shape)
+            blk = tables.gather(1, logical.reshape(logical.shape[0], -1)).view(logical.shape)
         else:
             blk = tables[seq, logical]
-        return self.row_of(blk.clamp_min(0), head, pos)
+        return self.unit_rows(blk.clamp_min(0), head) + offset
+
+    def tail_units(self, tail_slots: torch.Tensor) -> torch.Tensor:
+        """The first rows (B, Hkv) of the units of B sequences' tail slots (B,) (:meth:`backup`)."""
+        return self.unit_rows(tail_slots[:, None], torch.arange(self.num_kv_heads, device=tail_slots.device))
 
     def tail_rows(self, tail_slots: torch.Tensor | int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rows of tokens pos in the float tail blocks ``tail_slots`` (quantized pools)."""
         return self.row_of(tail_slots, head, pos)
 
     # -- writes --------------------------------------------------------------------------------
-    def backup(self, layer: int, tables: torch.Tensor, tails: torch.Tensor, start: torch.Tensor,
+    def backup(self, layer: int, tables: torch.Tensor, tail_units: torch.Tensor | None, start: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens from where they are: k, v (B, Hkv, T, D) at positions start (B,) + t
-        of B sequences (block tables (B, W), tail slots (B,)), without a host sync. Unquantized:
-        every token into the main pool. Quantized: the tokens of each sequence's unfilled last
-        block into its tail (the blocks they complete go through :meth:`seal` first).
+        of B sequences (block tables (B, W); tail_units (B, Hkv): their tail slots' units,
+        :meth:`tail_units`, for quantized pools), without a host sync. Unquantized: every token
+        into the main pool. Quantized: the tokens of each sequence's unfilled last block into its
+        tail (the blocks they complete go through :meth:`seal` first).
 
         On a GPU the kernel writes the pinned rows over UVA, in stream order; the CPU waits for it
         only before it next reads the pool itself (:meth:`note_device_writes`).
         """
         B, H, T, D = k.shape
-        pos = start[:, None] + torch.arange(T, device=k.device)                        # (B, T)
-        heads = torch.arange(H, device=k.device)[None, :, None]
+        # a decode token (T == 1) is at start itself: no position arithmetic in the captured step
+        pos = start[:, None] if T == 1 else start[:, None] + torch.arange(T, device=k.device)     # (B, T)
+        keep = None
         if self.quantized:
-            rows = self.tail_rows(tails[:, None, None], heads, pos[:, None])
-            keep = (pos >= (start + T)[:, None] // self.block_size * self.block_size)[:, None].expand(B, H, T)
+            rows = tail_units[:, :, None] + pos[:, None] % self.block_size                        # (B, H, T)
+            if T > 1:
+                # tokens of the blocks they complete would share tail rows with later ones (seal
+                # stored them); a decode token that completes its block is written to the tail
+                # too, where nothing reads it (the tail is read below a sequence's length)
+                keep = (pos >= (start + T)[:, None] // self.block_size * self.block_size)[:, None].expand(B, H, T)
             names = ("k_tail", "v_tail")
         else:
+            heads = torch.arange(H, device=k.device)[None, :, None]
             rows = self.main_rows(tables, heads, pos[:, None].expand(B, H, T))
-            keep = None
             names = ("k", "v")
         src = torch.arange(B * H * T, device=k.device)
         if keep is not None:
@@ -334,17 +356,19 @@ class HostPool:
             return (rows >= 0).sum() * (2 * D * store["k"].element_size())
         swap_in(store["k_tail"], tail_rows, dst_k, dst_rows)
         swap_in(store["v_tail"], tail_rows, dst_v, dst_rows)
-        nbytes = (tail_rows >= 0).sum() * (2 * D * store["k_tail"].element_size())
+        tail_bytes = 2 * D * store["k_tail"].element_size()
+        if self.fixed_bits is not None:
+            P = packed_width(D, self.fixed_bits)
+            for prefix, dst in (("k", dst_k), ("v", dst_v)):
+                swap_in_dequant(store[f"{prefix}_packed"][:, :P], store[f"{prefix}_scale"], store[f"{prefix}_zero"],
+                                self.fixed_bits, self.block_size, rows, dst, dst_rows)
+            # K and V rows (packed bytes + scale and zero each): one count in the captured step
+            return ((tail_rows >= 0) * tail_bytes + (rows >= 0) * (2 * (P + 8))).sum()
+        nbytes = (tail_rows >= 0).sum() * tail_bytes
+        if rows.device.type != "cuda":
+            self.prepare(layer, rows.device)      # (on a GPU the caller did, outside any capture)
         for prefix, dst in (("k", dst_k), ("v", dst_v)):
             args = (store[f"{prefix}_scale"], store[f"{prefix}_zero"])
-            if self.fixed_bits is not None:
-                P = packed_width(D, self.fixed_bits)
-                swap_in_dequant(store[f"{prefix}_packed"][:, :P], *args, self.fixed_bits, self.block_size, rows,
-                                dst, dst_rows)
-                nbytes = nbytes + (rows >= 0).sum() * (P + 8)
-                continue
-            if rows.device.type != "cuda":
-                self.prepare(layer, rows.device)      # (on a GPU the caller did, outside any capture)
             bits = self._unit_bits(layer, prefix, rows.device)[rows.clamp(min=0) // self.block_size].long()
             for b in self.widths:
                 P = packed_width(D, b)

@@ -37,6 +37,13 @@ class HotBufferBank:
     Each sequence's :class:`HotBufferState` is a view of its row's H heads, so a batch of
     sequences in consecutive rows is one state of B x H heads (:meth:`rows`) that a decode step
     looks up with one set of kernels. Stamps come from one clock per bank (unique per head).
+
+    Every per-slot tensor has one *spill* column past the S slots and the token -> slot map one
+    before position 0, so that an update writes its masked-out entries there instead of being
+    built as a whole new row and merged (a scatter each instead of four ops; a decode step makes
+    four such updates per layer). The spill of ``slot_token`` always holds -1 and that of
+    ``prefetched`` False (what a read of the spill sees); the others hold anything. The public
+    tensors (``slot_token`` ...) are views without the spill.
     """
 
     def __init__(self, num_heads: int, num_slots: int, device: torch.device | str = "cpu",
@@ -45,57 +52,68 @@ class HotBufferBank:
         self.max_tokens = max_tokens
         self.clock = 0
         self.num_rows = 0
-        self.slot_token = torch.empty(0, num_slots, dtype=torch.int64, device=self.device)
-        self.slot_stamp = torch.empty(0, num_slots, dtype=torch.int64, device=self.device)
-        self.prefetched = torch.empty(0, num_slots, dtype=torch.bool, device=self.device)
-        self.token_slot = torch.empty(0, 0, dtype=torch.int64, device=self.device)
+        S1 = num_slots + 1
+        self.slot_token_s = torch.empty(0, S1, dtype=torch.int64, device=self.device)    # (N, S + 1)
+        self.slot_stamp_s = torch.empty(0, S1, dtype=torch.int64, device=self.device)
+        self.prefetched_s = torch.empty(0, S1, dtype=torch.bool, device=self.device)
+        self.token_slot_s = torch.empty(0, 1, dtype=torch.int64, device=self.device)     # (N, 1 + tokens)
         self.grow_rows(rows)
         self.ensure_tokens(token_capacity)
+
+    # without the spill columns (views: in-place updates land in the bank)
+    slot_token = property(lambda self: self.slot_token_s[:, :-1])
+    slot_stamp = property(lambda self: self.slot_stamp_s[:, :-1])
+    prefetched = property(lambda self: self.prefetched_s[:, :-1])
+    token_slot = property(lambda self: self.token_slot_s[:, 1:])
 
     def grow_rows(self, rows: int) -> None:
         """Hold at least ``rows`` rows (new rows start empty); contents kept."""
         if rows <= self.num_rows:
             return
         n0, n1 = self.num_rows * self.num_heads, rows * self.num_heads
-        def grown(t: torch.Tensor, width: int, fill) -> torch.Tensor:
-            new = torch.full((n1, width), fill, dtype=t.dtype, device=self.device)
+
+        def grown(t: torch.Tensor, fill) -> torch.Tensor:
+            new = torch.full((n1, t.shape[1]), fill, dtype=t.dtype, device=self.device)
             new[:n0] = t
             return new
-        self.slot_token = grown(self.slot_token, self.num_slots, -1)
-        self.slot_stamp = grown(self.slot_stamp, self.num_slots, 0)
-        self.prefetched = grown(self.prefetched, self.num_slots, False)
-        self.token_slot = grown(self.token_slot, self.token_slot.shape[1], -1)
+        self.slot_token_s = grown(self.slot_token_s, -1)
+        self.slot_stamp_s = grown(self.slot_stamp_s, 0)
+        self.prefetched_s = grown(self.prefetched_s, False)
+        self.token_slot_s = grown(self.token_slot_s, -1)
         self.num_rows = rows
-        for r in range(n0 // self.num_heads, rows):
-            self.reset(r)
+        self.slot_stamp[n0:] = self._empty_stamps()          # the rest is filled empty above
+
+    def _empty_stamps(self) -> torch.Tensor:
+        """An empty head's stamps: every slot older than any stamp handed out, lowest first."""
+        return torch.arange(self.num_slots, device=self.device) - self.num_slots
 
     def reset(self, row: int) -> None:
         """Empty one row (a new sequence takes it): no tokens, empty slots oldest, lowest first."""
         h = slice(row * self.num_heads, (row + 1) * self.num_heads)
-        self.slot_token[h] = -1
-        self.slot_stamp[h] = torch.arange(self.num_slots, device=self.device) - self.num_slots
-        self.prefetched[h] = False
-        self.token_slot[h] = -1
+        self.slot_token_s[h] = -1
+        self.slot_stamp[h] = self._empty_stamps()
+        self.prefetched_s[h] = False
+        self.token_slot_s[h] = -1
 
     def ensure_tokens(self, n: int) -> None:
         """Make the token -> slot map cover positions [0, n) in every row (grows by doubling,
         up to max_tokens)."""
-        cap = self.token_slot.shape[1]
+        cap = self.token_slot_s.shape[1] - 1
         if n <= cap:
             return
         width = max(n, 2 * cap, 64)
         if self.max_tokens is not None:
             width = max(n, min(width, self.max_tokens))
-        new = torch.full((self.token_slot.shape[0], width), -1, dtype=torch.int64, device=self.device)
-        new[:, :cap] = self.token_slot
-        self.token_slot = new
+        new = torch.full((self.token_slot_s.shape[0], 1 + width), -1, dtype=torch.int64, device=self.device)
+        new[:, :1 + cap] = self.token_slot_s
+        self.token_slot_s = new
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Row dst takes row src's LRU state (a forked sequence; the caller copies the K/V)."""
+    def copy_row(self, src: int, dst: int, count: int = 1) -> None:
+        """Rows [dst, dst + count) take row src's LRU state (forked sequences; the caller copies
+        the K/V)."""
         H = self.num_heads
-        s, d = slice(src * H, (src + 1) * H), slice(dst * H, (dst + 1) * H)
-        for t in (self.slot_token, self.slot_stamp, self.prefetched, self.token_slot):
-            t[d] = t[s]
+        for t in self.buffers():
+            t[dst * H:(dst + count) * H].view(count, H, -1).copy_(t[src * H:(src + 1) * H].expand(count, H, -1))
 
     def rows(self, row: int, count: int = 1) -> "HotBufferState":
         """The state of rows [row, row + count) as one HotBufferState of count x H heads."""
@@ -111,7 +129,7 @@ class HotBufferBank:
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The tensors the operations read and write (their addresses key a captured step)."""
-        return self.slot_token, self.slot_stamp, self.prefetched, self.token_slot
+        return self.slot_token_s, self.slot_stamp_s, self.prefetched_s, self.token_slot_s
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
@@ -125,11 +143,19 @@ class HotBufferState:
         self._bank, self._h0 = bank, head0
         self.num_heads, self.num_slots, self.device = num_heads, bank.num_slots, bank.device
 
-    # the bank's rows of these heads (views: in-place updates land in the bank)
-    slot_token = property(lambda self: self._bank.slot_token[self._h0:self._h0 + self.num_heads])
-    slot_stamp = property(lambda self: self._bank.slot_stamp[self._h0:self._h0 + self.num_heads])
-    prefetched = property(lambda self: self._bank.prefetched[self._h0:self._h0 + self.num_heads])
-    token_slot = property(lambda self: self._bank.token_slot[self._h0:self._h0 + self.num_heads])
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self._h0:self._h0 + self.num_heads]
+
+    # the bank's rows of these heads (views: in-place updates land in the bank), with the spill
+    # columns (``_s``) and without
+    slot_token_s = property(lambda self: self._rows(self._bank.slot_token_s))
+    slot_stamp_s = property(lambda self: self._rows(self._bank.slot_stamp_s))
+    prefetched_s = property(lambda self: self._rows(self._bank.prefetched_s))
+    token_slot_s = property(lambda self: self._rows(self._bank.token_slot_s))
+    slot_token = property(lambda self: self._rows(self._bank.slot_token))
+    slot_stamp = property(lambda self: self._rows(self._bank.slot_stamp))
+    prefetched = property(lambda self: self._rows(self._bank.prefetched))
+    token_slot = property(lambda self: self._rows(self._bank.token_slot))
 
     def ensure_tokens(self, n: int) -> None:
         """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
@@ -156,57 +182,61 @@ class HotBufferState:
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         tok = positions.expand(self.num_heads, -1)
         stamps = (clock + torch.arange(T, device=self.device))[None].expand(self.num_heads, -1)
-        self._install_masked(torch.ones_like(victims, dtype=torch.bool), tok, victims, stamps, prefetched=False)
+        self._install(None, tok, victims, stamps, prefetched=False)
         return victims
 
-    def _install_masked(self, mask: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
-                        stamps: torch.Tensor, prefetched: bool) -> None:
-        """Where ``mask`` (H, M): evict what ``slots`` held and map ``tokens`` into them with
-        ``stamps``. Per-slot updates go through a spill column S; token -> slot updates add deltas
-        (entries outside the mask add 0, so their indices may be anything)."""
-        H, S = self.num_heads, self.num_slots
-        at = torch.where(mask, slots, S)
-        replaced = torch.zeros(H, S + 1, dtype=torch.bool, device=self.device).scatter_(1, at, True)[:, :S]
-        new_tok = torch.full((H, S + 1), -1, dtype=torch.int64, device=self.device).scatter_(1, at, tokens)[:, :S]
-        new_stamp = torch.zeros(H, S + 1, dtype=torch.int64, device=self.device).scatter_(1, at, stamps)[:, :S]
-        ts = self.token_slot
-        old = self.slot_token
-        old_at = old.clamp(min=0)
-        ts.scatter_add_(1, old_at, torch.where(replaced & (old >= 0), -1 - ts.gather(1, old_at), 0))
-        tok_at = torch.where(mask, tokens, 0)
-        ts.scatter_add_(1, tok_at, torch.where(mask, slots - ts.gather(1, tok_at), 0))
-        self.slot_token.copy_(torch.where(replaced, new_tok, old))
-        self.slot_stamp.copy_(torch.where(replaced, new_stamp, self.slot_stamp))
-        if prefetched:
-            self.prefetched.logical_or_(replaced)
+    def _install(self, mask: torch.Tensor | None, tokens: torch.Tensor, slots: torch.Tensor,
+                 stamps: torch.Tensor, prefetched: bool) -> None:
+        """Where ``mask`` (H, M) (None: everywhere): evict what ``slots`` held and map ``tokens``
+        into them with ``stamps``. Masked-out entries write to the spill columns (their slots and
+        tokens may be anything); masked-in slots are distinct per head, and no token is both
+        evicted and installed (installed tokens are not resident)."""
+        at = slots if mask is None else torch.where(mask, slots, self.num_slots)
+        ts = self.token_slot_s
+        # the evicted tokens leave the map (an empty slot's -1, and the spill's, go to column 0)
+        ts.scatter_(1, self.slot_token_s.gather(1, at) + 1, -1)
+        if mask is None:
+            ts.scatter_(1, tokens + 1, slots)
+            self.slot_token_s.scatter_(1, at, tokens)
         else:
-            self.prefetched.logical_and_(~replaced)
+            ts.scatter_(1, torch.where(mask, tokens + 1, 0), slots)
+            self.slot_token_s.scatter_(1, at, torch.where(mask, tokens, -1))    # the spill stays -1
+        self.slot_stamp_s.scatter_(1, at, stamps)
+        if prefetched and mask is not None:
+            self.prefetched_s.scatter_(1, at, mask)                             # the spill stays False
+        else:
+            self.prefetched_s.scatter_(1, at, prefetched)
 
     def lookup(self, sel: torch.Tensor, clock: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Hit detection and miss assignment for selected tokens sel (H, K), -1 padded, unique per
         row, stamped from ``clock`` on (``ticks(selected=K)`` stamps). Misses stay in place as a
         mask over sel. Returns (slots (H, K) of every selected token (-1 for padding), miss (H, K)
-        bool, lookups, hits, prefetch_used (0-dim counts)): a miss's token is sel, its new slot
-        is slots, and the caller copies it in.
+        bool, selected (H,) tokens per head, hits, prefetch_used (0-dim counts)): a miss's token
+        is sel, its new slot is slots, and the caller copies it in.
         """
-        H, S = self.num_heads, self.num_slots
+        S = self.num_slots
         K = sel.shape[1]
         valid = sel >= 0
-        slot = torch.where(valid, self.token_slot.gather(1, sel.clamp(min=0)), -1)
+        slot = torch.where(valid, self.token_slot_s.gather(1, sel + 1), -1)
         hit = slot >= 0
-        miss = valid & ~hit
+        miss = valid ^ hit                                                   # a hit is valid
         hit_at = torch.where(hit, slot, S)
-        ar = torch.arange(K, device=self.device).expand(H, -1)
-        hit_slot = torch.zeros(H, S + 1, dtype=torch.bool, device=self.device).scatter_(1, hit_at, True)[:, :S]
-        hit_stamp = torch.zeros(H, S + 1, dtype=torch.int64, device=self.device).scatter_(1, hit_at, clock + K + ar)
-        prefetch_used = (self.prefetched & hit_slot).sum()
-        rank = miss.long().cumsum(1) - 1
-        order = self._lru(torch.where(hit_slot, _NEVER, self.slot_stamp), K)       # LRU first
-        victims = order.gather(1, rank.clamp(min=0))
-        self._install_masked(miss, sel, victims, clock + ar, prefetched=False)
-        self.prefetched.logical_and_(~hit_slot)
-        self.slot_stamp.copy_(torch.where(hit_slot, hit_stamp[:, :S], self.slot_stamp))
-        return torch.where(miss, victims, slot), miss, valid.sum(), hit.sum(), prefetch_used
+        stamps = clock + torch.arange(K, device=self.device).expand_as(sel)
+        prefetch_used = self.prefetched_s.gather(1, hit_at).sum()         # the spill reads False
+        self.prefetched_s.scatter_(1, hit_at, False)
+        # hits become the most recent first (stamps past every miss's); then the misses' victims,
+        # the least recent slots, are never hits: misses + hits <= K <= S
+        self.slot_stamp_s.scatter_(1, hit_at, stamps + K)
+        victims = self._lru(self.slot_stamp, K).gather(1, self._rank(miss, K))
+        self._install(miss, sel, victims, stamps, prefetched=False)
+        return torch.where(miss, victims, slot), miss, valid.sum(1), hit.sum(), prefetch_used
+
+    def _rank(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+        """Each entry's count of masked entries before it in its row (H, M): a masked entry's
+        0-based rank among them, and for the others an index that is in range for the ``width``
+        least recent slots (no clamp needed)."""
+        rank = mask.cumsum(1) - mask.long()
+        return rank if width <= self.num_slots else rank.clamp(max=self.num_slots - 1)
 
     def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor,
                  clock: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,12 +245,12 @@ class HotBufferState:
         loaded slots become MRU with the prefetch flag. Returns (loaded (H, P) bool, slots (H, P)):
         the caller fills the loaded ones."""
         P = tokens.shape[1]
-        cand = (tokens >= 0) & (self.token_slot.gather(1, tokens.clamp(min=0)) < 0)
-        rank = cand.long().cumsum(1) - 1
+        cand = (tokens >= 0) & (self.token_slot_s.gather(1, tokens + 1) < 0)
+        rank = self._rank(cand, P)
         cand &= rank < limit[:, None]
-        victims = self._lru(self.slot_stamp, P).gather(1, rank.clamp(min=0))
+        victims = self._lru(self.slot_stamp, P).gather(1, rank)
         stamps = clock + torch.arange(P, device=self.device).expand(self.num_heads, -1)
-        self._install_masked(cand, tokens, victims, stamps, prefetched=True)
+        self._install(cand, tokens, victims, stamps, prefetched=True)
         return cand, victims
 
     def invalidate(self, start: int, end: int) -> None:

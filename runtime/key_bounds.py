@@ -84,5 +84,6 @@ def _fold(lo: torch.Tensor, hi: torch.Tensor, start: torch.Tensor,
 def _widen(stored: torch.Tensor, first: torch.Tensor, new: torch.Tensor, op) -> None:
     """stored (B, H, N, D) at cells first (B,) + c takes op(stored, new (B, H, C, D)) in place."""
     B, H, C, D = new.shape
-    idx = (first[:, None] + torch.arange(C, device=new.device))[:, None, :, None].expand(B, H, C, D)
+    cells = first[:, None] if C == 1 else first[:, None] + torch.arange(C, device=new.device)   # (B, C)
+    idx = cells[:, None, :, None].expand(B, H, C, D)
     stored.scatter_(2, idx, op(stored.gather(2, idx), new))

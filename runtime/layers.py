@@ -116,12 +116,12 @@ class LayerRows:
         self.bank.reset(row)
         self.hot.reset(row)
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Row dst becomes a copy of row src: metadata, LRU state and hot K/V."""
-        self.bank.copy_row(src, dst)
-        self.hot.copy_row(src, dst)
-        self.k[dst].copy_(self.k[src])
-        self.v[dst].copy_(self.v[src])
+    def copy_row(self, src: int, dst: int, count: int = 1) -> None:
+        """Rows [dst, dst + count) become copies of row src: metadata, LRU state and hot K/V."""
+        self.bank.copy_row(src, dst, count)
+        self.hot.copy_row(src, dst, count)
+        for t in (self.k, self.v):
+            t[dst:dst + count].copy_(t[src].expand(count, *t.shape[1:]))
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a decode step of this layer touches (their addresses key a captured step)."""

@@ -168,7 +168,8 @@ class DeviceCounters:
 
     def add(self, *values: torch.Tensor) -> None:
         """values in DEVICE_COUNTERS order (0-dim tensors or ints; the first len(values) counters)."""
-        self.acc[:len(values)] += torch.stack([torch.as_tensor(v, device=self.acc.device).reshape(()) for v in values])
+        self.acc[:len(values)].add_(torch.stack([torch.as_tensor(v, device=self.acc.device).reshape(())
+                                                 for v in values]))
 
     def flush_into(self, metrics: RuntimeMetrics) -> None:
         """Add the counts to the metrics (one read-back) and start again from zero."""

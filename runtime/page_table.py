@@ -1,5 +1,8 @@
 """Page table: (sequence, logical block) -> physical block, plus each sequence's token count.
 
+A fork shares its source's full blocks (:meth:`PageTable.share`: reference counts in the block
+pool; a full block is never written again), so forks of one prompt hold one copy of it.
+
 Pure bookkeeping over :class:`~hi_sparse.block_pool.BlockPool`; tensors are built by the caller
 from :meth:`PageTable.block_ids` (``version`` says when a cached tensor is stale). A logical block
 may become a *hole* (``None``) when streaming mode overwrote it: its tokens are gone for good.
@@ -58,6 +61,24 @@ class PageTable:
         if blocks:               # the version names the block list (cached block tables)
             p.version += 1
 
+    def share(self, seq_id: int, src_id: int, own: list[KVBlock]) -> list[KVBlock]:
+        """A new sequence that continues from ``src_id`` as it is now: the source's full blocks
+        are shared (one more reference each: a full block is never written again), ``own`` (the
+        blocks the rest needs) follow. Returns the shared blocks."""
+        src, p = self.seqs[src_id], self.seqs[seq_id]
+        if p.blocks or p.num_tokens:
+            raise RuntimeError(f"bug: sequence {seq_id} already holds tokens; it cannot share {src_id}'s")
+        full = src.num_tokens // self.block_size
+        if full + len(own) != len(src.blocks) or any(b is None for b in src.blocks):
+            raise RuntimeError(f"bug: sharing sequence {src_id} ({len(src.blocks)} blocks, {full} full, "
+                               f"holes {src.holes}) with {len(own)} own blocks")
+        shared = src.blocks[:full]
+        self.pool.touch(shared)
+        p.blocks = shared + list(own)
+        p.num_tokens = src.num_tokens
+        p.version += 1
+        return shared
+
     def block_ids(self, seq_id: int) -> list[int]:
         """Physical block id per logical block (-1 for a hole)."""
         return [-1 if b is None else b.block_id for b in self.seqs[seq_id].blocks]
@@ -85,9 +106,10 @@ class PageTable:
         return p
 
     def restore(self, seq_id: int, pages: SequencePages) -> bool:
-        """Take back a removed sequence if all its blocks are still pending (reclaim); else False."""
+        """Take back a removed sequence if all its blocks still hold its tokens: pending (reclaim),
+        or active because another sequence shares them (a fork); else False."""
         live = [b for b in pages.blocks if b is not None]
-        if seq_id in self.seqs or any(b.state != "pending_recycle" or b.generation != g
+        if seq_id in self.seqs or any(b.state == "free" or b.generation != g
                                       for b, g in zip(live, pages.generations)):
             return False
         self.pool.touch(live)

@@ -9,6 +9,7 @@ same way (:class:`ContextReader`).
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from .host_pool import HostPool
 from .layers import KVShape, LayerRows
@@ -79,17 +80,37 @@ class PrefillAttention:
             v = torch.cat([vo, vl], 1) if new else vo
         else:
             k, v = kl, vl
-        out = _causal(q, k.to(q.dtype), v.to(q.dtype), self.reader.visible(s, layer, n), shape.group_size)
+        # no left padding and no holes: every earlier position is visible, so the mask is the
+        # causal one (SDPA's own: no mask tensor, the fused kernels, no chunks)
+        plain = s.first_token == 0 and not self.reader.storage.has_holes(s)
+        visible = None if plain else self.reader.visible(s, layer, n)
+        out = _causal(q, k.to(q.dtype), v.to(q.dtype), visible, shape.group_size)
         remember_queries(layer.bank, slice(s.row, s.row + 1), q.transpose(0, 1)[None])
         kept = layer.bank.size("queries", 0)
         s.queries_kept[layer.index] = min(kept, s.queries_kept[layer.index] + Tq)
         return out
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, group: int) -> torch.Tensor:
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+            group: int) -> torch.Tensor:
     """q (Hq, Tq, D) at the last Tq of n positions over k, v (Hkv, n, D); visible (n,) bool (a
-    query always sees itself). Chunked over queries so that scores or masks stay bounded."""
+    query always sees itself), or None when every position is. With a mask: chunked over queries
+    so that scores or masks stay bounded."""
     n, Tq = k.shape[1], q.shape[1]
+    if visible is None and q.is_cuda and Tq == n:
+        # SDPA's own causal mask: the fused kernels (flash), no mask tensor, no chunks; equal
+        # head counts keep it off the math kernel (which would hold Tq x n scores)
+        if group > 1:
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    if visible is None and not q.is_cuda:
+        # queries at the last Tq positions: causal aligned to the bottom right (top-left is_causal
+        # when Tq == n), which the CPU's fused kernel takes without a mask tensor
+        mask = None if Tq == n else causal_lower_right(Tq, n)
+        return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                                is_causal=Tq == n, enable_gqa=group > 1)[0]
+    if visible is None:        # a later chunk on a GPU: the bounded masks below (measured there)
+        visible = torch.ones(n, dtype=torch.bool, device=q.device)
     kpos = torch.arange(n, device=q.device)
     qpos = torch.arange(n - Tq, n, device=q.device)
     gqa = group > 1

@@ -10,6 +10,9 @@ from, so each must be more certainly important:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -21,7 +24,10 @@ def probe_threshold(context_len: int | torch.Tensor, base: float, lo: float, hi:
     [lo, hi]. A tensor length (the graph-captured decode step's device scalar) gives a float64
     tensor, computed on the device."""
     if isinstance(context_len, torch.Tensor):
-        return (base * (context_len.double().clamp_min(1) / 131072) ** 0.25).clamp(lo, hi)
+        # base * (n / 131072) ** 0.25 as one product under the root (fewer ops in the captured
+        # step; base > 0); a length below 1 reads as 1 like the int form's
+        at_least = probe_threshold(1, base, lo, hi)
+        return ((context_len.double() * (base ** 4 / 131072)) ** 0.25).clamp(at_least, hi)
     return float(min(hi, max(lo, base * (max(context_len, 1) / 131072) ** 0.25)))
 
 
@@ -56,27 +62,84 @@ class ImportanceProbe(nn.Module):
 
     def fit(self, keys: torch.Tensor, targets: torch.Tensor, steps: int = 100, lr: float = 0.05) -> float:
         """Distil: keys (N, D), soft targets (N,) in [0, 1]. Returns the final loss."""
-        x = keys.float().to(self.fc1.weight.device)   # the probe lives on its layer's device
-        y = targets.float().to(x.device).clamp(0, 1)
+        return fit_probes([self], [(keys, targets)], steps, lr)[0]
+
+
+def fit_probes(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
+               lr: float = 0.05) -> list[float]:
+    """Distil several probes of one shape on one device at once (a recalibration fits every
+    layer's): probe i on keys (N_i, D) and soft targets (N_i,) in [0, 1]. The same training as
+    one probe alone (weighted binary cross-entropy, Adam), as one batched loop with the gradients
+    of the two layers written out: no autograd, and the per-op cost shared by the probes (on a
+    CPU that cost, not the arithmetic, is what a fit of a few hundred rows spends). Returns each
+    probe's final loss."""
+    with one_thread_on_cpu(probes[0].fc1.weight.device):
+        return _fit(probes, data, steps, lr)
+
+
+@contextlib.contextmanager
+def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """One CPU thread while it runs: for the recalibration's small ops (a few hundred rows for the
+    fit): split over threads they wait on each other longer than they compute, and on a busy
+    machine far longer (a 4-layer fit measured 13-20 s with 2 threads on the shared 2-core VM,
+    0.1 s with one)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+         lr: float) -> list[float]:
+    P, dev = len(probes), probes[0].fc1.weight.device
+    n = torch.tensor([len(y) for _, y in data], dtype=torch.float32, device=dev)       # (P,)
+    width = max(len(y) for _, y in data)
+    x = torch.zeros(P, width, probes[0].fc1.in_features, device=dev)
+    y = torch.zeros(P, width, device=dev)
+    w = torch.zeros(P, width, device=dev)                     # 0: padding rows (no gradient)
+    for i, (keys, targets) in enumerate(data):
+        m = len(targets)
+        x[i, :m] = keys.float().to(dev)
+        y[i, :m] = targets.float().to(dev).clamp(0, 1)
         # positives are rare: weight them so they are not drowned by the negatives
-        pos = (y > 0.5).float()
-        w = 1.0 + pos * max(1.0, float((1 - pos).sum() / pos.sum().clamp_min(1)))
-        params = list(self.parameters())
-        m1 = [torch.zeros_like(p) for p in params]
-        m2 = [torch.zeros_like(p) for p in params]
-        b1, b2, eps = 0.9, 0.999, 1e-8
-        loss = torch.tensor(0.0)
-        self.requires_grad_(True)
-        with torch.enable_grad():
-            # a few lines of Adam by hand: torch.optim pulls in torch._dynamo (seconds to import)
-            for t in range(1, steps + 1):
-                loss = nn.functional.binary_cross_entropy_with_logits(self._logits(x), y, weight=w)
-                grads = torch.autograd.grad(loss, params)
-                with torch.no_grad():
-                    for p, g, a, b in zip(params, grads, m1, m2):
-                        a.mul_(b1).add_(g, alpha=1 - b1)
-                        b.mul_(b2).addcmul_(g, g, value=1 - b2)
-                        p.sub_(lr * (a / (1 - b1 ** t)) / ((b / (1 - b2 ** t)).sqrt() + eps))
-        self.requires_grad_(False)
-        self.fitted = True
-        return float(loss.detach())
+        pos = (y[i, :m] > 0.5).float()
+        w[i, :m] = 1.0 + pos * max(1.0, float((1 - pos).sum() / pos.sum().clamp_min(1)))
+    wn = w / n[:, None]                                       # the weighted mean's factor per row
+    # stacked parameters, (P, D, hidden), (P, hidden), (P, hidden), (P,); written back at the end
+    params = [torch.stack([p.fc1.weight.T for p in probes]), torch.stack([p.fc1.bias for p in probes]),
+              torch.stack([p.fc2.weight[0] for p in probes]), torch.stack([p.fc2.bias[0] for p in probes])]
+    m1 = [torch.zeros_like(t) for t in params]
+    m2 = [torch.zeros_like(t) for t in params]
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    w1, c1, w2, c2 = params
+    for t in range(1, steps + 1):
+        h = torch.baddbmm(c1[:, None], x, w1)                                # (P, N, hidden)
+        cdf = torch.special.ndtr(h)                                          # GELU(h) = h * cdf
+        a = h * cdf
+        z = torch.bmm(a, w2[:, :, None])[..., 0] + c2[:, None]               # (P, N) logits
+        dz = (torch.sigmoid(z) - y) * wn                                      # d loss / d z
+        # d GELU / dh = cdf + h * pdf
+        dh = (dz[..., None] * w2[:, None]) * (cdf + h * torch.exp(-0.5 * h * h) * 0.3989422804014327)
+        grads = [torch.bmm(x.transpose(1, 2), dh), dh.sum(1), torch.bmm(dz[:, None], a)[:, 0], dz.sum(1)]
+        torch._foreach_mul_(m1, b1)
+        torch._foreach_add_(m1, grads, alpha=1 - b1)
+        torch._foreach_mul_(m2, b2)
+        torch._foreach_addcmul_(m2, grads, grads, value=1 - b2)
+        denom = torch._foreach_sqrt(m2)
+        torch._foreach_div_(denom, (1 - b2 ** t) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, m1, denom, value=-lr / (1 - b1 ** t))
+    losses = (nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none") * wn).sum(1)
+    with torch.no_grad():
+        for i, p in enumerate(probes):
+            p.fc1.weight.copy_(w1[i].T)
+            p.fc1.bias.copy_(c1[i])
+            p.fc2.weight[0].copy_(w2[i])
+            p.fc2.bias[0].copy_(c2[i])
+            p.fitted = True
+    return losses.tolist()

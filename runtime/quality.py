@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
+from easymats import catalogue
+
 from .hf_compat import installed_cache_kwarg, output_cache
+from .metrics import SCALARS
 from .real_model import LoadedModel, token_ids
 
 NEEDLE = "The secret passphrase is BLUE-HARVEST-4921."
@@ -63,21 +66,28 @@ class Run:
     counters: Counters | None = None
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
+# unlabelled catalogue counter -> its field in the engine's stats (the ratios' numerators and denominators)
+_FIELD = {metric: name for name, (metric, labels) in SCALARS.items() if not labels}
+
+
+def _ratio(stats: Any, key: str) -> float | None:
+    """A catalogue ratio (easymats.catalogue.RATIOS) of the run's counters."""
+    r = catalogue.RATIO[key]
+    return r.of(getattr(stats, _FIELD[r.numerator]), getattr(stats, _FIELD[r.denominator]))
 
 
 def counters_of(stats: Any) -> Counters:
     """Counters from an engine's RuntimeStats."""
     err = stats.quant_error
+    n_err = sum(err.counts)
     return Counters(
-        anchor_hit_rate=_ratio(stats.anchor_hits, stats.anchor_lookups),
+        anchor_hit_rate=_ratio(stats, "anchor_hit_rate"),
         anchor_lookups=stats.anchor_lookups,
-        hot_buffer_hit_rate=_ratio(stats.hot_buffer_hits, stats.hot_buffer_lookups),
-        prefetch_efficiency=_ratio(stats.prefetch_used, stats.prefetch_issued),
-        block_density=_ratio(stats.kv_tokens_used, stats.kv_tokens_loaded),
+        hot_buffer_hit_rate=_ratio(stats, "hot_buffer_hit_rate"),
+        prefetch_efficiency=_ratio(stats, "prefetch_efficiency"),
+        block_density=_ratio(stats, "block_density"),
         quant_blocks={b: n for b, n in stats.quant_blocks.items() if n},
-        quant_error_mean=_ratio(err.sum, sum(err.counts)),
+        quant_error_mean=err.sum / n_err if n_err else None,
         recalibrations={r: n for r, n in stats.recalibrations.items() if n})
 
 

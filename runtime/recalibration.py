@@ -23,6 +23,7 @@ import torch
 
 from easymats.catalogue import RECALIBRATION_REASONS
 
+from .probe import fit_probes, one_thread_on_cpu
 from .row_bank import RowBank
 
 if TYPE_CHECKING:          # prefill imports this module (remember_queries)
@@ -217,15 +218,23 @@ class Recalibrator:
         return out
 
     def recalibrate(self, seqs: list[Sequence]) -> None:
-        """Re-score anchors from the attention mass recent queries gave, and refit each probe."""
+        """Re-score anchors from the attention mass recent queries gave, and refit each probe
+        (the probes of the layers on one device in one batched fit)."""
         if self.cfg.global_tokens == 0:
             return  # nothing is pinned, so there is nothing to re-score or fit
+        fits: dict[torch.device, list] = {}
         for layer in self.layers:
-            with layer.on_device():
-                self._layer(layer, seqs)
+            with layer.on_device(), one_thread_on_cpu(layer.device):
+                data = self._layer(layer, seqs)
+            if data is not None:
+                fits.setdefault(layer.device, []).append((layer, data))
+        for device_fits in fits.values():
+            with device_fits[0][0].on_device():
+                fit_probes([layer.probe for layer, _ in device_fits], [data for _, data in device_fits])
 
-    def _layer(self, layer: LayerRows, seqs: list[Sequence]) -> None:
-        """One layer's recalibration, on its device (keys, queries and anchors live there)."""
+    def _layer(self, layer: LayerRows, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One layer's anchors re-scored, on its device (keys, queries and anchors live there);
+        returns its probe's training set (keys, targets), or None when it has none."""
         cfg, shape, i = self.cfg, self.shape, layer.index
         xs, ys, picks = [], [], []
         g = torch.Generator().manual_seed(cfg.seed + i)
@@ -244,7 +253,6 @@ class Recalibrator:
             xs.append(x)
             ys.append(y)
             picks.append((s, mass, target, outside))
-        if xs:
-            layer.probe.fit(torch.cat(xs), torch.cat(ys))
         for s, mass, target, outside in picks:
             s.anchors[i], s.anchor_p[i] = pick_anchors(mass, target, outside, cfg.global_tokens)
+        return (torch.cat(xs), torch.cat(ys)) if xs else None

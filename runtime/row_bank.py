@@ -73,10 +73,10 @@ class RowBank:
             dst.fill_(self._kinds[name].fill)
             dst[tuple(slice(0, s) for s in x.shape)].copy_(x)
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Row dst becomes a copy of row src (a forked sequence)."""
+    def copy_row(self, src: int, dst: int, count: int = 1) -> None:
+        """Rows [dst, dst + count) become copies of row src (forked sequences)."""
         for t in self.t.values():
-            t[dst].copy_(t[src])
+            t[dst:dst + count].copy_(t[src].expand(count, *t.shape[1:]))
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.t.values())

@@ -62,11 +62,13 @@ class Selection:
     next-ranked blocks), -1 padded.
     block_hits: (R, NB) selected tokens per logical block (importance for streaming).
     loaded: 0-dim, tokens in the blocks the selection touched, summed over rows.
+    both: (R, top_k + A + prefetch width): tokens then prefetch in one tensor (they are its views).
     """
     tokens: torch.Tensor
     prefetch: torch.Tensor
     block_hits: torch.Tensor
     loaded: torch.Tensor
+    both: torch.Tensor
 
 
 def candidate_blocks(nb: int, w0: int, first_lo: int, bs: int) -> int:
@@ -93,8 +95,8 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     win = w0 + torch.arange(window, device=device)
     win_ok = win >= first
     anc_ok = (anchors >= first) & (anchors < w0)
-    blk = torch.arange(nb, device=device)
-    cand_blk = (blk * bs < w0) & ((blk + 1) * bs > first)                      # (R, NB)
+    blk0 = torch.arange(nb, device=device) * bs                                 # each block's first token
+    cand_blk = (blk0 < w0) & (blk0 + bs > first)                                # (R, NB)
     if holes is not None:
         win_ok &= ~_in_hole(holes, win, bs)
         anc_ok &= ~_in_hole(holes, anchors, bs)
@@ -110,40 +112,36 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     take = min(n_cand, -(-(w_keep + anc.shape[1]) // bs) + 2 + prefetch_blocks)
     top = s.topk(take, dim=1).indices                                           # (R, take) ranked
     pos = (top[:, :, None] * bs + torch.arange(bs, device=device)).reshape(R, -1)  # rank order
-    ok = (pos >= first) & (pos < w0) & torch.isfinite(s.gather(1, top)).repeat_interleave(bs, 1)
+    # a ranked block is a candidate (finite: not masked above; NaN never ranks, as -inf)
+    ok = (((pos >= first) & (pos < w0)).view(R, take, bs) & (s.gather(1, top) > float("-inf"))[:, :, None])
+    ok = ok.view(R, -1)
     if anc.shape[1]:
         # per-row membership through a dense (R, 1 + nb*bs) mask: a scatter and a gather are
-        # several times cheaper than a sorted isin; column 0 collects the -1 padding
-        member = torch.zeros(R, nb * bs + 1, dtype=torch.bool, device=device)
-        member.scatter_(1, anc + 1, True)
-        member[:, 0] = False
-        ok &= ~member.gather(1, pos + 1)
+        # several times cheaper than a sorted isin; column 0 collects the -1 padding (pos >= 0
+        # never reads it)
+        outside = torch.ones(R, nb * bs + 1, dtype=torch.bool, device=device)
+        outside.scatter_(1, anc + 1, False)
+        ok &= outside.gather(1, pos + 1)
     rank = ok.long().cumsum(1)                                                  # 1-based among ok
-    # kept: the first budget ok positions; prefetch: the next prefetch_blocks blocks' worth. Both
-    # are runs of consecutive ranks, so each packs by a scatter to rank - offset (no sort)
-    chosen = _scatter_pack(pos, ok & (rank <= budget), rank - 1, w_keep)
-    pf = ok & (rank > budget) & (rank <= budget + w_pf)
-    prefetch = _scatter_pack(pos, pf, rank - 1 - budget, w_pf)
-    tokens = torch.cat([win, anc, chosen], 1)
-    per_block = torch.zeros(R, nb, dtype=torch.int64, device=device)
-    per_block.scatter_add_(1, tokens.clamp(min=0) // bs, (tokens >= 0).long())
-    sizes = (n_tokens - blk * bs).clamp(0, bs)                                  # (R, NB) tokens held
-    loaded = ((per_block > 0).long() * sizes).sum()
-    return Selection(tokens, prefetch, per_block, loaded)
+    # kept: the first budget ok positions, at columns [0, budget); prefetch: the next w_pf, at
+    # columns [w_keep, w_keep + w_pf). Both are runs of consecutive ranks, so one scatter packs
+    # them (no sort); the rest goes to a spill column that is cut off
+    dest = rank + torch.where(rank <= budget, -1, (w_keep - 1) - budget)
+    dest = torch.where(ok & (rank <= budget + w_pf), dest, w_keep + w_pf)
+    packed = torch.full((R, w_keep + w_pf + 1), -1, dtype=pos.dtype, device=device).scatter_(1, dest, pos)
+    both = torch.cat([win, anc, packed[:, :-1]], 1)
+    K = both.shape[1] - w_pf
+    tokens = both[:, :K]
+    # selected tokens per block: column 0 of a (R, 1 + NB) count collects the -1 padding
+    per_block = torch.zeros(R, nb + 1, dtype=torch.int64, device=device)
+    per_block.scatter_add_(1, (tokens + bs) // bs, torch.ones_like(tokens))
+    per_block = per_block[:, 1:]
+    sizes = (n_tokens - blk0).clamp(0, bs)                                      # (R, NB) tokens held
+    loaded = torch.where(per_block > 0, sizes, 0).sum()
+    return Selection(tokens, both[:, K:], per_block, loaded, both)
 
 
 def _in_hole(holes: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     """Whether positions pos (R, M) (any value; -1 and past-the-end read an edge block) lie in
     a hole of their row, holes (R, NB)."""
     return holes.gather(1, (pos.clamp(min=0) // bs).clamp(max=holes.shape[1] - 1))
-
-
-def _scatter_pack(pos: torch.Tensor, mask: torch.Tensor, dest: torch.Tensor, width: int) -> torch.Tensor:
-    """(R, width) with pos[r, j] at column dest[r, j] where mask; -1 elsewhere.
-
-    pos, mask, dest: (R, M); the masked dest of each row must be exactly 0..count-1 (a left-pack
-    in order). Unmasked entries go to a spill column that is cut off.
-    """
-    out = torch.full((pos.shape[0], width + 1), -1, dtype=pos.dtype, device=pos.device)
-    out.scatter_(1, torch.where(mask, dest, width), pos)
-    return out[:, :width]

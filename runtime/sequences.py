@@ -90,7 +90,7 @@ class SequenceTable:
             out.append(seq)
         return out
 
-    def _new(self, seq_id: int, row: int, pad: int) -> Sequence:
+    def _new(self, seq_id: int, row: int, pad: int, reset: bool = True) -> Sequence:
         tail = -1
         if self.host.quantized:
             if not self._free_tails:
@@ -98,32 +98,38 @@ class SequenceTable:
                 self.host.grow(tails=max(4, 2 * n))
                 self._free_tails.extend(range(n, self.host.num_tail))
             tail = self._free_tails.pop(0)
-        for layer in self.layers:
-            layer.reset(row)
+        if reset:                        # (a fork copies its row over instead)
+            for layer in self.layers:
+                layer.reset(row)
         L = len(self.layers)
         return Sequence(seq_id=seq_id, row=row, first_token=pad, tail_slot=tail, lengths=[0] * L,
                         queries_kept=[0] * L, hot=[layer.hot.rows(row) for layer in self.layers],
                         banks=[layer.bank for layer in self.layers])
 
     def fork(self, src: Sequence, copies: int, allocate) -> list[Sequence]:
-        """``copies`` new sequences in consecutive rows that continue from ``src`` as it is now,
-        each with its own copy of the host blocks (``allocate(seq, n)`` gives n blocks), tail,
-        bank row and hot buffer."""
+        """``copies`` new sequences in consecutive rows that continue from ``src`` as it is now.
+        They share its full host blocks (copy on write: a full block is never written again);
+        each gets its own block for a partly filled last one (``allocate(seq, n)`` gives n
+        blocks; an unquantized pool copies its rows, a quantized pool's fills from the copy's
+        own tail), tail, bank row and hot buffer."""
         pages = self.pages.seqs[src.seq_id]
+        partial = pages.blocks[pages.num_tokens // self.cfg.cache_block_size:]     # 0 or 1 block
         out = []
-        for row in self.take_rows(copies):
+        rows = self.take_rows(copies)
+        for layer in self.layers:
+            layer.copy_row(src.row, rows[0], copies)
+        for row in rows:
             seq_id = self._next_id
             self._next_id += 1
             self.pages.add_sequence(seq_id)
-            self.live[seq_id] = s = self._new(seq_id, row, src.first_token)
-            blocks = allocate(s, len(pages.blocks)) if pages.blocks else []
-            self.pages.extend(seq_id, pages.num_tokens, blocks)
-            self.host.copy_blocks([b.block_id for b in pages.blocks], [b.block_id for b in blocks])
+            self.live[seq_id] = s = self._new(seq_id, row, src.first_token, reset=False)
+            own = allocate(s, len(partial)) if partial else []
+            self.pages.share(seq_id, src.seq_id, own)
+            if not self.host.quantized:
+                self.host.copy_blocks([b.block_id for b in partial], [b.block_id for b in own])
             if src.tail_slot >= 0:
                 self.host.copy_tail(src.tail_slot, s.tail_slot)
             s.lengths, s.queries_kept = list(src.lengths), list(src.queries_kept)
-            for layer in self.layers:
-                layer.copy_row(src.row, row)
             out.append(s)
         return out
 

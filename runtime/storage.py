@@ -2,8 +2,8 @@
 
 Allocation takes free blocks; a pool without ``host_pool_blocks`` grows geometrically, a bounded
 one first recycles pending blocks early and then, in streaming mode, overwrites the least
-important blocks (never anchors, padding, the window or holes) and leaves holes in their
-sequences (page_table.py). Importance is the number of selected tokens per block, which every
+important blocks (never anchors, padding, the window, holes or blocks forks share) and leaves
+holes in their sequences (page_table.py). Importance is the number of selected tokens per block, which every
 decode step adds up in the layers' banks.
 """
 
@@ -75,6 +75,9 @@ class Storage:
                 a = a[a >= 0] // bs
                 imp[a[a < limit]] = float("inf")
             imp[: -(-s.first_token // bs) if s.first_token else 0] = float("inf")  # keep pad blocks simple
+            # a block a fork shares holds the other sequences' tokens too
+            shared = [b is not None and b.ref_cnt > 1 for b in self.pages.seqs[s.seq_id].blocks[:limit]]
+            imp[torch.tensor(shared, dtype=torch.bool)] = float("inf")
             for lb in torch.nonzero(torch.isfinite(imp)).squeeze(1).tolist():
                 cands.append((float(imp[lb]), s.seq_id, lb))
         if len(cands) < n:

@@ -67,7 +67,9 @@ class PoolMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.removed)))
         pages, _ = self.removed[seq]
         live = [b for b in pages.blocks if b is not None]
-        expect = seq not in self.lost and all(b.state == PENDING for b in live)
+        # blocks still pending, or active because a sharer holds them (copy on write), still hold
+        # the sequence's tokens; a recycled one (free, or allocated again since) does not
+        expect = seq not in self.lost and all(b.state != FREE for b in live)
         reclaims = self.pool.reclaims
         pending = sum(1 for b in live if b.state == PENDING)
         ok = self.pt.restore(seq, pages)

@@ -20,7 +20,7 @@ def _pool(bits, blocks=8, tails=3):
 def _append(hp, table, tail, start, k, v):
     """What an append of one sequence stores: blocks its tokens complete sealed, the rest backed up."""
     hp.seal(0, table, tail, start, k, v)
-    hp.backup(0, table[None], torch.tensor([tail]), torch.tensor([start]), k[None], v[None])
+    hp.backup(0, table[None], hp.tail_units(torch.tensor([tail])), torch.tensor([start]), k[None], v[None])
 
 
 @pytest.mark.parametrize("bits", [None, 4, 8, "auto", "budget"])
@@ -48,9 +48,10 @@ def test_a_batch_backup_at_different_positions_equals_one_sequence_at_a_time(bit
     tails, starts = torch.tensor([0, 2]), [6, 13]
     k, v = torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g)
     both, one = _pool(bits), _pool(bits)
-    both.backup(0, tables, tails, torch.tensor(starts), k, v)
+    both.backup(0, tables, both.tail_units(tails), torch.tensor(starts), k, v)
     for b in range(2):
-        one.backup(0, tables[b:b + 1], tails[b:b + 1], torch.tensor(starts[b:b + 1]), k[b:b + 1], v[b:b + 1])
+        one.backup(0, tables[b:b + 1], one.tail_units(tails[b:b + 1]), torch.tensor(starts[b:b + 1]), k[b:b + 1],
+                   v[b:b + 1])
     for name, t in both.layers[0].items():
         assert torch.equal(t, one.layers[0][name]), name
     rows = (both.tail_rows(tails[:, None, None], torch.arange(H)[None, :, None], torch.tensor(starts)[:, None, None])

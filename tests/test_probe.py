@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hi_sparse.recalibration import attention_mass, distillation_target
-from hi_sparse.probe import ImportanceProbe, probe_threshold
+from hi_sparse.probe import ImportanceProbe, fit_probes, probe_threshold
 
 
 @pytest.mark.parametrize("D", [16, 64, 128, 256])
@@ -45,3 +45,18 @@ def test_unfit_probe_pins_nothing_and_fit_distils_attention_mass():
     assert (p[:50] > thr).float().mean() >= 0.75, p[:50]  # some have noise against u: lighter
     assert p[:50].mean() > 10 * p[50:].mean()
     assert (p[50:] > thr).float().mean() <= 0.02
+
+
+def test_probes_fitted_together_equal_each_fitted_alone():
+    """A recalibration fits every layer's probe in one batched loop (different training set sizes,
+    padded): each ends where fitting it alone ends."""
+    g = torch.Generator().manual_seed(4)
+    D = 24
+    data = [(torch.randn(n, D, generator=g), torch.rand(n, generator=g) ** 6) for n in (40, 300, 129)]
+    together = [ImportanceProbe(D, seed=i) for i in range(3)]
+    alone = [ImportanceProbe(D, seed=i) for i in range(3)]
+    losses = fit_probes(together, data, steps=60)
+    fresh = torch.randn(200, D, generator=g)
+    for p, q, (x, y), loss in zip(together, alone, data, losses):
+        assert p.fitted and abs(q.fit(x, y, steps=60) - loss) < 1e-5
+        torch.testing.assert_close(p.predict(fresh), q.predict(fresh), atol=1e-4, rtol=0)

@@ -211,7 +211,8 @@ def test_rows_out_of_order_move_together_and_decode_alike():
 @pytest.mark.parametrize("bits", [None, 4], ids=["bf", "int4"])
 def test_forked_sequences_continue_like_independent_copies(bits):
     """fork_sequences: a prefilled sequence and two forks decode exactly like three sequences
-    that were each prefilled with the same tokens; each fork holds its own host blocks."""
+    that were each prefilled with the same tokens (copies); the forks share the full host blocks
+    and hold their own partly filled last block."""
     torch.manual_seed(11)
     P, steps = 150, 12
     K, V, Q = (torch.randn(L, 1, h, P + steps, D) for h in (HKV, HKV, HQ))
@@ -222,7 +223,8 @@ def test_forked_sequences_continue_like_independent_copies(bits):
     _run(forked, src, K, V, Q, P, P + 1)
     blocks_one = forked.pool.num_active
     ids_f = src + forked.fork_sequences(src[0], 2)
-    assert forked.pool.num_active == 3 * blocks_one
+    assert blocks_one == -(-(P + 1) // 8) and (P + 1) % 8        # 18 full blocks and a partial one
+    assert forked.pool.num_active == blocks_one + 2               # one private partial block per fork
     ids_c = copies.add_sequences(3)
     rep = lambda x: x.expand(-1, 3, -1, -1, -1)                   # noqa: E731
     _run(copies, ids_c, rep(K), rep(V), rep(Q), 0, P)
@@ -258,3 +260,53 @@ def test_fork_errors_name_the_fix():
         eng.fork_sequences(sid, 1)
     with pytest.raises(ValueError, match="pass each sequence once per call"):
         eng.append(0, [sid, sid], torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D))
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf", "int4"])
+def test_forks_of_one_prompt_hold_one_copy_of_it_in_host_ram(bits):
+    """24 forks of one prompt share its full host blocks (copy on write): the host pool holds one
+    copy of the prompt plus each sequence's own partly filled and new blocks, within 1.2x one
+    sequence; a fork writes none of the shared blocks (their bytes stay as they were)."""
+    torch.manual_seed(3)
+    P, forks, steps = 2003, 23, 3
+    eng = _engines(bits, 1, max_seq_len=4096)[0]
+    sid = eng.add_sequences(1)
+    _run(eng, sid, *(torch.randn(L, 1, h, P, D) for h in (HKV, HKV, HQ)), 0, P)
+    one = eng.pool.num_active
+    assert one == -(-P // 8)
+    shared = [b.block_id for b in eng.pages.seqs[sid[0]].blocks[:P // 8]]
+    before = {name: t.clone() for name, t in eng.host.layers[0].items() if not name.endswith("_tail")}
+    ids = sid + eng.fork_sequences(sid[0], forks)
+    assert eng.pool.num_active == P // 8 + forks + 1                         # one copy + own partial blocks
+    g = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        _run(eng, ids, *(torch.randn(L, forks + 1, h, 1, D, generator=g) for h in (HKV, HKV, HQ)), 0, 1)
+    assert all(b.ref_cnt == forks + 1 for b in eng.pages.seqs[sid[0]].blocks[:P // 8])
+    assert eng.pool.num_active / one <= 1.2                                  # 24 sequences of one prompt
+    H = HKV
+    for name, t in eng.host.layers[0].items():
+        if name in before:
+            per = H if name.endswith(("scale", "zero", "bits")) else H * 8
+            idx = torch.tensor([b * per + i for b in shared for i in range(per)])
+            assert torch.equal(t[idx], before[name][idx]), name
+    eng.free_sequences(ids[1:])                                              # the source keeps them
+    assert eng.pool.num_active == one and all(b.ref_cnt == 1 for b in eng.pages.seqs[sid[0]].blocks)
+
+
+def test_streaming_eviction_leaves_blocks_that_forks_share():
+    """A bounded pool in streaming mode overwrites only blocks one sequence holds: the prompt the
+    forks share stays whole in every one of them, and they keep decoding."""
+    torch.manual_seed(6)
+    P, steps = 96, 60
+    eng = _engines(None, 1, streaming=True, host_pool_blocks=12 + 2 * 6, global_tokens=0)[0]
+    sid = eng.add_sequences(1)
+    _run(eng, sid, *(torch.randn(L, 1, h, P, D) for h in (HKV, HKV, HQ)), 0, P)
+    ids = sid + eng.fork_sequences(sid[0], 1)
+    prompt = list(eng.pages.seqs[sid[0]].blocks)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        _run(eng, ids, *(torch.randn(L, 2, h, 1, D, generator=g) for h in (HKV, HKV, HQ)), 0, 1)
+    assert eng.stats.block_evictions > 0
+    for i in ids:
+        assert eng.pages.seqs[i].blocks[:P // 8] == prompt                   # no hole in the shared prompt
+        assert all(b.ref_cnt == 2 for b in prompt)

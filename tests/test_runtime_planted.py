@@ -151,3 +151,28 @@ def test_super_block_bounds_stay_equal_to_a_fresh_fold_while_decoding():
             want_lo, want_hi = superblock_bounds(s.kmin[0], s.kmax[0], 3)
             assert torch.equal(s.smin[0], want_lo) and torch.equal(s.smax[0], want_hi)
     assert all(two_level_pays(-(-n // 32), 3, _n_super(eng)) for n in (4001, 4300))  # every step scored two-level
+
+
+def test_the_first_fit_probe_pins_new_tokens_of_the_topic():
+    """What the probe is for: after the first recalibration (after the prefill, every layer's probe
+    fitted in one batched fit) it scores decode tokens as they arrive, and new tokens of the
+    topic the queries attend to are pinned as anchors without another recalibration."""
+    wl, eng, ids = make(global_tokens=12)
+    seg = wl.segment(2048, topic="A", anchors=8, margin=64)
+    run_prefill(eng, ids, seg.k[None], seg.v[None], topic_queries(wl, "A", 8))
+    assert eng.stats.recalibrations["schedule"] == 1 and eng.probes[0].fitted
+    first = eng.seq_len(ids[0])
+    planted = []
+    for t in range(24):
+        k, v = wl.noise(1)
+        if t % 6 == 3:                                       # 4 new tokens of topic A among noise
+            k[:, 0] += wl.anchor_strength * wl.topic("A")
+            planted.append(first + t)
+        run_decode(eng, ids, wl.topic_query("A")[None, :, None], k[None], v[None])
+    assert eng.stats.recalibrations["schedule"] == 1          # no recalibration since the prefill
+    pinned = set(eng.seqs[ids[0]].anchors[0].flatten().tolist())
+    # (the probe, distilled from 8 planted tokens per head, scores one of the 4 below the
+    # threshold in both heads: its noise component points away from the topic)
+    assert len(set(planted) & pinned) >= 3, (planted, sorted(pinned))
+    noise = set(range(first, first + 24)) - set(planted)
+    assert not noise & pinned                                 # the noise tokens were not pinned
