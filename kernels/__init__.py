@@ -7,7 +7,7 @@ imported only on first use, so this package imports without it.
 from .attention import reference_sparse_decode_attention, sparse_decode_attention
 from .bounds import (block_bounds, block_scores, reference_block_bounds, reference_block_scores, superblock_bounds,
                      top_blocks, two_level_candidates, two_level_pays)
-from .quant import (SUPPORTED_BITS, dequantize_blocks, pack_codes, packed_width, quantize_blocks,
+from .quant import (LAYOUTS, PARAM_DTYPES, SUPPORTED_BITS, dequantize_blocks, pack_codes, packed_width, quantize_blocks,
                     reference_dequantize_blocks, reference_quantize_blocks, unpack_codes)
 from .swap_in import reference_swap_in, reference_swap_in_dequant, swap_in, swap_in_dequant
 
@@ -16,5 +16,5 @@ __all__ = [
     "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_pays", "reference_sparse_decode_attention", "reference_swap_in",
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
-    "SUPPORTED_BITS",
+    "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES",
 ]
