@@ -131,7 +131,7 @@ def run_grid(args: argparse.Namespace) -> int:
         done = {_key(r) for r in read_records(args.json)}
     try:
         t0 = time.perf_counter()
-        lm = load_model(args.model)
+        lm = load_model(args.model, device=args.device)
         text = load_text(args.text)
     except RealModelError as exc:
         print(f"hi_sparse.eval: {exc}", file=sys.stderr)
@@ -143,7 +143,7 @@ def run_grid(args: argparse.Namespace) -> int:
     for context in args.context:
         if "perplexity" in args.passes:
             try:
-                ids = torch.tensor([token_ids(lm.tokenizer, text, context + args.continuation)])
+                ids = torch.tensor([token_ids(lm.tokenizer, text, context + args.continuation)], device=args.device)
             except RealModelError as exc:
                 print(f"hi_sparse.eval: {exc}", file=sys.stderr)
                 return 2
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", default="perplexity,needle",
                         help="perplexity, needle or both (default both)")
     parser.add_argument("--depths", type=_floats, default=[0.1, 0.5, 0.9], help="needle depths")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model runs")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="append each result as a JSON line here")
     parser.add_argument("--resume", action="store_true", help="skip results already in --json")
