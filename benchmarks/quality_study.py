@@ -99,6 +99,7 @@ def quant(args: argparse.Namespace) -> None:
         C = qc.shape[1]
         n = k.shape[1]
         mask = torch.arange(n)[None, :] <= (ctx + torch.arange(C))[:, None]
+
         def attend(kk, vv):
             kk = kk.repeat_interleave(G, 0)
             vv = vv.repeat_interleave(G, 0)
