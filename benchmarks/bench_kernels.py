@@ -18,7 +18,8 @@ import triton.testing
 import hi_sparse.kernels as K
 
 SWEEP = False         # --sweep: tile/pipelining variants of the decode kernel
-RESULTS: dict[str, list | dict] = {"ceilings": {}, "swap_in": [], "attention": [], "quant": [], "hit_detection": []}
+RESULTS: dict[str, list | dict] = {"ceilings": {}, "swap_in": [], "attention": [], "quant": [], "layouts": [],
+                                   "hit_detection": []}
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -290,6 +291,52 @@ def bench_quant_shape(hbm: float, shape: tuple[int, int, int]) -> None:
               f"dequantize {ms_d:7.3f} ms {gd:7.1f} GB/s ({100 * gd / hbm:4.1f}%)", flush=True)
 
 
+def bench_layouts(pool: torch.Tensor, h2d: float, hbm: float) -> None:
+    """The host pool's layouts (issue 23): keys one fp16 scale / zero per channel of a 64-token
+    unit, values one per token. Swap-in with fused dequant from pinned rows (GB/s of packed rows
+    + the pairs they read, against the bulk pinned copy) and quantize (bytes in + out, against the
+    HBM copy)."""
+    print("\nlayouts: swap-in with fused dequant (64-token units, D = 128) and quantize", flush=True)
+    d, rpb = 128, 64
+    for bits in (4, 8):
+        p = K.packed_width(d, bits)
+        r = pool.numel() // p // rpb * rpb
+        packed = pool[: r * p].view(r, p)
+        m = (64 << 20) // p // 64 * 64
+        dst = torch.empty(m, d, device="cuda", dtype=torch.bfloat16)
+        dst_rows = torch.arange(m, device="cuda")
+        for layout in ("channel", "token"):
+            n = r // rpb if layout == "channel" else r
+            shape = (n, d) if layout == "channel" else (n,)
+            scale = (torch.rand(shape) + 0.1).half().pin_memory()
+            zero = torch.rand(shape).half().pin_memory()
+            pair = 4 * d / rpb if layout == "channel" else 4
+            for pattern in ("random", "runs64"):
+                src_rows = runs_of(r, m, 1 if pattern == "random" else 64)
+                ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows, layout),
+                           warmup=5, rep=40)
+                gbps = m * (p + pair) / ms / 1e6
+                RESULTS["layouts"].append({"op": "swap_in_dequant", "layout": layout, "bits": bits, "pattern": pattern,
+                                           "rows": m, "ms": ms, "GBps": gbps, "pct_bulk": 100 * gbps / h2d})
+                print(f"dequant {bits}b {layout:>7} {pattern:>7}: {ms:7.3f} ms {gbps:6.1f} GB/s of packed rows + pairs "
+                      f"({100 * gbps / h2d:5.1f}% bulk)", flush=True)
+            scale = zero = None  # free them early (not `del`: the timed lambdas close over them)
+        packed = dst = None
+    for shape in ((16384, 64, 128), (32768, 64, 64)):
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        for layout in ("channel", "token"):
+            for bits in (4, 5, 6, 8):
+                packed, scale, zero = K.quantize_blocks(x, bits, layout)
+                ms = bench(lambda: K.quantize_blocks(x, bits, layout))
+                moved = x.numel() * 2 + packed.numel() + 2 * scale.numel() * 2
+                g = moved / ms / 1e6
+                RESULTS["layouts"].append({"op": "quantize", "layout": layout, "bits": bits, "shape": list(shape),
+                                           "ms": ms, "GBps": g, "pct_hbm": 100 * g / hbm})
+                print(f"quantize {bits}b {layout:>7} {shape}: {ms:7.3f} ms {g:7.1f} GB/s "
+                      f"({100 * g / hbm:4.1f}% HBM copy)", flush=True)
+        x = None
+
+
 def bench_hit_detection() -> None:
     """Host round trip (selection to host, lookup in numpy, slots back) vs the same on the device."""
     print("\nhit detection + slot assignment: host round trip vs device (torch ops), 8 kv heads, 2048 selected, "
@@ -349,7 +396,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write all numbers as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--sweep", action="store_true", help="also time decode-kernel tile variants at batch 64")
-    ap.add_argument("--only", default="swap,attention,quant,hit", help="comma list of sections")
+    ap.add_argument("--only", default="swap,attention,quant,layouts,hit", help="comma list of sections")
     args = ap.parse_args()
     global SWEEP
     SWEEP = args.sweep
@@ -369,6 +416,7 @@ def main() -> None:
                 ("swap", lambda: bench_swap_in(pool, c["h2d_bulk_GBps"], args.quick)),
                 ("attention", lambda: bench_attention(c["hbm_copy_GBps"], args.quick)),
                 ("quant", lambda: bench_quant(c["hbm_copy_GBps"])),
+                ("layouts", lambda: bench_layouts(pool, c["h2d_bulk_GBps"], c["hbm_copy_GBps"])),
                 ("hit", bench_hit_detection)]
     for name, fn in sections:
         if name in only:

@@ -16,6 +16,8 @@ from .bounds import (
     two_level_pays,
 )
 from .quant import (
+    LAYOUTS,
+    PARAM_DTYPES,
     SUPPORTED_BITS,
     dequantize_blocks,
     pack_codes,
@@ -33,5 +35,5 @@ __all__ = [
     "reference_sparse_decode_attention", "reference_swap_in",
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
-    "SUPPORTED_BITS",
+    "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES",
 ]

@@ -10,32 +10,61 @@ import triton
 import triton.language as tl
 
 from ._launch import next_pow2
+from .quant import PARAM_DTYPES, param_shape
+
+
+@triton.jit
+def _pair_of(lo, hi, BITS: tl.constexpr, PARAM_DTYPE: tl.constexpr):
+    """(scale, zero) of groups with minimum lo and maximum hi, rounded to the storage dtype and
+    back to fp32 (quant.quant_params: codes are computed against the stored pair)."""
+    zero = lo.to(PARAM_DTYPE).to(tl.float32)
+    scale = (tl.maximum(hi - zero, 0.0) / ((1 << BITS) - 1)).to(PARAM_DTYPE).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _inverse(scale):
+    """Exact reciprocal of each scale, 0 where the scale is 0 (codes then cost a multiply)."""
+    return tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
 
 
 @triton.jit
 def _quantize_kernel(
     p_x, p_packed, p_scale, p_zero, T, D, P,
     BITS: tl.constexpr, SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    LAYOUT: tl.constexpr,
 ):
+    """Any D, one program per block. Pass 1 folds the min / max of the layout's groups (the block,
+    each column, each row) and stores their pairs; pass 2 packs byte by byte, reading a code's
+    pair back (a column's or a row's is indexed by the code) after a barrier."""
     i_n = tl.program_id(0).to(tl.int64)
     p_xn = p_x + i_n * T * D
     o_t = tl.arange(0, BLOCK_T)
     o_d = tl.arange(0, BLOCK_D)
-    # pass 1: block min / max
     b_lo = tl.full([BLOCK_T, BLOCK_D], float("inf"), tl.float32)
     b_hi = tl.full([BLOCK_T, BLOCK_D], float("-inf"), tl.float32)
     for t0 in range(0, T, BLOCK_T):
         m = ((t0 + o_t) < T)[:, None] & (o_d < D)[None, :]
         b_x = tl.load(p_xn + (t0 + o_t)[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        if LAYOUT == 2:       # token: each row's pair, from this tile alone
+            scale, zero = _pair_of(tl.min(tl.where(m, b_x, float("inf")), 1),
+                                   tl.max(tl.where(m, b_x, float("-inf")), 1), BITS, p_scale.dtype.element_ty)
+            tl.store(p_scale + i_n * T + t0 + o_t, scale.to(p_scale.dtype.element_ty), mask=(t0 + o_t) < T)
+            tl.store(p_zero + i_n * T + t0 + o_t, zero.to(p_zero.dtype.element_ty), mask=(t0 + o_t) < T)
         b_lo = tl.minimum(b_lo, tl.where(m, b_x, float("inf")))
         b_hi = tl.maximum(b_hi, tl.where(m, b_x, float("-inf")))
-    lo = tl.min(tl.min(b_lo, 1), 0)
-    hi = tl.max(tl.max(b_hi, 1), 0)
-    levels = (1 << BITS) - 1
-    scale = (hi - lo) / levels
-    tl.store(p_scale + i_n, scale)
-    tl.store(p_zero + i_n, lo)
-    safe = tl.where(scale > 0, scale, 1.0)
+    if LAYOUT == 0:           # block: one pair, kept in registers
+        lo = tl.min(tl.min(b_lo, 1), 0)
+        hi = tl.max(tl.max(b_hi, 1), 0)
+        scale, zero = _pair_of(lo, hi, BITS, tl.float32)
+        tl.store(p_scale + i_n, scale)
+        tl.store(p_zero + i_n, zero)
+        inv = _inverse(scale)
+    elif LAYOUT == 1:         # channel: a pair per column
+        scale, zero = _pair_of(tl.min(b_lo, 0), tl.max(b_hi, 0), BITS, p_scale.dtype.element_ty)
+        tl.store(p_scale + i_n * D + o_d, scale.to(p_scale.dtype.element_ty), mask=o_d < D)
+        tl.store(p_zero + i_n * D + o_d, zero.to(p_zero.dtype.element_ty), mask=o_d < D)
+    tl.debug_barrier()        # pass 2 reads the pairs other threads stored
     # pass 2 (the block is still in L2): byte p of a row holds stream bits [8p, 8p+8), touched by
     # at most SPAN codes starting at code 8p // BITS
     o_p = tl.arange(0, BLOCK_P)
@@ -50,9 +79,16 @@ def _quantize_kernel(
             m_j = (j < D) & (shift < 8) & (o_p < P)
             m = m_t[:, None] & m_j[None, :]
             b_x = tl.load(p_xn + (t0 + o_t)[:, None] * D + j[None, :], mask=m, other=0.0).to(tl.float32)
-            b_c = tl.floor((b_x - lo) / safe + 0.5)
-            b_c = tl.minimum(tl.maximum(b_c, 0.0), levels * 1.0)
-            b_c = tl.where(scale > 0, b_c, 0.0).to(tl.int32)
+            if LAYOUT == 1:
+                b_s = tl.load(p_scale + i_n * D + j, mask=m_j, other=0.0).to(tl.float32)[None, :]
+                b_z = tl.load(p_zero + i_n * D + j, mask=m_j, other=0.0).to(tl.float32)[None, :]
+                b_c = _codes(b_x, b_z, _inverse(b_s), BITS)
+            elif LAYOUT == 2:
+                b_s = tl.load(p_scale + i_n * T + t0 + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
+                b_z = tl.load(p_zero + i_n * T + t0 + o_t, mask=m_t, other=0.0).to(tl.float32)[:, None]
+                b_c = _codes(b_x, b_z, _inverse(b_s), BITS)
+            else:
+                b_c = _codes(b_x, zero, inv, BITS)
             left = tl.maximum(shift, 0)[None, :]
             right = tl.maximum(-shift, 0)[None, :]
             b_part = tl.where(shift[None, :] >= 0, b_c << left, b_c >> right) & 0xFF
@@ -62,10 +98,9 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _rows_and_block_params(p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block,
-                           GATHER: tl.constexpr):
-    """Source and destination rows (int64) of rows ``o_m``, their blocks' scale and zero point, and
-    the row mask (a gathered source row of -1 is skipped)."""
+def _gathered_rows(p_src_rows, p_dst_rows, o_m, m_m, GATHER: tl.constexpr):
+    """Source and destination rows (int64) of rows ``o_m`` and the row mask (a gathered source
+    row of -1 is skipped)."""
     if GATHER:
         o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
         m_m = m_m & (o_src >= 0)
@@ -73,24 +108,44 @@ def _rows_and_block_params(p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, ro
     else:
         o_src = o_m.to(tl.int64)
         o_dst = o_m.to(tl.int64)
-    o_blk = o_src // rows_per_block
-    b_scale = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
-    b_zero = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
-    return o_src, o_dst, b_scale, b_zero, m_m
+    return o_src, o_dst, m_m
+
+
+@triton.jit
+def _pair_at(p_scale, p_zero, o_src, o_blk, m_m, cols, m, D, LAYOUT: tl.constexpr):
+    """fp32 scale and zero of the values at rows o_src (blocks o_blk, valid m_m: row-shaped, with
+    trailing singleton dims) and columns ``cols`` (mask m: the values' shape): the block's pair,
+    the row's (token) or the column's of the block (channel). A channel pair is loaded once for
+    the lowest block of the program's rows and per row only for rows of other blocks (block runs
+    are what selection swaps in: their pairs cost one read)."""
+    if LAYOUT == 1:
+        blk0 = tl.min(tl.where(m_m, o_blk, 1 << 62))
+        # (blk0 broadcast as a tensor: the interpreter rejects a scalar mask combined with a tensor)
+        m_0 = (cols < D) & (cols * 0 + blk0 < (1 << 62))
+        own = m & (o_blk != blk0)
+        s0 = tl.load(p_scale + blk0 * D + cols, mask=m_0, other=0.0)
+        z0 = tl.load(p_zero + blk0 * D + cols, mask=m_0, other=0.0)
+        b_s = tl.where(o_blk == blk0, s0, tl.load(p_scale + o_blk * D + cols, mask=own, other=0.0))
+        b_z = tl.where(o_blk == blk0, z0, tl.load(p_zero + o_blk * D + cols, mask=own, other=0.0))
+    elif LAYOUT == 2:
+        b_s = tl.load(p_scale + o_src, mask=m_m, other=0.0)
+        b_z = tl.load(p_zero + o_src, mask=m_m, other=0.0)
+    else:
+        b_s = tl.load(p_scale + o_blk, mask=m_m, other=0.0)
+        b_z = tl.load(p_zero + o_blk, mask=m_m, other=0.0)
+    return b_s.to(tl.float32), b_z.to(tl.float32)
 
 
 @triton.jit
 def _dequant_rows_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, P, rows_per_block,
     stride_src, stride_dst,
-    BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, GATHER: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_d = tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_m = o_m < M
-    o_src, o_dst, b_scale, b_zero, m_m = _rows_and_block_params(
-        p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block, GATHER)
+    o_src, o_dst, m_m = _gathered_rows(p_src_rows, p_dst_rows, o_m, o_m < M, GATHER)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     o_bit = o_d * BITS
@@ -104,7 +159,9 @@ def _dequant_rows_kernel(
         m_hi = m & ((o_byte + 1) < P)[None, :] & (b_off + BITS > 8)
         b_hi = tl.load(p_row + (o_byte + 1)[None, :], mask=m_hi, other=0).to(tl.int32)
         b_v = ((b_v | (b_hi << 8)) >> b_off) & ((1 << BITS) - 1)
-    b_x = b_v.to(tl.float32) * b_scale[:, None] + b_zero[:, None]
+    b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None], (o_src // rows_per_block)[:, None], m_m[:, None],
+                        o_d[None, :], m, D, LAYOUT)
+    b_x = b_v.to(tl.float32) * b_s + b_z
     tl.store(p_dst + o_dst[:, None] * stride_dst + o_d[None, :], b_x.to(p_dst.dtype.element_ty), mask=m)
 
 
@@ -378,17 +435,63 @@ def _quantize_twopass_kernel(
 
 
 @triton.jit
+def _quantize_axis_kernel(
+    p_x, p_packed, p_scale, p_zero, T, D, P, n_parts,
+    BITS: tl.constexpr, LAYOUT: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    """Channel (LAYOUT 1) and token (2) layouts, D % 8 == 0, the input read once. Program k works on
+    part k % n_parts of block k // n_parts, held as one (BLOCK_T, BLOCK_G, 8) register tile:
+    channel: a strip of BLOCK_G groups of 8 columns over all T rows (BLOCK_T >= T), whose columns'
+    min / max are complete in the tile; token: a tile of BLOCK_T whole rows (BLOCK_G * 8 >= D).
+    Codes are stored as _store_groups (a strip starts at byte g0 * BITS of each row)."""
+    k = tl.program_id(0)
+    i_n = (k // n_parts).to(tl.int64)
+    i_p = k % n_parts
+    o_r = tl.arange(0, BLOCK_T)
+    o_g = tl.arange(0, BLOCK_G)
+    o_i = tl.arange(0, 8)
+    if LAYOUT == 1:
+        t0 = 0
+        g0 = i_p * BLOCK_G
+    else:
+        t0 = i_p * BLOCK_T
+        g0 = 0
+    o_t = t0 + o_r
+    n_g = D // 8 - g0                                   # groups of the row from g0 on
+    m_t = o_t < T
+    o_d = tl.arange(0, BLOCK_G * 8)
+    m2 = m_t[:, None] & (o_d < n_g * 8)[None, :]
+    b_x = tl.load(p_x + i_n * T * D + o_t[:, None] * D + g0 * 8 + o_d[None, :], mask=m2, other=0.0)
+    b_x = tl.reshape(b_x.to(tl.float32), [BLOCK_T, BLOCK_G, 8])        # whole rows: coalesced
+    m = (m_t[:, None] & (o_g < n_g)[None, :])[:, :, None]
+    lo = tl.where(m, b_x, float("inf"))
+    hi = tl.where(m, b_x, float("-inf"))
+    if LAYOUT == 1:
+        scale, zero = _pair_of(tl.min(lo, 0), tl.max(hi, 0), BITS, p_scale.dtype.element_ty)      # (G, 8)
+        o_c = i_n * D + g0 * 8 + o_g[:, None] * 8 + o_i[None, :]
+        m_c = (o_g < n_g)[:, None]
+        tl.store(p_scale + o_c, scale.to(p_scale.dtype.element_ty), mask=m_c)
+        tl.store(p_zero + o_c, zero.to(p_zero.dtype.element_ty), mask=m_c)
+        b_c = _codes(b_x, zero[None, :, :], _inverse(scale)[None, :, :], BITS)
+    else:
+        scale, zero = _pair_of(tl.min(tl.min(lo, 2), 1), tl.max(tl.max(hi, 2), 1), BITS,
+                               p_scale.dtype.element_ty)                                        # (T,)
+        tl.store(p_scale + i_n * T + o_t, scale.to(p_scale.dtype.element_ty), mask=m_t)
+        tl.store(p_zero + i_n * T + o_t, zero.to(p_zero.dtype.element_ty), mask=m_t)
+        b_c = _codes(b_x, zero[:, None, None], _inverse(scale)[:, None, None], BITS)
+    _store_groups(b_c, p_packed + i_n * T * P + g0 * BITS, o_t, m_t, n_g, P, BITS, BLOCK_T, BLOCK_G, WORDS)
+
+
+@triton.jit
 def _dequant_grouped_kernel(
     p_packed, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
-    BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    BITS: tl.constexpr, GATHER: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     """D % 8 == 0: each group of BITS bytes is read once into one int64 word and yields 8 codes
     (groups of 2 or 4 codes in int32 words were slower: narrower vectors, docs/BENCHMARKS.md)."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_m = o_m < M
-    o_src, o_dst, b_scale, b_zero, m_m = _rows_and_block_params(
-        p_scale, p_zero, p_src_rows, p_dst_rows, o_m, m_m, rows_per_block, GATHER)
+    o_src, o_dst, m_m = _gathered_rows(p_src_rows, p_dst_rows, o_m, o_m < M, GATHER)
     o_g = tl.arange(0, BLOCK_G)
     o_i = tl.arange(0, 8)
     m_g = (o_g < D // 8)[None, :, None]
@@ -397,9 +500,38 @@ def _dequant_grouped_kernel(
     b_b = tl.load(p_b, mask=m_row & m_g & (o_i < BITS)[None, None, :], other=0).to(tl.int64)
     b_w = tl.sum(b_b << (o_i * 8).to(tl.int64)[None, None, :], 2)                  # (M, G)
     b_c = (b_w[:, :, None] >> (o_i * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)
-    b_x = b_c.to(tl.float32) * b_scale[:, None, None] + b_zero[:, None, None]
-    p_o = p_dst + o_dst[:, None, None] * stride_dst + (o_g[None, :, None] * 8 + o_i[None, None, :])
+    cols = o_g[None, :, None] * 8 + o_i[None, None, :]
+    b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None, None], (o_src // rows_per_block)[:, None, None], m_row,
+                        cols, m_row & m_g, D, LAYOUT)
+    b_x = b_c.to(tl.float32) * b_s + b_z
+    p_o = p_dst + o_dst[:, None, None] * stride_dst + cols
     tl.store(p_o, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_g)
+
+
+@triton.jit
+def _dequant_words_kernel(
+    p_words, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
+    BITS: tl.constexpr, GATHER: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """4 and 8 bits, rows of whole 32-bit words (p_words: the packed rows as int32, stride in
+    words): each word is one load and 32 / BITS codes, so a row is read in wide vector loads as
+    the plain swap-in reads its rows."""
+    CPW: tl.constexpr = 32 // BITS
+    i_m = tl.program_id(0)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_src, o_dst, m_m = _gathered_rows(p_src_rows, p_dst_rows, o_m, o_m < M, GATHER)
+    o_w = tl.arange(0, BLOCK_W)
+    o_c = tl.arange(0, CPW)
+    m_w = (o_w < D // CPW)[None, :, None]
+    m_row = m_m[:, None, None]
+    b_w = tl.load(p_words + o_src[:, None] * stride_src + o_w[None, :], mask=m_m[:, None] & (o_w < D // CPW)[None, :],
+                  other=0)                                                               # (M, W)
+    b_c = (b_w[:, :, None] >> (o_c * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    cols = o_w[None, :, None] * CPW + o_c[None, None, :]
+    b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None, None], (o_src // rows_per_block)[:, None, None], m_row,
+                        cols, m_row & m_w, D, LAYOUT)
+    b_x = b_c.to(tl.float32) * b_s + b_z
+    tl.store(p_dst + o_dst[:, None, None] * stride_dst + cols, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_w)
 
 
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
@@ -446,18 +578,27 @@ def auto_method(t: int, d: int, bits: int, elem_bytes: int) -> str:
     return "twopass" if t * d * elem_bytes <= TWOPASS_MAX_BYTES else "relay"
 
 
-def _outputs(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+LAYOUT_IDS = {"block": 0, "channel": 1, "token": 2}
+AXIS_TILE_VALUES = 4096     # token layout: rows per program (whole rows, about this many values)
+
+
+def _outputs(x: torch.Tensor, bits: int, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, t, d = x.shape
     packed = torch.empty(n, t, (d * bits + 7) // 8, device=x.device, dtype=torch.uint8)
-    scale = torch.empty(n, device=x.device, dtype=torch.float32)
+    scale = torch.empty(param_shape(layout, n, t, d), device=x.device, dtype=PARAM_DTYPES[layout])
     return packed, scale, torch.empty_like(scale)
 
 
-def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,), zero (N,) fp32, through the kernel
-    :func:`auto_method` picks (D % 8 == 0) or the general one."""
+def quantize(x: torch.Tensor, bits: int, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, T, D) -> packed (N, T, P) uint8 and the layout's scale / zero (quant.py), through the
+    kernel :func:`auto_method` picks (block layout, D % 8 == 0), the axis kernel (channel and token
+    layouts, D % 8 == 0, a channel strip of at most REG_CAP values) or the general one."""
     x = x.contiguous()
     n, t, d = x.shape
+    if layout != "block":
+        if d % 8 == 0 and (layout == "token" or next_pow2(t) * 8 <= REG_CAP):
+            return launch_axis(x, bits, layout)
+        return launch_general(x, bits, layout)
     if d % 8:
         return launch_general(x, bits)
     method = auto_method(t, d, bits, x.element_size())
@@ -466,15 +607,44 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     return launch_twopass(x, bits) if method == "twopass" else launch_relay(x, bits)
 
 
-def launch_general(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Any D: two passes over the block, packing byte by byte."""
+def launch_general(x: torch.Tensor, bits: int,
+                   layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Any D and layout: two passes over the block, packing byte by byte."""
     n, t, d = x.shape
-    packed, scale, zero = _outputs(x, bits)
+    packed, scale, zero = _outputs(x, bits, layout)
     p = packed.shape[-1]
     BLOCK_D, BLOCK_P = next_pow2(d), next_pow2(p)
     BLOCK_T = max(1, min(next_pow2(t), 2048 // BLOCK_D))
     _quantize_kernel[(n,)](x, packed, scale, zero, t, d, p, BITS=bits, SPAN=_SPAN[bits], BLOCK_T=BLOCK_T,
-                           BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, num_warps=4)
+                           BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, LAYOUT=LAYOUT_IDS[layout], num_warps=4)
+    return packed, scale, zero
+
+
+def axis_tiles(t: int, d: int, layout: str, tile_values: int = AXIS_TILE_VALUES) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_G, parts per block) of the axis kernel: channel strips of every row and as
+    many 8-column groups as REG_CAP allows; token tiles of whole rows, about tile_values values."""
+    groups = next_pow2(d // 8)
+    if layout == "channel":
+        block_t = next_pow2(t)
+        block_g = max(1, min(groups, REG_CAP // (block_t * 8)))
+        return block_t, block_g, triton.cdiv(d // 8, block_g)
+    block_t = tile_rows(next_pow2(t), groups, tile_values)
+    return block_t, groups, triton.cdiv(t, block_t)
+
+
+def launch_axis(x: torch.Tensor, bits: int, layout: str,
+                tile_values: int = AXIS_TILE_VALUES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Channel or token layout, D % 8 == 0: one program per channel strip or row tile of each
+    block, the input read once (_quantize_axis_kernel)."""
+    n, t, d = x.shape
+    packed, scale, zero = _outputs(x, bits, layout)
+    BLOCK_T, BLOCK_G, parts = axis_tiles(t, d, layout, tile_values)
+    # word stores need whole word groups in every strip (a strip starts at byte g0 * bits)
+    words = word_stores(d, bits) and (parts == 1 or BLOCK_G % _WORD_GROUPS[bits] == 0)
+    values = BLOCK_T * BLOCK_G * 8
+    _quantize_axis_kernel[(n * parts,)](x, packed, scale, zero, t, d, packed.shape[-1], parts, BITS=bits,
+                                        LAYOUT=LAYOUT_IDS[layout], WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
+                                        num_warps=8 if values > 8192 else 4)
     return packed, scale, zero
 
 
@@ -524,25 +694,49 @@ def launch_relay(x: torch.Tensor, bits: int, tile_values: int = 2048, warps: int
     return packed, scale, zero
 
 
-def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather):
+def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather, layout):
     d, p = dst2d.shape[1], packed2d.shape[1]
+    lid = LAYOUT_IDS[layout]
+    words = _int32_rows(packed2d) if d % 8 == 0 and bits in (4, 8) else None
+    if words is not None:
+        BLOCK_W = next_pow2(d * bits // 32)
+        BLOCK_M = max(1, min(64, 2048 // (BLOCK_W * (32 // bits))))
+        _dequant_words_kernel[(triton.cdiv(m, BLOCK_M),)](
+            words, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, words.stride(0), dst2d.stride(0),
+            BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)
+        return
     if d % 8 == 0:
         BLOCK_G = next_pow2(d // 8)
         BLOCK_M = max(1, min(64, 2048 // (BLOCK_G * 8)))
         _dequant_grouped_kernel[(triton.cdiv(m, BLOCK_M),)](
             packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, packed2d.stride(0),
-            dst2d.stride(0), BITS=bits, GATHER=gather, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=4)
+            dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=4)
         return
     BLOCK_D = min(next_pow2(d), 256)
     BLOCK_M = max(1, min(64, 4096 // BLOCK_D))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(d, BLOCK_D))
     _dequant_rows_kernel[grid](packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, p, rows_per_block,
-                               packed2d.stride(0), dst2d.stride(0), BITS=bits, GATHER=gather,
+                               packed2d.stride(0), dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid,
                                BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4)
 
 
+def _int32_rows(packed2d: torch.Tensor) -> torch.Tensor | None:
+    """(R, P) uint8 rows as (R, P / 4) int32 words of the same memory (row stride in words), or
+    None unless P, the row stride and the base address are multiples of 4 bytes (a view [:, :P]
+    of wider rows is read through its full rows)."""
+    r, p = packed2d.shape
+    s0 = packed2d.stride(0)
+    if r == 0 or packed2d.stride(1) != 1 or p % 4 or s0 % 4 or packed2d.data_ptr() % 4:
+        return None
+    if packed2d.is_contiguous():
+        return packed2d.view(torch.int32)
+    if packed2d.storage_offset() + r * s0 > packed2d.untyped_storage().nbytes():
+        return None                     # the last row's full width is not there to view
+    return packed2d.as_strided((r, s0), (s0, 1)).view(torch.int32)[:, : p // 4]
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, d: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, layout: str = "block") -> torch.Tensor:
     """packed (N, T, P) -> (N, T, D) in dtype."""
     n, t, p = packed.shape
     out = torch.empty(n, t, d, device=packed.device, dtype=dtype)
@@ -551,12 +745,14 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     flat = packed.reshape(n * t, p)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    _launch_rows(flat, scale.float().contiguous(), zero.float().contiguous(), bits, t, flat,
-                 out.view(n * t, d), flat, n * t, gather=False)
+    _launch_rows(flat, scale.contiguous(), zero.contiguous(), bits, t, flat, out.view(n * t, d), flat, n * t,
+                 gather=False, layout=layout)
     return out
 
 
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
+                    layout: str = "block") -> None:
     """dst[dst_rows[i]] = dequant(packed[src_rows[i]]); packed may be pinned host memory (UVA)."""
-    _launch_rows(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows, src_rows.numel(), gather=True)
+    _launch_rows(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows, src_rows.numel(), gather=True,
+                 layout=layout)

@@ -65,9 +65,10 @@ def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_ro
 
 
 def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
+                    layout: str = "block") -> None:
     """Fused gather + dequantize of packed rows (pinned host or device) into dst (S, D)."""
     if packed.stride(-1) != 1 or dst.stride(-1) != 1:
         raise ValueError("swap_in_dequant needs unit stride in the last dim; pass .contiguous() tensors")
-    _quant_triton.dequantize_rows(packed, scale.float(), zero.float(), bits, rows_per_block,
-                                  on_device(src_rows, dst.device), dst, on_device(dst_rows, dst.device))
+    _quant_triton.dequantize_rows(packed, scale, zero, bits, rows_per_block, on_device(src_rows, dst.device), dst,
+                                  on_device(dst_rows, dst.device), layout)

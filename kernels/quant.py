@@ -1,10 +1,20 @@
-"""Block quantization: asymmetric uniform, one scale and zero point per block, bit-packed rows.
+"""Block quantization: asymmetric uniform, bit-packed rows, scale and zero point per block, channel or token.
 
-x (N, T, D): N blocks of T rows (tokens) of D values. For bits b in {4, 5, 6, 8}:
-scale = (max - min) / (2^b - 1), zero = min, q = floor((x - zero) / scale + 0.5) clamped to
-[0, 2^b - 1] (a constant block has scale 0 and q = 0). Each row packs its D codes into
-P = ceil(D * b / 8) bytes, little-endian bit order: bit i of code j is stream bit j*b + i, and
-stream bit s is bit s % 8 of byte s // 8.
+x (N, T, D): N blocks of T rows (tokens) of D values. For bits b in {4, 5, 6, 8} and a *layout*
+that says which values share a scale and zero point:
+
+- ``"block"``: one pair per block, scale/zero (N,) fp32;
+- ``"channel"``: one pair per column of a block (min / max over its T tokens), (N, D) fp16 --
+  keys (a few channels carry most of a key's range: one scale per block spends the levels on them);
+- ``"token"``: one pair per row (min / max over its D channels), (N, T) fp16 -- values.
+
+Per group of values sharing a pair: zero = min and scale = (max - zero) / (2^b - 1), both first
+rounded to the layout's storage dtype (codes are computed against the stored pair, so dequantizing
+with it is exact up to the rounding of the codes), q = round((x - zero) / scale) clamped to
+[0, 2^b - 1] (scale 0: q = 0). fp16 pairs hold 2 x 16 bits per D or T values (6-12 % of a 4-bit
+row at D = 64-128) and need |x| < 65504, which bf16 / fp16 KV caches hold.
+Each row packs its D codes into P = ceil(D * b / 8) bytes, little-endian bit order: bit i of code
+j is stream bit j*b + i, and stream bit s is bit s % 8 of byte s // 8.
 """
 from __future__ import annotations
 
@@ -13,6 +23,23 @@ import torch
 from ._dispatch import FLOAT_DTYPES, check, kernel_module, use_triton
 
 SUPPORTED_BITS = (4, 5, 6, 8)
+LAYOUTS = ("block", "channel", "token")
+PARAM_DTYPES = {"block": torch.float32, "channel": torch.float16, "token": torch.float16}
+_REDUCE_DIMS = {"block": (1, 2), "channel": (1,), "token": (2,)}
+
+
+def param_shape(layout: str, n: int, t: int, d: int) -> tuple[int, ...]:
+    """Shape of the scale (and zero) of n blocks of t x d values in ``layout``."""
+    return {"block": (n,), "channel": (n, d), "token": (n, t)}[layout]
+
+
+def quant_params(lo: torch.Tensor, hi: torch.Tensor, bits: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) in ``dtype`` of groups with minimum lo and maximum hi (fp32 tensors): zero is
+    lo rounded to dtype, scale (hi - zero) / (2^bits - 1) rounded to dtype (never negative)."""
+    zero = lo.to(dtype)
+    scale = ((hi - zero.float()).clamp_min(0) / ((1 << bits) - 1)).to(dtype)
+    return scale, zero
 
 
 def packed_width(d: int, bits: int) -> int:
@@ -46,56 +73,82 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return (planes << weights).sum(-1)
 
 
-def _validate_quantize(x: torch.Tensor, bits: int) -> None:
+def _check_layout(layout: str) -> None:
+    check(layout in LAYOUTS, f"layout={layout!r} unknown; use one of {LAYOUTS}")
+
+
+def _validate_quantize(x: torch.Tensor, bits: int, layout: str) -> None:
     _check_bits(bits)
+    _check_layout(layout)
     check(x.dim() == 3, f"x must be (N, T, D) blocks, got shape {tuple(x.shape)}")
     check(x.dtype in FLOAT_DTYPES, f"x dtype {x.dtype} unsupported; use float16, bfloat16 or float32")
     check(x.numel() > 0, "x is empty; quantize at least one non-empty block")
 
 
-def reference_quantize_blocks(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (N, T, D) -> packed (N, T, P) uint8, scale (N,) fp32, zero (N,) fp32."""
+def _expand(p: torch.Tensor, layout: str) -> torch.Tensor:
+    """A layout's (N,), (N, D) or (N, T) pair as fp32, broadcastable to (N, T, D)."""
+    p = p.float()
+    return {"block": lambda: p[:, None, None], "channel": lambda: p[:, None, :],
+            "token": lambda: p[:, :, None]}[layout]()
+
+
+def reference_quantize_blocks(x: torch.Tensor, bits: int,
+                              layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, T, D) -> packed (N, T, P) uint8, scale and zero (param_shape(layout)) in PARAM_DTYPES[layout]."""
     levels = (1 << bits) - 1
     xf = x.float()
-    lo = xf.amin(dim=(1, 2))
-    hi = xf.amax(dim=(1, 2))
-    scale = (hi - lo) / levels
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.floor((xf - lo[:, None, None]) / safe[:, None, None] + 0.5).clamp(0, levels)
-    q = torch.where(scale[:, None, None] > 0, q, torch.zeros_like(q))
-    return pack_codes(q.long(), bits), scale, lo
+    dims = _REDUCE_DIMS[layout]
+    scale, zero = quant_params(xf.amin(dim=dims), xf.amax(dim=dims), bits, PARAM_DTYPES[layout])
+    s, z = _expand(scale, layout), _expand(zero, layout)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.floor((xf - z) / safe + 0.5).clamp(0, levels)
+    q = torch.where(s > 0, q, torch.zeros_like(q))
+    return pack_codes(q.long(), bits), scale, zero
 
 
 def reference_dequantize_blocks(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                                d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                                d: int, dtype: torch.dtype = torch.float32, layout: str = "block") -> torch.Tensor:
     """packed (N, T, P) -> x_hat (N, T, D) in dtype: code * scale + zero."""
     q = unpack_codes(packed, bits, d).float()
-    return (q * scale.float()[:, None, None] + zero.float()[:, None, None]).to(dtype)
+    return (q * _expand(scale, layout) + _expand(zero, layout)).to(dtype)
 
 
-def quantize_blocks(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_blocks(x: torch.Tensor, bits: int,
+                    layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize N blocks of (T, D) values. x (N, T, D) float.
 
-    Returns packed (N, T, P) uint8 with P = ceil(D * bits / 8), scale (N,) fp32, zero (N,) fp32.
+    Returns packed (N, T, P) uint8 with P = ceil(D * bits / 8), scale and zero of
+    ``param_shape(layout, N, T, D)`` in ``PARAM_DTYPES[layout]``.
     """
-    _validate_quantize(x, bits)
+    _validate_quantize(x, bits, layout)
     if use_triton(x):
-        return kernel_module("_quant_triton").quantize(x, bits)
-    return reference_quantize_blocks(x, bits)
+        return kernel_module("_quant_triton").quantize(x, bits, layout)
+    return reference_quantize_blocks(x, bits, layout)
+
+
+def check_params(scale: torch.Tensor, zero: torch.Tensor, layout: str, shape: tuple[int, ...]) -> None:
+    """scale and zero must both be ``shape`` in the layout's storage dtype."""
+    _check_layout(layout)
+    want = PARAM_DTYPES[layout]
+    check(tuple(scale.shape) == tuple(shape) and tuple(zero.shape) == tuple(shape),
+          f"scale and zero must be {tuple(shape)} for layout {layout!r}, got {tuple(scale.shape)} and "
+          f"{tuple(zero.shape)}")
+    check(scale.dtype == want and zero.dtype == want,
+          f"scale and zero of layout {layout!r} are {want}, got {scale.dtype} and {zero.dtype}: pass what "
+          "quantize_blocks returned")
 
 
 def dequantize_blocks(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, D: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of quantize_blocks: packed (N, T, P) uint8, scale/zero (N,) -> (N, T, D) in dtype."""
+                      dtype: torch.dtype = torch.float32, layout: str = "block") -> torch.Tensor:
+    """Inverse of quantize_blocks: packed (N, T, P) uint8 and its scale / zero -> (N, T, D) in dtype."""
     _check_bits(bits)
     check(packed.dim() == 3 and packed.dtype == torch.uint8,
           f"packed must be (N, T, P) uint8, got {tuple(packed.shape)} {packed.dtype}")
     check(packed.shape[-1] == packed_width(D, bits),
           f"packed rows hold {packed.shape[-1]} bytes but D={D} at {bits} bits needs {packed_width(D, bits)}")
-    n = packed.shape[0]
-    check(scale.shape == (n,) and zero.shape == (n,),
-          f"scale and zero must be ({n},), got {tuple(scale.shape)} and {tuple(zero.shape)}")
+    n, t = packed.shape[:2]
+    check_params(scale, zero, layout, param_shape(layout, n, t, D))
     check(dtype in FLOAT_DTYPES, f"dtype {dtype} unsupported; use float16, bfloat16 or float32")
     if use_triton(packed, scale, zero):
-        return kernel_module("_quant_triton").dequantize(packed, scale, zero, bits, D, dtype)
-    return reference_dequantize_blocks(packed, scale, zero, bits, D, dtype)
+        return kernel_module("_quant_triton").dequantize(packed, scale, zero, bits, D, dtype, layout)
+    return reference_dequantize_blocks(packed, scale, zero, bits, D, dtype, layout)

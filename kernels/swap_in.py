@@ -4,16 +4,18 @@ On CUDA the source is pinned host memory read by the kernel over UVA (no cudaMem
 swap_in:          src (R, W), dst (S, W), src_rows / dst_rows (M,): dst[dst_rows[i]] = src[src_rows[i]]
                   (a source row of -1 copies nothing: fixed-width lists of a graph-captured step).
 swap_in_dequant:  packed (R, P) uint8 rows of `bits`-bit codes (one row = one token's D values,
-                  P = ceil(D * bits / 8)), scale / zero (R // rows_per_block,) fp32;
-                  dst (S, D) float: dst[dst_rows[i]] = code * scale[blk] + zero[blk],
-                  blk = src_rows[i] // rows_per_block.
+                  P = ceil(D * bits / 8)) quantized in blocks of rows_per_block rows in a layout
+                  (quant.py): scale / zero (R // rows_per_block,) fp32 ("block"), (R // rows_per_block,
+                  D) fp16 ("channel") or (R,) fp16 ("token", one pair per row);
+                  dst (S, D) float: dst[dst_rows[i]] = code * scale + zero, the pair of row
+                  src_rows[i] (its block blk = src_rows[i] // rows_per_block, and column).
 """
 from __future__ import annotations
 
 import torch
 
 from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check, kernel_module, use_triton
-from .quant import SUPPORTED_BITS, packed_width, unpack_codes
+from .quant import LAYOUTS, PARAM_DTYPES, SUPPORTED_BITS, packed_width, unpack_codes
 
 
 def _check_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -46,22 +48,31 @@ def reference_swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tens
     dst.index_copy_(0, dst_rows.to(dst.device).long(), rows.to(dst.device, dst.dtype))
 
 
+def _row_params(p: torch.Tensor, idx: torch.Tensor, rows_per_block: int, layout: str) -> torch.Tensor:
+    """The scale (or zero) of rows idx (M,) as fp32, broadcastable to their (M, D) values."""
+    p = p.to(idx.device).float()
+    if layout == "token":
+        return p[idx, None]
+    pairs = p[idx // rows_per_block]
+    return pairs[:, None] if layout == "block" else pairs            # (M, 1) or a channel's (M, D)
+
+
 def reference_swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                               rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor,
-                              dst_rows: torch.Tensor) -> None:
+                              dst_rows: torch.Tensor, layout: str = "block") -> None:
     d = dst.shape[1]
     src_rows, dst_rows = _present(src_rows, dst_rows)
     idx = src_rows.to(packed.device).long()
     codes = unpack_codes(packed.index_select(0, idx), bits, d).float()        # (M, D)
-    blk = idx // rows_per_block
-    x = codes * scale.to(packed.device).float()[blk, None] + zero.to(packed.device).float()[blk, None]
+    x = codes * _row_params(scale, idx, rows_per_block, layout) + _row_params(zero, idx, rows_per_block, layout)
     dst.index_copy_(0, dst_rows.to(dst.device).long(), x.to(dst.device, dst.dtype))
 
 
 def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] in place. src (R, W), dst (S, W): on CUDA either may be
     pinned host memory (host -> device: swap-in; device -> host: the batched decode's backup)."""
-    check(src.dim() == 2 and dst.dim() == 2, f"src and dst must be 2-D (rows, W), got {tuple(src.shape)} and {tuple(dst.shape)}")
+    check(src.dim() == 2 and dst.dim() == 2,
+          f"src and dst must be 2-D (rows, W), got {tuple(src.shape)} and {tuple(dst.shape)}")
     check(src.shape[1] == dst.shape[1], f"row widths differ: src W={src.shape[1]}, dst W={dst.shape[1]}")
     check(src.dtype == dst.dtype, f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")
     _check_rows(src_rows, dst_rows)
@@ -74,24 +85,35 @@ def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_ro
 
 
 def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
+                    layout: str = "block") -> None:
     """Fused swap-in and dequantization of quantized host rows into dst (S, D) float, in place."""
     check(bits in SUPPORTED_BITS, f"bits={bits} unsupported; use one of {SUPPORTED_BITS}")
-    check(packed.dim() == 2 and packed.dtype == torch.uint8, f"packed must be (R, P) uint8, got {tuple(packed.shape)} {packed.dtype}")
+    check(layout in LAYOUTS, f"layout={layout!r} unknown; use one of {LAYOUTS}")
+    check(packed.dim() == 2 and packed.dtype == torch.uint8,
+          f"packed must be (R, P) uint8, got {tuple(packed.shape)} {packed.dtype}")
     check(dst.dim() == 2 and dst.dtype in FLOAT_DTYPES, f"dst must be (S, D) float, got {tuple(dst.shape)} {dst.dtype}")
     d = dst.shape[1]
     check(packed.shape[1] == packed_width(d, bits),
           f"packed rows hold {packed.shape[1]} bytes but D={d} at {bits} bits needs {packed_width(d, bits)}")
-    check(isinstance(rows_per_block, int) and rows_per_block > 0, f"rows_per_block must be a positive int, got {rows_per_block!r}")
+    check(isinstance(rows_per_block, int) and rows_per_block > 0,
+          f"rows_per_block must be a positive int, got {rows_per_block!r}")
     nblk = packed.shape[0] // rows_per_block
-    check(scale.dim() == 1 and scale.shape == zero.shape and scale.shape[0] >= nblk,
-          f"scale and zero must be ({nblk},) (one per block of {rows_per_block} rows), got {tuple(scale.shape)} and {tuple(zero.shape)}")
+    want = {"block": f"({nblk},) (one per block of {rows_per_block} rows)",
+            "channel": f"({nblk}, {d}) (one per column of each block of {rows_per_block} rows)",
+            "token": f"({packed.shape[0]},) (one per row)"}[layout]
+    ok = {"block": lambda t: t.dim() == 1 and t.shape[0] >= nblk,
+          "channel": lambda t: t.dim() == 2 and t.shape[0] >= nblk and t.shape[1] == d,
+          "token": lambda t: t.dim() == 1 and t.shape[0] >= packed.shape[0]}[layout]
+    check(ok(scale) and scale.shape == zero.shape and scale.dtype == zero.dtype == PARAM_DTYPES[layout],
+          f"scale and zero of layout {layout!r} must be {want} {PARAM_DTYPES[layout]}, got {tuple(scale.shape)} "
+          f"{scale.dtype} and {tuple(zero.shape)} {zero.dtype}")
     _check_rows(src_rows, dst_rows)
     if src_rows.numel() == 0:
         return
     gpu_readable = all(t.is_cuda or t.is_pinned() for t in (scale, zero)) or not dst.is_cuda
     if _device_path(packed, dst, src_rows, dst_rows) and gpu_readable:
         kernel_module("_swap_in_triton").swap_in_dequant(packed, scale, zero, bits, rows_per_block,
-                                                         src_rows, dst, dst_rows)
+                                                         src_rows, dst, dst_rows, layout)
         return
-    reference_swap_in_dequant(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows)
+    reference_swap_in_dequant(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows, layout)

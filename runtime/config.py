@@ -19,7 +19,7 @@ MAX_SEQ_LEN = 1 << 24
 NAME_BYTES = 64  # the telemetry segment's name field (easymats/layout.py NAME_FIELD)
 
 # Integer options and their smallest allowed value (optional ones may also be None).
-_INTS = {"max_seq_len": 1, "cache_block_size": 1, "window_size": 1, "global_tokens": 0, "top_k": 1,
+_INTS = {"max_seq_len": 1, "cache_block_size": 1, "window_size": 1, "global_tokens": 0, "sink_tokens": 0, "top_k": 1,
          "recalibrate_every": 1, "recalibrate_topk": 1, "recalibrate_queries": 1, "audit_every": 0,
          "audit_top_m": 1, "drift_window": 1, "prefetch_blocks": 0, "bound_group": 1, "seed": 0}
 _OPTIONAL_INTS = {"device_buffer_tokens": 1, "host_pool_blocks": 1}
@@ -66,6 +66,8 @@ class HiSparseConfig:
     cache_block_size: int = 512          # tokens per KV block (storage and selection granularity)
     window_size: int = 1024              # most recent tokens always selected
     global_tokens: int = 16              # anchors pinned per sequence, layer and KV head
+    sink_tokens: int = 4                 # first tokens of each sequence always selected (attention
+                                         # sinks; part of top_k)
     top_k: int = 2048                    # tokens attended per decode step and KV head
     device_buffer_tokens: int | None = None   # hot buffer slots per KV head; None -> 2 * top_k
     kv_dtype: object = None              # torch dtype of stored KV; None -> the engine's dtype
@@ -143,6 +145,9 @@ class HiSparseConfig:
         need(self.window_size + self.global_tokens <= self.top_k,
              f"window_size + global_tokens ({self.window_size} + {self.global_tokens}) must be <= "
              f"top_k ({self.top_k}): raise top_k or lower global_tokens")
+        need(self.window_size + self.sink_tokens <= self.top_k,
+             f"window_size + sink_tokens ({self.window_size} + {self.sink_tokens}) must be <= top_k "
+             f"({self.top_k}): raise top_k or lower sink_tokens")
         need(self.buffer_tokens >= self.top_k,
              f"device_buffer_tokens ({self.buffer_tokens}) must be >= top_k ({self.top_k}): every "
              "selected token needs a hot buffer slot (leave it None for 2 * top_k)")

@@ -142,7 +142,8 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                           row_blocks)
     sel = select(scores.reshape(B * H, nb), n_head, batch.first_of_head, cfg.window_size, cfg.top_k, bs,
                  bank["anchors"][r].reshape(B * H, -1),
-                 bank["holes"][r, :nb].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks, n_cand)
+                 bank["holes"][r, :nb].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks, n_cand,
+                 cfg.sink_tokens)
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[layer]

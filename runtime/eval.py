@@ -63,18 +63,19 @@ def _bits(text: str) -> list[Any]:
 
 
 def configurations(top_ks: list[int], bits: list[Any], window: int, block_size: int,
-                   global_tokens: int, max_seq_len: int, full_budget: bool) -> list[dict[str, Any]]:
+                   global_tokens: int, max_seq_len: int, full_budget: bool,
+                   sink_tokens: int = 4) -> list[dict[str, Any]]:
     """HiSparse options per configuration, in run order. A window that leaves no room for the
     anchors (window + global_tokens > top_k, e.g. 256 + 16 at top_k 256) is halved."""
     out = []
     if full_budget:
         out.append(dict(max_seq_len=max_seq_len, block_size=block_size, window_size=window,
-                        global_tokens=global_tokens, top_k=max_seq_len, host_kv_bits=None))
+                        global_tokens=global_tokens, top_k=max_seq_len, host_kv_bits=None, sink_tokens=sink_tokens))
     for top_k in top_ks:
         w = window if window + global_tokens <= top_k else top_k // 2
         for b in bits:
             out.append(dict(max_seq_len=max_seq_len, block_size=block_size, window_size=w,
-                            global_tokens=global_tokens, top_k=top_k, host_kv_bits=b))
+                            global_tokens=global_tokens, top_k=top_k, host_kv_bits=b, sink_tokens=sink_tokens))
     return out
 
 
@@ -82,8 +83,10 @@ def label(options: dict[str, Any] | None) -> str:
     if options is None:
         return "dense"
     bits = options.get("host_kv_bits")
+    # records made before sink tokens existed carry no sink_tokens (they had none)
+    sinks = f"sinks {options['sink_tokens']}, " if "sink_tokens" in options else ""
     return (f"top_k {options['top_k']}, window {options['window_size']}, blocks "
-            f"{options['block_size']}, anchors {options['global_tokens']}, host "
+            f"{options['block_size']}, anchors {options['global_tokens']}, {sinks}host "
             f"{'unquantized' if bits is None else bits if isinstance(bits, str) else f'{bits}-bit'}")
 
 
@@ -128,7 +131,7 @@ def run_grid(args: argparse.Namespace) -> int:
         done = {_key(r) for r in read_records(args.json)}
     try:
         t0 = time.perf_counter()
-        lm = load_model(args.model)
+        lm = load_model(args.model, device=args.device)
         text = load_text(args.text)
     except RealModelError as exc:
         print(f"hi_sparse.eval: {exc}", file=sys.stderr)
@@ -136,11 +139,11 @@ def run_grid(args: argparse.Namespace) -> int:
     print(f"hi_sparse.eval: {lm.name} loaded in {time.perf_counter() - t0:.0f} s; text {args.text}; "
           f"{torch.get_num_threads()} threads", flush=True)
     configs = [None] + configurations(args.top_k, args.bits, args.window, args.block_size,
-                                      args.global_tokens, args.max_seq_len, args.full_budget)
+                                      args.global_tokens, args.max_seq_len, args.full_budget, args.sinks)
     for context in args.context:
         if "perplexity" in args.passes:
             try:
-                ids = torch.tensor([token_ids(lm.tokenizer, text, context + args.continuation)])
+                ids = torch.tensor([token_ids(lm.tokenizer, text, context + args.continuation)], device=args.device)
             except RealModelError as exc:
                 print(f"hi_sparse.eval: {exc}", file=sys.stderr)
                 return 2
@@ -241,12 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--global-tokens", type=int, default=16)
+    parser.add_argument("--sinks", type=int, default=4, help="sink tokens always selected (default 4)")
     parser.add_argument("--max-seq-len", type=int, default=8192)
     parser.add_argument("--full-budget", action="store_true",
                         help="also run top_k = max_seq_len without quantization (must equal dense)")
     parser.add_argument("--passes", default="perplexity,needle",
                         help="perplexity, needle or both (default both)")
     parser.add_argument("--depths", type=_floats, default=[0.1, 0.5, 0.9], help="needle depths")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model runs")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None, help="append each result as a JSON line here")
     parser.add_argument("--resume", action="store_true", help="skip results already in --json")

@@ -7,7 +7,9 @@ offset: the one place that formula lives); a quantization *unit* is one (block, 
 
 - unquantized: ``k``, ``v`` (R, D) in the KV dtype;
 - quantized: ``k_packed``, ``v_packed`` (R, P_max) uint8 (a unit at b bits uses the first
-  ceil(D*b/8) bytes of its rows), per-unit scale / zero (fp32) and bits (uint8). A block is
+  ceil(D*b/8) bytes of its rows), bits per unit (uint8), and fp16 scale / zero points in the
+  layouts of ``quant_policy.LAYOUT``: keys one pair per channel of a unit (``k_scale`` (U, D)),
+  values one per token (``v_scale`` (R,)). A block is
   quantized when it fills (:meth:`HostPool.seal`); until then its tokens live in the sequence's
   float *tail* block (``k_tail``/``v_tail``, the same formula with the tail slot as the block).
 
@@ -22,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hi_sparse.kernels import packed_width, swap_in, swap_in_dequant
+from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
 
-from .quant_policy import BITS, make_policy, max_bits, quantize_roundtrip
+from .quant_policy import BITS, LAYOUT, make_policy, max_bits, quantize_roundtrip
 
 
 @dataclass
@@ -97,9 +99,10 @@ class HostPool:
         rows, units, trows = blocks * H * bs, blocks * H, tails * H * bs
         for store in self.layers:
             if self.quantized:
+                pairs = {"channel": (units, D), "token": (rows,)}
                 spec = {"k_packed": ((rows, P), torch.uint8), "v_packed": ((rows, P), torch.uint8),
-                        "k_scale": ((units,), torch.float32), "k_zero": ((units,), torch.float32),
-                        "v_scale": ((units,), torch.float32), "v_zero": ((units,), torch.float32),
+                        **{f"{x}_{p}": (pairs[LAYOUT[x]], PARAM_DTYPES[LAYOUT[x]])
+                           for x in ("k", "v") for p in ("scale", "zero")},
                         "k_bits": ((units,), torch.uint8), "v_bits": ((units,), torch.uint8),
                         "k_tail": ((trows, D), self.dtype), "v_tail": ((trows, D), self.dtype)}
             else:
@@ -260,21 +263,28 @@ class HostPool:
         offs = torch.arange(self.block_size)
         for b in sorted(set(bits.tolist())):
             sel = (bits == b).nonzero().squeeze(1).cpu()
-            packed, scale, zero, err = (t.cpu() for t in quantize_roundtrip(x[sel.to(x.device)], b))
+            packed, scale, zero, err = (t.cpu() for t in quantize_roundtrip(x[sel.to(x.device)], b, LAYOUT[prefix]))
             u = units[sel]
             rows = (u[:, None] * self.block_size + offs[None]).reshape(-1)
             P = packed.shape[-1]
             store[f"{prefix}_packed"][rows, :P] = packed.reshape(-1, P)
-            store[f"{prefix}_scale"][u] = scale
-            store[f"{prefix}_zero"][u] = zero
+            # channel pairs (N, D) go to the units' entries, token pairs (N, T) to the rows'
+            at = rows if LAYOUT[prefix] == "token" else u
+            store[f"{prefix}_scale"][at] = scale.flatten(0, 1) if LAYOUT[prefix] == "token" else scale
+            store[f"{prefix}_zero"][at] = zero.flatten(0, 1) if LAYOUT[prefix] == "token" else zero
             store[f"{prefix}_bits"][u] = b
             mirror = self._bits_on.get((layer, prefix))
             if mirror is not None:
                 mirror[u.to(mirror.device)] = b
             events.counts[b] = events.counts.get(b, 0) + len(u)
             events.errors.extend(err.tolist())
-            written += packed.numel() + 8 * len(u)
+            written += packed.numel() + 2 * scale.numel() * scale.element_size()
         return written
+
+    @staticmethod
+    def _per_unit(name: str) -> bool:
+        """Whether a quantized pool's tensor ``name`` has one entry per unit (else one per row)."""
+        return name.endswith("_bits") or (name.endswith(("_scale", "_zero")) and LAYOUT[name[0]] != "token")
 
     def _host_visible(self) -> None:
         """Wait for device writes into the pinned pool before the CPU reads or rewrites rows."""
@@ -295,7 +305,7 @@ class HostPool:
             for store in self.layers:
                 for name, t in store.items():
                     if not name.endswith("_tail"):
-                        per = H if name.endswith(("scale", "zero", "bits")) else H * bs
+                        per = H if self._per_unit(name) else H * bs
                         t[dst[0] * per:(dst[0] + len(dst)) * per].copy_(t[src[0] * per:(src[0] + len(src)) * per])
             return
         s, d = torch.tensor(src), torch.tensor(dst)
@@ -307,8 +317,7 @@ class HostPool:
             for name, t in store.items():
                 if name.endswith("_tail"):
                     continue
-                per_unit = name.endswith(("scale", "zero", "bits"))
-                i, o = (units_s, units_d) if per_unit else (rows_s, rows_d)
+                i, o = (units_s, units_d) if self._per_unit(name) else (rows_s, rows_d)
                 t.index_copy_(0, o, t.index_select(0, i))
 
     def copy_tail(self, src: int, dst: int) -> None:
@@ -329,13 +338,19 @@ class HostPool:
         if not self.quantized or self.fixed_bits is not None:
             return
         if device not in self._row_bytes:
-            sizes = [packed_width(self.head_dim, b) + 8 for b in range(max(BITS) + 1)]
+            sizes = [packed_width(self.head_dim, b) for b in range(max(BITS) + 1)]
             self._row_bytes[device] = torch.tensor(sizes, device=device)
         if device.type != "cuda":
             return
         for prefix in ("k", "v"):
             if (layer, prefix) not in self._bits_on:
                 self._bits_on[(layer, prefix)] = self.layers[layer][f"{prefix}_bits"].to(device)
+
+    def _pair_bytes(self, prefix: str) -> int:
+        """Bytes of scale and zero point a row of keys / values reads (its share of a unit's
+        per-channel pairs, or its own per-token pair)."""
+        per_unit = 4 * self.head_dim if LAYOUT[prefix] == "channel" else 4 * self.block_size
+        return -(-per_unit // self.block_size)
 
     def _unit_bits(self, layer: int, prefix: str, device: torch.device) -> torch.Tensor:
         return self._bits_on[(layer, prefix)] if device.type == "cuda" else self.layers[layer][f"{prefix}_bits"]
@@ -361,9 +376,10 @@ class HostPool:
             P = packed_width(D, self.fixed_bits)
             for prefix, dst in (("k", dst_k), ("v", dst_v)):
                 swap_in_dequant(store[f"{prefix}_packed"][:, :P], store[f"{prefix}_scale"], store[f"{prefix}_zero"],
-                                self.fixed_bits, self.block_size, rows, dst, dst_rows)
-            # K and V rows (packed bytes + scale and zero each): one count in the captured step
-            return ((tail_rows >= 0) * tail_bytes + (rows >= 0) * (2 * (P + 8))).sum()
+                                self.fixed_bits, self.block_size, rows, dst, dst_rows, LAYOUT[prefix])
+            # K and V rows (packed bytes + their share of the pairs): one count in the captured step
+            row = 2 * P + self._pair_bytes("k") + self._pair_bytes("v")
+            return ((tail_rows >= 0) * tail_bytes + (rows >= 0) * row).sum()
         nbytes = (tail_rows >= 0).sum() * tail_bytes
         if rows.device.type != "cuda":
             self.prepare(layer, rows.device)      # (on a GPU the caller did, outside any capture)
@@ -373,8 +389,9 @@ class HostPool:
             for b in self.widths:
                 P = packed_width(D, b)
                 swap_in_dequant(store[f"{prefix}_packed"][:, :P], *args, b, self.block_size,
-                                torch.where(bits == b, rows, -1), dst, dst_rows)
-            nbytes = nbytes + torch.where(rows >= 0, self._row_bytes[rows.device][bits], 0).sum()
+                                torch.where(bits == b, rows, -1), dst, dst_rows, LAYOUT[prefix])
+            row = self._row_bytes[rows.device][bits] + self._pair_bytes(prefix)
+            nbytes = nbytes + torch.where(rows >= 0, row, 0).sum()
         return nbytes
 
     def read(self, layer: int, block_table: torch.Tensor, tail_slot: int, full_blocks: int,

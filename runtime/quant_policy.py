@@ -33,10 +33,18 @@ def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
     return num / den
 
 
-def quantize_roundtrip(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize units x (N, T, D) at ``bits``; returns (packed, scale, zero, relative error (N,))."""
-    packed, scale, zero = quantize_blocks(x, bits)
-    x_hat = dequantize_blocks(packed, scale, zero, bits, x.shape[-1], dtype=torch.float32)
+# Which values share a scale and zero point in the host pool (kernels/quant.py): keys per channel
+# of a unit (a few channels carry most of a key's range; one scale per unit spends the levels on
+# them), values per token (docs/quality/README.md has the measurement on SmolLM2).
+LAYOUT = {"k": "channel", "v": "token"}
+
+
+def quantize_roundtrip(x: torch.Tensor, bits: int,
+                       layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize units x (N, T, D) at ``bits`` in ``layout``; returns (packed, scale, zero, relative
+    error (N,) of each unit: the per-block error the catalogue's histogram counts)."""
+    packed, scale, zero = quantize_blocks(x, bits, layout)
+    x_hat = dequantize_blocks(packed, scale, zero, bits, x.shape[-1], dtype=torch.float32, layout=layout)
     return packed, scale, zero, relative_error(x, x_hat)
 
 
@@ -103,19 +111,19 @@ class ErrorBudgetPolicy:
     """The fewest bits (4, 5, 6, 8) whose relative error stays within ``budget``; else 8."""
     budget: float = 0.02
 
-    def _one(self, x: torch.Tensor) -> torch.Tensor:
+    def _one(self, x: torch.Tensor, layout: str) -> torch.Tensor:
         x = x.cpu()
         chosen = torch.full((x.shape[0],), 8, dtype=torch.int64)
         done = torch.zeros(x.shape[0], dtype=torch.bool)
         for b in BITS[:-1]:
-            err = quantize_roundtrip(x, b)[3]
+            err = quantize_roundtrip(x, b, layout)[3]
             ok = (err <= self.budget) & ~done
             chosen[ok] = b
             done |= ok
         return chosen
 
     def choose(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._one(k), self._one(v)
+        return self._one(k, LAYOUT["k"]), self._one(v, LAYOUT["v"])
 
 
 def make_policy(host_kv_bits, budget: float = 0.02):

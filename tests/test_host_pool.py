@@ -93,7 +93,9 @@ def test_mixed_widths_load_each_unit_at_its_own_bits_and_count_what_they_read():
     want = x.reshape(-1, D)[kept]
     assert relative_error(want[None], dst[kept][None]).item() < 0.1
     unit_bits = lambda name: hp.layers[0][name][rows[kept] // BS].tolist()   # noqa: E731
-    expect = sum(packed_width(D, b) + 8 for b in unit_bits("k_bits") + unit_bits("v_bits"))
+    # a key row's share of its unit's per-channel fp16 scale and zero, a value row's own pair
+    pairs = {"k_bits": -(-4 * D // BS), "v_bits": 4}
+    expect = sum(packed_width(D, b) + pairs[name] for name in pairs for b in unit_bits(name))
     assert int(nbytes) == expect
 
 

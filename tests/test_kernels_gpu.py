@@ -111,6 +111,45 @@ def test_swap_in_dequant_from_pinned_host(bits, dtype, D):
     assert _rel(dst.cpu()[dst_rows].float(), ref[dst_rows].float()) < 1e-3
 
 
+LAYOUT_SHAPES = [(63, 60), (64, 64), (64, 128), (512, 128), (2100, 16)]
+
+
+@pytest.mark.parametrize("layout", ["channel", "token"])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("T,D", LAYOUT_SHAPES, ids=[f"t{t}-d{d}" for t, d in LAYOUT_SHAPES])
+def test_quantize_channel_and_token_layouts(layout, bits, T, D):
+    """The host pool's layouts (keys per channel, values per token), bf16: every kernel path (the
+    axis kernel's whole block, channel strips at 512 tokens, the general kernel at D=60 and for a
+    2100-token channel strip), outputs poisoned; pairs as the reference's, codes a correct rounding
+    against the kernel's own pair, the round trip through swap-in from pinned host memory."""
+    n = 9
+    x = (torch.randn(n, T, D, device="cuda") * torch.linspace(0.5, 20.0, D, device="cuda") + 3.0).to(torch.bfloat16)
+    x[-1, :, 1] = 1.25                                 # a constant column
+    x[-1, 2] = -0.5                                    # a constant row
+    _poison_bytes(n * T * K.packed_width(D, bits))
+    packed, scale, zero = K.quantize_blocks(x, bits, layout)
+    rp, rs, rz = K.reference_quantize_blocks(x, bits, layout)
+    assert packed.shape == rp.shape and scale.dtype == torch.float16 and scale.shape == rs.shape
+    assert torch.equal(zero, rz) and torch.allclose(scale.float(), rs.float(), rtol=1e-3, atol=0)
+    dims = 1 if layout == "channel" else 2
+    s, z = scale.double().unsqueeze(dims), zero.double().unsqueeze(dims)
+    exact = torch.where(s > 0, ((x.double() - z) / s.clamp_min(1e-30)).clamp(0, (1 << bits) - 1), 0.0)
+    codes = K.unpack_codes(packed, bits, D).double()
+    assert float((codes - exact).abs().max()) <= 0.5 + 1e-3
+    flat = packed.reshape(n * T, -1).cpu().pin_memory()
+    sc, zc = (scale.reshape(-1), zero.reshape(-1)) if layout == "token" else (scale, zero)
+    sc, zc = sc.cpu().pin_memory(), zc.cpu().pin_memory()
+    src_rows = torch.randperm(n * T)[:200]
+    src_rows[:64] = torch.arange(64) + T                   # a run of one block
+    dst_rows = torch.randperm(300)[:200]
+    dst = torch.full((300, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    K.swap_in_dequant(flat, sc, zc, bits, T, src_rows, dst, dst_rows.cuda(), layout)
+    ref = torch.full((300, D), float("nan"), dtype=torch.bfloat16)
+    K.reference_swap_in_dequant(flat, sc, zc, bits, T, src_rows, ref, dst_rows, layout)
+    assert torch.equal(dst.cpu().isnan(), ref.isnan())
+    assert _rel(dst.cpu()[dst_rows].float(), ref[dst_rows].float()) < 1e-3
+
+
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,D", [(63, 60), (63, 128), (512, 128)], ids=["t63-d60", "t63-d128", "t512-d128"])

@@ -5,9 +5,21 @@ import sys
 import pytest
 import torch
 
-from hi_sparse.kernels import (block_bounds, block_scores, dequantize_blocks, pack_codes, packed_width,
-                               quantize_blocks, reference_sparse_decode_attention, sparse_decode_attention,
-                               superblock_bounds, swap_in, swap_in_dequant, two_level_candidates, unpack_codes)
+from hi_sparse.kernels import (
+    block_bounds,
+    block_scores,
+    dequantize_blocks,
+    pack_codes,
+    packed_width,
+    quantize_blocks,
+    reference_sparse_decode_attention,
+    sparse_decode_attention,
+    superblock_bounds,
+    swap_in,
+    swap_in_dequant,
+    two_level_candidates,
+    unpack_codes,
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,6 +123,37 @@ def test_quantize_constant_block_is_exact():
     assert torch.equal(dequantize_blocks(packed, scale, zero, 4, 8), x)
 
 
+@pytest.mark.parametrize("layout", ["channel", "token"])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_channel_and_token_layouts_quantize_each_group_within_half_its_step(bits, layout):
+    """Keys per channel, values per token: each column's (or row's) own fp16 zero and scale, every
+    value within half a step of its group (plus the fp16 rounding of the zero point)."""
+    torch.manual_seed(bits)
+    x = torch.randn(3, 16, 64) * torch.logspace(-1, 2, 64) + 5.0          # channels of very different range
+    packed, scale, zero = quantize_blocks(x, bits, layout)
+    shape = (3, 64) if layout == "channel" else (3, 16)
+    assert scale.shape == zero.shape == shape and scale.dtype == zero.dtype == torch.float16
+    dims = 1 if layout == "channel" else 2
+    assert torch.equal(zero, x.amin(dims).half())
+    x_hat = dequantize_blocks(packed, scale, zero, bits, 64, layout=layout)
+    s = scale.float().unsqueeze(dims)
+    slack = (zero.float() - x.amin(dims)).abs().unsqueeze(dims) + 1e-3 * s
+    assert bool(((x_hat - x).abs() <= 0.5 * s + slack + 1e-6).all())
+
+
+def test_per_channel_keys_fit_outlier_channels_far_better_than_one_scale_per_block():
+    """The reason for the layouts (docs/quality): one outlier channel spends a block-wide scale."""
+    torch.manual_seed(0)
+    k = torch.randn(8, 64, 64)
+    k[..., 3] = k[..., 3] * 0.1 + 20.0                                     # a large, steady channel
+    err = {}
+    for layout in ("block", "channel", "token"):
+        packed, scale, zero = quantize_blocks(k, 4, layout)
+        k_hat = dequantize_blocks(packed, scale, zero, 4, 64, layout=layout)
+        err[layout] = float((k_hat - k).norm() / k.norm())
+    assert err["channel"] < err["token"] < err["block"] and err["channel"] < 0.2 * err["block"], err
+
+
 def test_quantize_rejects_bad_input():
     with pytest.raises(ValueError, match=r"bits=3 unsupported"):
         quantize_blocks(torch.randn(1, 2, 4), 3)
@@ -119,6 +162,13 @@ def test_quantize_rejects_bad_input():
     packed, scale, zero = quantize_blocks(torch.randn(1, 2, 4), 4)
     with pytest.raises(ValueError, match="needs 3"):
         dequantize_blocks(packed, scale, zero, 6, 4)
+    with pytest.raises(ValueError, match="layout='rows' unknown"):
+        quantize_blocks(torch.randn(1, 2, 4), 4, "rows")
+    with pytest.raises(ValueError, match=r"must be \(1, 4\) for layout 'channel'"):
+        dequantize_blocks(packed, scale, zero, 4, 4, layout="channel")
+    packed, scale, zero = quantize_blocks(torch.randn(1, 2, 4), 4, "token")
+    with pytest.raises(ValueError, match="pass what quantize_blocks returned"):
+        dequantize_blocks(packed, scale.float(), zero.float(), 4, 4, layout="token")
 
 
 # ---------------------------------------------------------------- bounds and scores
@@ -226,7 +276,8 @@ def test_bounds_reject_bad_input():
     with pytest.raises(ValueError, match="must be"):
         block_scores(torch.randn(2, 1, 4), torch.randn(2, 3, 5), torch.randn(2, 3, 5))
     with pytest.raises(ValueError, match="int64"):
-        block_scores(torch.randn(2, 1, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.zeros(2, 2, dtype=torch.int32))
+        block_scores(torch.randn(2, 1, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 4),
+                     torch.zeros(2, 2, dtype=torch.int32))
 
 
 # ---------------------------------------------------------------- swap-in
@@ -252,6 +303,23 @@ def test_swap_in_dequant_equals_dequantize_blocks(bits):
     assert bool(dst[3].isnan().all())
 
 
+@pytest.mark.parametrize("layout", ["channel", "token"])
+def test_swap_in_dequant_in_a_layout_equals_dequantize_blocks(layout):
+    torch.manual_seed(6)
+    n, t, d = 3, 8, 64
+    packed, scale, zero = quantize_blocks(torch.randn(n, t, d), 4, layout)
+    ref = dequantize_blocks(packed, scale, zero, 4, d, layout=layout).reshape(n * t, d)
+    if layout == "token":                                                  # one pair per row
+        scale, zero = scale.reshape(-1), zero.reshape(-1)
+    dst = torch.full((5, d), float("nan"))
+    rows = torch.tensor([23, 0, 9, 16])
+    swap_in_dequant(packed.reshape(n * t, -1), scale, zero, 4, t, rows, dst, torch.tensor([4, 0, 1, 2]), layout)
+    assert torch.equal(dst[[4, 0, 1, 2]], ref[rows])
+    assert bool(dst[3].isnan().all())
+    with pytest.raises(ValueError, match=f"scale and zero of layout '{layout}' must be"):
+        swap_in_dequant(packed.reshape(n * t, -1), scale[:1], zero[:1], 4, t, rows, dst, rows, layout)
+
+
 def test_swap_in_rejects_bad_input():
     with pytest.raises(ValueError, match="row widths differ"):
         swap_in(torch.randn(3, 4), torch.tensor([0]), torch.randn(3, 5), torch.tensor([0]))
@@ -267,7 +335,8 @@ def test_cpu_tensors_use_the_reference_and_never_load_triton_kernels():
     code = (
         "import sys, torch\n"
         "from hi_sparse.kernels import sparse_decode_attention, quantize_blocks\n"
-        "sparse_decode_attention(torch.randn(1,2,8), torch.randn(1,1,4,8), torch.randn(1,1,4,8), torch.zeros(1,1,2,dtype=torch.long))\n"
+        "sparse_decode_attention(torch.randn(1,2,8), torch.randn(1,1,4,8), torch.randn(1,1,4,8), "
+        "torch.zeros(1,1,2,dtype=torch.long))\n"
         "quantize_blocks(torch.randn(1,2,8), 4)\n"
         "print(sorted(m for m in sys.modules if m.startswith('hi_sparse.kernels._') and m.endswith('_triton')))\n"
     )

@@ -4,8 +4,9 @@ What CI holds the runtime to (docs/BENCHMARKS.md has the long runs at 2K, 6K and
 - the full budget (top_k = max_seq_len, no quantization) equals dense attention: the same
   perplexity to fp32 rounding and the same greedy needle answer;
 - the default sparse configuration of the quality table (top_k 512, window 256, 64-token blocks,
-  16 anchors) stays within SPARSE_BOUND of dense perplexity, and with 4-bit host blocks within
-  SPARSE_4BIT_BOUND (measured 2026-12-01 on this text: see the bounds' comments).
+  16 anchors, 4 sinks) stays within SPARSE_BOUND of dense perplexity, and 4-bit host blocks
+  (keys per channel, values per token) cost at most FOUR_BIT_BOUND over the same selection with
+  an unquantized host (issue 23's target; measured 2026-12-01 on this text: see the bounds).
 """
 
 from __future__ import annotations
@@ -17,19 +18,19 @@ import sys
 import pytest
 import torch
 
-from hi_sparse import eval as hs_eval
-from hi_sparse import quality
+from hi_sparse import eval as hs_eval, quality
 from hi_sparse.real_model import load_text, token_ids
 
 CONTEXT, CONTINUATION = 2048, 32
 SPARSE = dict(max_seq_len=8192, block_size=64, window_size=256, global_tokens=16, top_k=512)
 FULL = dict(SPARSE, top_k=8192)
 # Measured on this text and length (2026-12-01, 2-core AMD EPYC, torch 2.13 CPU, transformers
-# 5.24): dense 10.813, top_k 512 11.058 (1.023x), with 4-bit host blocks 11.444 (1.058x); at 6K
-# with a 512-token continuation BENCHMARKS has 1.10x and 1.29x. The bounds fail when selection
-# or the 4-bit pool gets clearly worse than today; issue 23 tightens them.
-SPARSE_BOUND = 1.05
-SPARSE_4BIT_BOUND = 1.10
+# 5.24): dense 10.813, top_k 512 11.063 (1.023x), with 4-bit host blocks 11.102 (1.0035x the
+# unquantized host). One scale per 64 x 64 block (before issue 23) gave 11.444: 1.035x over the
+# unquantized host, which FOUR_BIT_BOUND fails. docs/BENCHMARKS.md "Quality (issue 23)" has the
+# 2K / 6K runs with a 512-token continuation.
+SPARSE_BOUND = 1.035
+FOUR_BIT_BOUND = 1.02
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +54,10 @@ def test_sparse_perplexity_stays_within_its_bound(smollm2, ids, dense):
     four = quality.perplexity(smollm2, ids, CONTEXT, dict(SPARSE, host_kv_bits=4))
     print(f"dense {dense.perplexity:.3f}, top_k 512 {sparse.perplexity:.3f} "
           f"({sparse.perplexity / dense.perplexity:.3f}x), 4-bit {four.perplexity:.3f} "
-          f"({four.perplexity / dense.perplexity:.3f}x)")
+          f"({four.perplexity / sparse.perplexity:.4f}x the unquantized host)")
     assert dense.perplexity < sparse.perplexity <= SPARSE_BOUND * dense.perplexity
-    assert sparse.perplexity < four.perplexity <= SPARSE_4BIT_BOUND * dense.perplexity
+    assert four.perplexity != sparse.perplexity           # the 4-bit pool really rounded what it read
+    assert four.perplexity <= FOUR_BIT_BOUND * sparse.perplexity
     assert four.counters.quant_blocks.get(4, 0) > 0 and not set(four.counters.quant_blocks) - {4}
     assert 0 < four.counters.quant_error_mean < 0.5
     assert sparse.counters.anchor_lookups > 0  # the audit ran: the counters are the runtime's own

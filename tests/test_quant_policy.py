@@ -14,6 +14,7 @@ import torch
 
 from hi_sparse.kernels import dequantize_blocks, quantize_blocks
 from hi_sparse.quant_policy import (
+    LAYOUT,
     ErrorBudgetPolicy,
     FixedBits,
     SeedBimodalPolicy,
@@ -69,13 +70,18 @@ def test_error_budget_policy_picks_fewest_bits_within_budget():
     g = torch.Generator().manual_seed(1)
     base = torch.randn(4, 16, 32, generator=g)
     blocks = torch.cat([base, base + 1.5, base + 3.5, base + 8.0])   # larger offset -> smaller error
-    kb, _ = ErrorBudgetPolicy(0.02).choose(blocks, blocks)
-    assert kb.tolist() == [8] * 4 + [6] * 4 + [5] * 4 + [4] * 4
-    for b, x in zip(kb.tolist(), blocks):
-        assert quantize_roundtrip(x[None], b)[3].item() <= 0.02
-        if b > 4:
-            fewer = {8: 6, 6: 5, 5: 4}[b]
-            assert quantize_roundtrip(x[None], fewer)[3].item() > 0.02
+    kb, vb = ErrorBudgetPolicy(0.02).choose(blocks, blocks)
+    # keys per channel, values per token (the host pool's layouts): errors under one scale per
+    # block would need 8 bits for the first four
+    assert kb.tolist() == [6] * 4 + [5] * 4 + [4] * 8
+    for chosen, layout in ((kb, LAYOUT["k"]), (vb, LAYOUT["v"])):
+        assert len(set(chosen.tolist())) >= 3
+        for b, x in zip(chosen.tolist(), blocks):
+            assert quantize_roundtrip(x[None], b, layout)[3].item() <= 0.02
+            if b > 4:
+                fewer = {8: 6, 6: 5, 5: 4}[b]
+                assert quantize_roundtrip(x[None], fewer, layout)[3].item() > 0.02
+    assert quantize_roundtrip(blocks[:4], 6, "block")[3].max().item() > 0.02
     assert FixedBits(6).choose(blocks, blocks)[0].eq(6).all()
 
 

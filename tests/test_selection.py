@@ -7,24 +7,24 @@ from hi_sparse.kernels import block_bounds, block_scores
 from hi_sparse.selection import candidate_blocks, select
 
 
-def _select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=0):
+def _select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=0, sinks=0):
     """select for the H rows of one sequence of n tokens (its count, first position and holes on
     every row; the host bound on candidate blocks from the same numbers)."""
     H, nb = scores.shape
     rows = lambda x: torch.full((H, 1), x)                                  # noqa: E731
     return select(scores, rows(n), rows(first), window, top_k, bs, anchors,
                   None if holes is None else holes[None].expand(H, -1), prefetch_blocks,
-                  candidate_blocks(nb, n - window, first, bs))
+                  candidate_blocks(nb, n - window, first, bs), sinks)
 
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 400), first=st.integers(0, 30), window=st.integers(1, 40), extra=st.integers(0, 80),
        bs=st.integers(1, 17), A=st.integers(0, 6), H=st.integers(1, 3), seed=st.integers(0, 999),
-       hole_frac=st.floats(0, 0.3))
-def test_selection_invariants(n, first, window, extra, bs, A, H, seed, hole_frac):
+       hole_frac=st.floats(0, 0.3), sinks=st.integers(0, 5))
+def test_selection_invariants(n, first, window, extra, bs, A, H, seed, hole_frac, sinks):
     g = torch.Generator().manual_seed(seed)
     first = min(first, n - 1)
-    top_k = window + A + extra
+    top_k = window + A + sinks + extra
     nb = -(-n // bs)
     scores = torch.randn(H, nb, generator=g)
     holes = torch.rand(nb, generator=g) < hole_frac
@@ -33,7 +33,7 @@ def test_selection_invariants(n, first, window, extra, bs, A, H, seed, hole_frac
     anchors = torch.stack([torch.randperm(n, generator=g)[:A] for _ in range(H)]) if n >= A \
         else torch.full((H, A), -1)
     anchors[torch.rand(H, A, generator=g) < 0.3] = -1
-    sel = _select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=1)
+    sel = _select(scores, n, first, window, top_k, bs, anchors, holes, prefetch_blocks=1, sinks=sinks)
     pos = torch.arange(n)
     visible = (pos >= first) & ~holes[pos // bs]
     n_vis = int(visible.sum())
@@ -47,6 +47,8 @@ def test_selection_invariants(n, first, window, extra, bs, A, H, seed, hole_frac
         a = anchors[h][(anchors[h] >= 0)]
         a = a[visible[a]]
         assert torch.isin(a, toks).all()                                   # anchors pinned
+        s = pos[first:first + sinks]
+        assert torch.isin(s[visible[s]], toks).all()                       # sinks always in
         pf = sel.prefetch[h][sel.prefetch[h] >= 0] if sel.prefetch.numel() else sel.prefetch[h]
         assert not torch.isin(pf, toks).any() and visible[pf].all()        # prefetch is new
     assert int(sel.block_hits.sum()) == int((sel.tokens >= 0).sum())
@@ -69,6 +71,21 @@ def test_blocks_ranked_by_quest_upper_bound():
     chosen = set(sel.tokens[0].tolist())
     assert set(range(12, 16)) <= chosen and set(range(40, 44)) <= chosen
     assert sel.loaded.item() == 3 * bs  # window block + two chosen blocks
+
+
+def test_sink_tokens_are_kept_whatever_their_blocks_score():
+    """The first visible tokens (attention sinks) are selected even when their block ranks last;
+    they come out of the ranked budget, so the selection still holds top_k tokens."""
+    H, bs, n = 2, 4, 64
+    scores = torch.arange(n // bs, dtype=torch.float32).repeat(H, 1)          # block 0 ranks last
+    none = torch.full((H, 0), -1)
+    plain = _select(scores, n, 3, window=8, top_k=8 + 2 * bs, bs=bs, anchors=none, holes=None)
+    assert not torch.isin(torch.tensor([3, 4]), plain.tokens).any()
+    sel = _select(scores, n, 3, window=8, top_k=8 + 2 * bs, bs=bs, anchors=none, holes=None, sinks=2)
+    for t in sel.tokens:
+        t = t[t >= 0]
+        assert {3, 4} <= set(t.tolist()) and t.numel() == 8 + 2 * bs and t.unique().numel() == t.numel()
+    assert set(range(52, 56)) <= set(sel.tokens[0].tolist())              # the best block still in
 
 
 def test_full_budget_selects_everything_visible():
