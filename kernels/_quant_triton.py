@@ -28,6 +28,8 @@ def _inverse(scale):
     return tl.where(scale > 0, tl.math.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
 
 
+# ~65 lines on purpose: two passes over one block in one program (the second needs the first's
+# pairs, behind a barrier), with the three layouts' pair folds side by side.
 @triton.jit
 def _quantize_kernel(
     p_x, p_packed, p_scale, p_zero, T, D, P,
