@@ -75,6 +75,22 @@ def wait_for(pred, timeout: float = 8.0, step: float = 0.05):
     raise AssertionError("condition not met in time")
 
 
+def samples_advance(port: int, target: str = "decode-0", timeout: float = 5.0) -> float:
+    """The samples counter moves within ``timeout`` (the sampler is alive) and the target is up."""
+    before = value(scrape(port), "easymats_samples_total", target=target)
+    assert before is not None, "no samples counter"
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(port)
+        after = value(m, "easymats_samples_total", target=target)
+        if after is not None and after > before:
+            break
+        assert time.monotonic() < deadline, "sampling stopped"
+        time.sleep(0.1)
+    assert value(m, "easymats_target_up", target=target) == 1.0
+    return after
+
+
 def read_log(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         lines = [json.loads(line) for line in f]

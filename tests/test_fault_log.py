@@ -21,7 +21,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_agent import agent_proc, finish, scrape, target_proc, value, wait_for  # noqa: E402
+from helpers_agent import agent_proc, finish, samples_advance, scrape, target_proc, value, wait_for  # noqa: E402
 from helpers_faults import file_size_limit, fill, small_filesystem  # noqa: E402
 from helpers_logformat import validate_line  # noqa: E402
 from helpers_targets import free_port  # noqa: E402
@@ -47,17 +47,6 @@ def events(lines: list[dict], name: str) -> list[dict]:
     return [x for x in lines if x["kind"] == "event" and x["event"] == name]
 
 
-def samples_advance(port: int, target: str = "decode-0") -> float:
-    """Two scrapes half a second apart: the samples counter moved (the sampler is alive)."""
-    before = value(scrape(port), "easymats_samples_total", target=target)
-    time.sleep(0.5)
-    m = scrape(port)
-    after = value(m, "easymats_samples_total", target=target)
-    assert before is not None and after > before, "sampling stopped"
-    assert value(m, "easymats_target_up", target=target) == 1.0
-    return after
-
-
 def test_full_disk_the_agent_samples_on_counts_dropped_lines_and_recovers(procs):
     target, _ = target_proc(procs)
     with small_filesystem(192) as fs:
@@ -72,8 +61,8 @@ def test_full_disk_the_agent_samples_on_counts_dropped_lines_and_recovers(procs)
             m = scrape(port)
             dropped = value(m, "easymats_log_dropped_lines_total")
             assert dropped and dropped > 0
-            time.sleep(0.5)
-            assert value(scrape(port), "easymats_log_dropped_lines_total") > dropped, "still counting"
+            # still counting
+            wait_for(lambda: value(scrape(port), "easymats_log_dropped_lines_total") > dropped, timeout=5)
             os.unlink(filler)  # space again: the agent retries the log every few seconds
             wait_for(lambda: value(scrape(port), "easymats_log_failing") == 0.0, timeout=15)
             samples_advance(port)
