@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from helpers_agent import finish, read_log, scrape, start_agent, value, wait_for  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
-from test_agent import finish, read_log, scrape, start_agent, value, wait_for  # noqa: E402
 from test_engine_sources import start_standin, stop  # noqa: E402
 
 

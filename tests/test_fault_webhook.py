@@ -21,8 +21,9 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers_agent import wait_for  # noqa: E402
 from helpers_targets import start_target  # noqa: E402
-from test_webhook import TOKEN, alert, payload, post, recalibrations, requests_written, wait_for  # noqa: E402
+from test_webhook import TOKEN, alert, payload, post, recalibrations, requests_written  # noqa: E402
 
 from easymats import webhook  # noqa: E402
 from easymats.agent import Agent  # noqa: E402

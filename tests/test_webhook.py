@@ -11,13 +11,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers_agent import wait_for  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
 
 from easymats import webhook  # noqa: E402
@@ -67,16 +67,6 @@ def requests_written(seg_path: str) -> int:
 
 def recalibrations(seg_path: str) -> float:
     return read_segment(seg_path).get("hisparse_recalibrations_total", reason="request") or 0.0
-
-
-def wait_for(pred, timeout: float = 8.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture
