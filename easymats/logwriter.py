@@ -145,7 +145,7 @@ class LogWriter:
             self._pending = [self._header_line(), self._event_line(
                 "log_reopened", f"{self.path} {why} while the agent wrote it; this new file continues it")]
             return
-        size = os.fstat(self._fd).st_size
+        size = st.st_size  # the open file itself: its (dev, inode) was checked above
         if size < self._size:
             self._pending = [self._header_line(), self._event_line(
                 "log_truncated", f"{self.path} was truncated from {self._size} to {size} bytes while the "

@@ -26,15 +26,15 @@ from .base import SourceError
 from .maps import LOG_PREFIX
 from .translate import Family, Sample
 
-# Field name in the log -> (sample name, whether it is an integer count).
+# Field name in the log -> sample name.
 FIELDS = {
-    "#running-req": ("running_reqs", True),
-    "#gpu token": ("gpu_tokens", True),
-    "gpu token usage": ("gpu_token_usage", False),
-    "#cpu token": ("cpu_tokens", True),
-    "cpu token usage": ("cpu_token_usage", False),
-    "gen throughput (token/s)": ("gen_throughput", False),
-    "#queue-req": ("queue_reqs", True),
+    "#running-req": "running_reqs",
+    "#gpu token": "gpu_tokens",
+    "gpu token usage": "gpu_token_usage",
+    "#cpu token": "cpu_tokens",
+    "cpu token usage": "cpu_token_usage",
+    "gen throughput (token/s)": "gen_throughput",
+    "#queue-req": "queue_reqs",
 }
 HELP = {
     "running_reqs": "Running requests, from SGLang's decode log line.",
@@ -45,8 +45,7 @@ HELP = {
     "gen_throughput": "Generation throughput in tokens per second over the last decode log interval.",
     "queue_reqs": "Requests waiting in the queue, from SGLang's decode log line.",
 }
-_FIELD = re.compile(r"(#running-req|#gpu token|gpu token usage|#cpu token|cpu token usage|"
-                    r"gen throughput \(token/s\)|#queue-req):\s*(-?[0-9]+(?:\.[0-9]+)?)")
+_FIELD = re.compile("(" + "|".join(map(re.escape, FIELDS)) + r"):\s*(-?[0-9]+(?:\.[0-9]+)?)")
 _DP = re.compile(r"^\[[^\]]*?\bDP(\d+)\b[^\]]*\]")
 MAX_READ = 1 << 20  # more than this new since the last read: jump to the tail (only the last line matters)
 TAIL = 64 << 10
@@ -58,8 +57,7 @@ def parse_line(line: str) -> tuple[str | None, dict[str, float]] | None:
         return None
     values = {}
     for m in _FIELD.finditer(line):
-        suffix, _ = FIELDS[m.group(1)]
-        values[suffix] = float(m.group(2))
+        values[FIELDS[m.group(1)]] = float(m.group(2))
     if "gpu_tokens" not in values or "cpu_tokens" not in values:
         return None
     dp = _DP.match(line)

@@ -18,7 +18,7 @@ import threading
 from typing import Any, Iterable
 
 from .base import SourceError
-from .httpget import FetchError, KeepAliveGet, parse_url
+from .httpget import KeepAliveGet, parse_url
 from .maps import wanted_samples
 from .translate import Family, Sample
 
@@ -87,7 +87,7 @@ class ScrapeSource:
         self.http = KeepAliveGet(parse_url(url))
         self.wanted = frozenset(n.encode() for n in (wanted if wanted is not None else wanted_samples()))
         self._last: tuple[bytes, list[Family]] | None = None
-        self._rest_text: tuple[bytes, str] | None = None  # (answer, its unwanted lines)
+        self._rest_text: tuple[bytes, bytes] | None = None  # (answer, its unwanted lines)
         self._rest: tuple[bytes, list[Family]] | None = None
         self._rest_lock = threading.Lock()
 
@@ -96,10 +96,7 @@ class ScrapeSource:
         return self.http.connections
 
     def fetch(self, deadline: float) -> list[Family]:
-        try:
-            status, ctype, body = self.http.get(deadline)
-        except FetchError:
-            raise
+        status, ctype, body = self.http.get(deadline)
         if status != 200:
             raise SourceError(f"HTTP {status} from the endpoint (expected 200 with the metrics)")
         last = self._last
@@ -117,7 +114,7 @@ class ScrapeSource:
                               "(vLLM and SGLang serve /metrics; SGLang needs --enable-metrics)?")
         fams = parse_exposition(wanted.decode("utf-8"), ctype)
         self._last = (body, fams)
-        self._rest_text = (body, rest.decode("utf-8"))
+        self._rest_text = (body, rest)  # decoded only if /metrics asks for it
         return fams
 
     def rest(self) -> list[Family]:
@@ -131,7 +128,7 @@ class ScrapeSource:
             if cached is not None and cached[0] is got[0]:
                 return cached[1]
             try:
-                fams = parse_exposition(got[1])
+                fams = parse_exposition(got[1].decode("utf-8"))  # the whole answer decoded in fetch
             except SourceError:
                 fams = []
             self._rest = (got[0], fams)

@@ -26,7 +26,6 @@ class Result(NamedTuple):
     translation: Translation | None
     emap: EngineMap | None
     error: str | None
-    duration_s: float  # how long the read, parse and mapping took
 
 
 class EngineReader:
@@ -44,7 +43,6 @@ class EngineReader:
         self.created_unix_ns = time.time_ns()
         self.current: Result | None = None  # the result of the last successful read()
         self.reads = 0  # reads the worker finished (ok or not)
-        self.last_duration_s = 0.0
         self._lock = threading.Lock()
         self._go = threading.Event()
         self._stop = False
@@ -119,7 +117,6 @@ class EngineReader:
                 self._result = result
                 self._in_flight = False
                 self.reads += 1
-                self.last_duration_s = result.duration_s
             self._done.set()
 
     def _read_once(self) -> Result:
@@ -128,10 +125,10 @@ class EngineReader:
             fams = self.source.fetch(t0 + self.timeout_s)
             emap, tr = self._translate(fams)
         except SourceError as exc:
-            return Result(None, None, None, str(exc), time.monotonic() - t0)
+            return Result(None, None, None, str(exc))
         except Exception as exc:  # a bug, or a source failing in a way nobody foresaw: say so
             return Result(None, None, None, f"internal error reading the source: {type(exc).__name__}: "
-                          f"{exc}", time.monotonic() - t0)
+                          f"{exc}")
         now_mono = time.monotonic_ns()
         layout = tuple((s.name, tuple(sorted(s.labels.items()))) for s in tr.series)
         if layout != self._layout:
@@ -140,7 +137,7 @@ class EngineReader:
         seq = 2 * (self.reads + 1)
         snap = Snapshot(self.source.where, self.pid, self.name, dict(self.labels), self.start_ticks,
                         self.created_unix_ns, time.time_ns(), now_mono, seq, self._gen, tr.series)
-        return Result(snap, tr, emap, None, time.monotonic() - t0)
+        return Result(snap, tr, emap, None)
 
     def _translate(self, fams: list[Family]) -> tuple[EngineMap | None, Translation]:
         cached = self._translated
