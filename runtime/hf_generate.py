@@ -28,10 +28,7 @@ def planned_tokens(model: Any, args: tuple, kwargs: dict) -> tuple[int, int, str
         inputs = kwargs.get("inputs_embeds")
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
         return None
-    prompt = int(inputs.shape[1])
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == prompt:
-        prompt = int(mask.sum(dim=1).max())  # left padding holds no cache slot
+    prompt = int(inputs.shape[1])  # left padding included: every row holds a cache slot per column
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     max_new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
     if max_new is not None:

@@ -84,12 +84,16 @@ def test_generate_longer_than_max_seq_len_is_refused_before_it_starts():
         msg = str(err.value)
         assert "200" in msg and "max_new_tokens=100" in msg and "max_seq_len=256" in msg
         assert engine.stats.tokens_prefill == before, "refused before the prefill ran"
-        # Left padding does not count: 2 rows of at most 190 real tokens + 60 new fit in 256.
+        # Left padding holds cache slots too: 200 columns + 4 new fit in 256, 200 + 60 do not (190
+        # real tokens + 60 were let through once, and failed after the prefill).
         mask = torch.ones(2, 200, dtype=torch.long)
         mask[:, :10] = 0
         out = model.generate(input_ids=torch.randint(3, 64, (2, 200)), attention_mask=mask, max_new_tokens=4,
                              do_sample=False)
         assert out.shape == (2, 204)
+        with pytest.raises(HiSparseOptionError, match="max_new_tokens=60"):
+            model.generate(input_ids=torch.randint(3, 64, (2, 200)), attention_mask=mask, max_new_tokens=60,
+                           do_sample=False)
         with pytest.raises(HiSparseOptionError, match="max_length"):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_length=300, do_sample=False)
     finally:
