@@ -61,21 +61,22 @@ class PageTable:
         if blocks:               # the version names the block list (cached block tables)
             p.version += 1
 
-    def share(self, seq_id: int, src_id: int, own: list[KVBlock]) -> list[KVBlock]:
-        """A new sequence that continues from ``src_id`` as it is now: the source's full blocks
-        are shared (one more reference each: a full block is never written again), ``own`` (the
-        blocks the rest needs) follow. Returns the shared blocks."""
+    def share(self, seq_id: int, src_id: int) -> list[KVBlock]:
+        """A new sequence that continues from ``src_id``'s full blocks, shared (one more reference
+        each: a full block is never written again); the caller then extends it by the rest (its
+        own partly filled block). Sharing first keeps the blocks' reference counts above one
+        while that block is allocated, so streaming eviction cannot pick them. Returns them."""
         src, p = self.seqs[src_id], self.seqs[seq_id]
         if p.blocks or p.num_tokens:
             raise RuntimeError(f"bug: sequence {seq_id} already holds tokens; it cannot share {src_id}'s")
         full = src.num_tokens // self.block_size
-        if full + len(own) != len(src.blocks) or any(b is None for b in src.blocks):
+        if any(b is None for b in src.blocks):
             raise RuntimeError(f"bug: sharing sequence {src_id} ({len(src.blocks)} blocks, {full} full, "
-                               f"holes {src.holes}) with {len(own)} own blocks")
+                               f"holes {src.holes})")
         shared = src.blocks[:full]
         self.pool.touch(shared)
-        p.blocks = shared + list(own)
-        p.num_tokens = src.num_tokens
+        p.blocks = list(shared)
+        p.num_tokens = full * self.block_size
         p.version += 1
         return shared
 

@@ -123,8 +123,9 @@ class SequenceTable:
             self._next_id += 1
             self.pages.add_sequence(seq_id)
             self.live[seq_id] = s = self._new(seq_id, row, src.first_token, reset=False)
+            self.pages.share(seq_id, src.seq_id)
             own = allocate(s, len(partial)) if partial else []
-            self.pages.share(seq_id, src.seq_id, own)
+            self.pages.extend(seq_id, pages.num_tokens % self.cfg.cache_block_size, own)
             if not self.host.quantized:
                 self.host.copy_blocks([b.block_id for b in partial], [b.block_id for b in own])
             if src.tail_slot >= 0:

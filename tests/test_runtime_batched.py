@@ -310,3 +310,22 @@ def test_streaming_eviction_leaves_blocks_that_forks_share():
     for i in ids:
         assert eng.pages.seqs[i].blocks[:P // 8] == prompt                   # no hole in the shared prompt
         assert all(b.ref_cnt == 2 for b in prompt)
+
+
+def test_a_fork_in_a_full_streaming_pool_evicts_no_block_it_shares():
+    """The fork's own partly filled block comes from a full pool in streaming mode: eviction may
+    take another sequence's old blocks, never the ones the fork is sharing (they are shared
+    before that block is allocated)."""
+    torch.manual_seed(8)
+    P = 100                                                   # 12 full 8-token blocks and a partial one
+    eng = _engines(None, 1, streaming=True, host_pool_blocks=2 * 13, global_tokens=0)[0]
+    src, other = eng.add_sequences(1), eng.add_sequences(1)
+    for sid in (src, other):
+        _run(eng, sid, *(torch.randn(L, 1, h, P, D) for h in (HKV, HKV, HQ)), 0, P)
+    prompt = list(eng.pages.seqs[src[0]].blocks)
+    ids = src + eng.fork_sequences(src[0], 1)
+    assert eng.stats.block_evictions > 0
+    for i in ids:
+        assert eng.pages.seqs[i].blocks[:P // 8] == prompt[:P // 8]          # no hole in the shared prompt
+    g = torch.Generator().manual_seed(9)
+    _run(eng, ids, *(torch.randn(L, 2, h, 1, D, generator=g) for h in (HKV, HKV, HQ)), 0, 1)
