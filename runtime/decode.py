@@ -227,7 +227,7 @@ class Decoder:
         if self.host.quantized:          # blocks the tokens complete: quantized on the host first
             for b, (s, p) in enumerate(zip(seqs, starts)):
                 if (p + T) // bs > p // bs:
-                    self._count_write(*self.host.seal(layer, self.storage.block_table(s).cpu(), s.tail_slot, p,
+                    self._count_write(*self.host.seal(layer, self.storage.block_table(s), s.tail_slot, p,
                                                       k[b], v[b]))
         key_bounds.grow(rows.bank, -(-n_max // bs), bs, cfg.bound_group, cfg.max_seq_len)
         rows.hot.ensure_tokens(n_max)

@@ -82,8 +82,7 @@ class HiSparseEngine:
             self.host.grow(blocks=cfg.host_pool_blocks)
         self.layers = self._layers(devices)
         self._sequences = SequenceTable(cfg, self.layers, self.host, self.pages)
-        self._storage = Storage(cfg, self.pool, self.pages, self.host, self.layers, self._sequences,
-                                self.meta_device, metrics)
+        self._storage = Storage(cfg, self.pool, self.pages, self.host, self.layers, self._sequences, metrics)
         self._decoder = Decoder(cfg, shape, self.layers, self.host, self._storage, self._sequences, metrics)
         reader = ContextReader(self.host, self.pages, self._storage, cfg.cache_block_size)
         self._prefill = PrefillAttention(shape, reader)

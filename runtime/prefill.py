@@ -34,7 +34,7 @@ class ContextReader:
         full = self.pages.num_tokens(s.seq_id) // self.block_size
         dev = layer.device
         # on a GPU the rows are gathered by the GPU from the pinned pool (no host-side gather)
-        k, v = self.host.read(layer.index, self.storage.block_table(s).cpu(), s.tail_slot, full, heads.cpu(),
+        k, v = self.host.read(layer.index, self.storage.block_table(s), s.tail_slot, full, heads.cpu(),
                               pos.cpu(), dtype, device=dev if dev.type == "cuda" else None)
         return k.to(dev), v.to(dev)
 

@@ -22,10 +22,9 @@ from .sequences import Sequence, SequenceTable
 
 class Storage:
     def __init__(self, cfg: HiSparseConfig, pool: BlockPool, pages: PageTable, host: HostPool,
-                 layers: list[LayerRows], sequences: SequenceTable, meta_device: torch.device,
-                 metrics: RuntimeMetrics) -> None:
+                 layers: list[LayerRows], sequences: SequenceTable, metrics: RuntimeMetrics) -> None:
         self.cfg, self.pool, self.pages, self.host = cfg, pool, pages, host
-        self.layers, self.sequences, self.meta_device, self.metrics = layers, sequences, meta_device, metrics
+        self.layers, self.sequences, self.metrics = layers, sequences, metrics
 
     def extend(self, seqs: list[Sequence], lengths: list[int]) -> None:
         """Pages for ``lengths[i]`` tokens in sequence i (within max_seq_len)."""
@@ -94,10 +93,11 @@ class Storage:
         return out
 
     def block_table(self, s: Sequence) -> torch.Tensor:
-        """Physical block id per logical block (-1 for a hole), cached on metadata_device."""
+        """Physical block id per logical block (-1 for a hole), cached on the CPU: its readers (the
+        host pool's seal and read) index pinned host memory with it."""
         version = self.pages.seqs[s.seq_id].version
         if s.table_version != version:
-            s.block_table = torch.tensor(self.pages.block_ids(s.seq_id), dtype=torch.int64, device=self.meta_device)
+            s.block_table = torch.tensor(self.pages.block_ids(s.seq_id), dtype=torch.int64)
             s.table_version = version
         return s.block_table
 

@@ -40,7 +40,7 @@ class Parts:
         self.layer = LayerRows(0, cpu, shape, cfg.global_tokens, cfg.recalibrate_queries, cfg.max_seq_len,
                                ImportanceProbe(D), DeviceCounters(cpu), False)
         self.seqs = SequenceTable(cfg, [self.layer], self.host, self.pages)
-        self.storage = Storage(cfg, self.pool, self.pages, self.host, [self.layer], self.seqs, cpu, self.metrics)
+        self.storage = Storage(cfg, self.pool, self.pages, self.host, [self.layer], self.seqs, self.metrics)
         self.decoder = Decoder(cfg, shape, [self.layer], self.host, self.storage, self.seqs, self.metrics)
 
     def host_kv(self, s, pos):
