@@ -45,8 +45,3 @@ def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.
         p, i = p.topk(A, dim=2)
         pos = pos.gather(2, i)
     merge(bank.t["anchor_p"][rows], bank.t["anchors"][rows], p, pos)
-
-
-def count(banks: list[RowBank]) -> list[torch.Tensor]:
-    """Pinned anchors of every row (0-dim count per bank; freed rows are reset and count none)."""
-    return [(b.t["anchors"] >= 0).sum() for b in banks]

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .config import NAME_BYTES
+
 ALIASES = {"block_size": "cache_block_size"}
 _OPTIONAL_INTS = ("device_buffer_tokens", "host_pool_blocks")  # int fields whose default is None
 _DTYPE_NAMES = {
@@ -53,7 +55,7 @@ def normalise_options(options: dict[str, Any], field_names: set[str]) -> dict[st
     return out
 
 
-def fit_name(name: str, limit: int = 64, fallback: str = "hisparse") -> str:
+def fit_name(name: str, limit: int = NAME_BYTES, fallback: str = "hisparse") -> str:
     """A default telemetry name made valid: control characters dropped, cut to ``limit`` bytes of
     UTF-8 at a character boundary. A name the user did not choose must never stop the model from
     loading (the segment's name field holds 64 bytes; a model path's last component may not)."""

@@ -252,10 +252,6 @@ class Publisher:
         self.interval_s, self.gauge_interval_s = interval_s, gauge_interval_s
         self._last = float("-inf")
 
-    @property
-    def enabled(self) -> bool:
-        return self.metrics.segment is not None
-
     def maybe_publish(self, force: bool = False, now: Callable[[], float] = time.monotonic) -> None:
         if self.metrics.segment is None:
             return

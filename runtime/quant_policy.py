@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from easymats.catalogue import QUANT_BITS
 from hi_sparse.kernels import dequantize_blocks, quantize_blocks
 
-BITS = tuple(int(b) for b in QUANT_BITS)     # the widths the catalogue counts blocks by
+from .config import QUANT_BITS as BITS  # the widths the catalogue counts blocks by
+
 HIST_BINS = 32
 
 
