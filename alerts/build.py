@@ -354,17 +354,22 @@ def prometheus_rule(rules: dict) -> dict:
 
 
 def render(rules: dict) -> str:
+    return HEADER + dump_yaml(rules)
+
+
+def dump_yaml(obj: dict) -> str:
+    """YAML in the given key order; multi-line strings (PromQL, a dashboard's JSON) as blocks."""
     import yaml
 
     class _Dumper(yaml.SafeDumper):
         pass
 
-    def _str(dumper: yaml.SafeDumper, value: str):  # multi-line PromQL reads best as a block
+    def _str(dumper: yaml.SafeDumper, value: str):
         style = "|" if "\n" in value else None
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
     _Dumper.add_representer(str, _str)
-    return HEADER + yaml.dump(rules, Dumper=_Dumper, sort_keys=False, width=10000, allow_unicode=True)
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=10000, allow_unicode=True)
 
 
 def recording_rule_names(rules: dict | None = None) -> set[str]:
