@@ -8,9 +8,7 @@ scrapes it.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -25,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers_agent import AGENT, agent_proc, finish, read_log, scrape, target_proc, value, wait_for  # noqa: E402
+from helpers_prometheus import Prom, poll, start_prometheus  # noqa: E402
 from helpers_targets import free_port  # noqa: E402
 
 from easymats import layout as L, segment, telemetry  # noqa: E402
@@ -175,28 +174,15 @@ def exposition_problems(text: str) -> list[str]:
     return problems
 
 
-def start_prometheus(tmp_path, agent_port: int) -> tuple[subprocess.Popen, int]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("prometheus is not installed: apt-get install -y --no-install-recommends prometheus")
+def scraping_prometheus(tmp_path, agent_port: int) -> tuple[subprocess.Popen, Prom]:
+    """A real Prometheus scraping the agent every second (its log in tmp_path/prometheus.log)."""
     port = free_port()
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s"},
         "scrape_configs": [{"job_name": "easymats", "static_configs": [{"targets": [f"127.0.0.1:{agent_port}"]}]}],
     }))
-    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, port
-
-
-def promql(port: int, query: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return json.loads(resp.read())["data"]["result"]
-    except OSError:
-        return []
+    return start_prometheus(str(config), tmp_path, port), Prom(port)
 
 
 def test_bad_segments_spoil_neither_metrics_nor_other_targets(tmp_path, procs):
@@ -206,7 +192,7 @@ def test_bad_segments_spoil_neither_metrics_nor_other_targets(tmp_path, procs):
     port = free_port()
     log = str(tmp_path / "run.log")
     agent = agent_proc(procs, "--pid", str(good.pid), "--listen", f"127.0.0.1:{port}", "--output", log, "--quiet")
-    prom, prom_port = start_prometheus(tmp_path, port)
+    prom, api = scraping_prometheus(tmp_path, port)
     procs.append(prom)
     # Every target listed, and the good one sampled up (on a loaded machine its first sample can
     # come a tick after the bad segments are listed down).
@@ -218,9 +204,10 @@ def test_bad_segments_spoil_neither_metrics_nor_other_targets(tmp_path, procs):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         assert exposition_problems(resp.read().decode()) == []
     # A real Prometheus ingests the scrape: the agent is up and the good target's series are stored.
-    wait_for(lambda: promql(prom_port, 'up{job="easymats"} == 1'), timeout=30, step=0.5)
-    wait_for(lambda: promql(prom_port, 'hisparse_kv_blocks{target="decode-0",state="active"}'), timeout=15,
-             step=0.5)
+    poll("the agent up in Prometheus", lambda: api.query('up{job="easymats"} == 1'), 30, 0.5,
+         procs={"prometheus": prom})
+    poll("the good target's series stored", lambda: api.query('hisparse_kv_blocks{target="decode-0",state="active"}'),
+         15, 0.5, procs={"prometheus": prom})
     agent.send_signal(signal.SIGTERM)
     code, _, err = finish(agent)
     assert code == 0, err
