@@ -37,28 +37,13 @@ sys.path.insert(0, ROOT)
 
 import psutil  # noqa: E402
 from bench_agent import cpu_seconds, pct  # noqa: E402
+from helpers_engines import start_standin  # noqa: E402
+from helpers_prometheus import stop  # noqa: E402
 from helpers_targets import free_port, start_target  # noqa: E402
-
-STANDIN = os.path.join(ROOT, "tests", "helpers_engines.py")
 
 
 def start(*args: str) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, STANDIN, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("ready "):
-        raise RuntimeError(f"stand-in {args} did not start: {line!r}")
-    return proc, line.split()[1:]
-
-
-def stop(procs) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    return start_standin(*args, stderr=subprocess.DEVNULL)
 
 
 def per_read(reads: int = 300) -> dict:

@@ -40,6 +40,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import yaml  # noqa: E402
+from helpers_prometheus import stop  # noqa: E402
 from helpers_targets import free_port  # noqa: E402
 
 from alerts import build as rules  # noqa: E402
@@ -243,14 +244,7 @@ def main() -> None:
                          "bytes": len(fed), "note": "edge scrapes 2 agents (n and 1 targets) as one node"},
         }
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
         shutil.rmtree(root, ignore_errors=True)
     text = json.dumps(result, indent=2)
     print(text)

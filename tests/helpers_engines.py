@@ -312,6 +312,18 @@ def run_sglang(args: argparse.Namespace) -> None:
         c.wait()
 
 
+def start_standin(*args: str, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, list[str]]:
+    """This script as a process with ``args``; (it, the words of its "ready" line) once it serves.
+    A long run should pass stderr=subprocess.DEVNULL: nobody drains the pipe."""
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("ready "):
+        why = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
+        raise AssertionError(f"stand-in {args} did not start: {line!r} {why}")
+    return proc, line.split()[1:]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -28,23 +28,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from helpers_badhttp import BadServer  # noqa: E402
-
-
-def start_standin(*args: str) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "helpers_engines.py"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("ready "), (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc, line.split()[1:]
+from helpers_engines import start_standin  # noqa: E402
+from helpers_prometheus import stop as stop_all  # noqa: E402
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_all([proc], timeout=10)
 
 
 @pytest.fixture(scope="module")
