@@ -31,6 +31,14 @@ def binary(*names: str) -> str:
                 "prometheus prometheus-alertmanager")
 
 
+def amtool_route(config: str, *labels: str) -> str:
+    """The receiver Alertmanager's routing tree in ``config`` picks for an alert with ``labels``."""
+    out = subprocess.run([binary("amtool", "prometheus-alertmanager"), "config", "routes", "test",
+                          f"--config.file={config}", *labels], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def http_json(url: str, data: bytes | None = None, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout) as resp:
         return json.loads(resp.read())

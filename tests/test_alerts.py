@@ -18,6 +18,8 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from helpers_prometheus import amtool_route  # noqa: E402
+
 from alerts import build, promql  # noqa: E402
 from easymats import catalogue, thresholds  # noqa: E402
 
@@ -216,10 +218,7 @@ def test_alertmanager_config_is_valid_and_routes_recalibration_to_easymats():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     def route(*labels: str) -> str:
-        out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={path}", *labels],
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        return amtool_route(path, *labels)
 
     assert route("alertname=HiSparseAnchorHitRateLow", "action=recalibrate", "target=decode-0") == \
         "easymats-recalibrate"

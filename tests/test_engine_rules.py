@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from helpers_prometheus import amtool_route  # noqa: E402
 
 from alerts import build as rules  # noqa: E402
 from dashboards import build as dashboards  # noqa: E402
@@ -57,21 +55,11 @@ def test_recording_rules_and_peaks_are_traced_to_their_runtime_metrics():
     assert dashboards.runtime_metrics_of("easymats_gpu_utilization_ratio") == []
 
 
-def _amtool() -> str:
-    path = shutil.which("amtool")
-    if not path:
-        pytest.fail("amtool is not installed: apt-get install -y --no-install-recommends prometheus-alertmanager")
-    return path
-
-
 def test_recalibration_alerts_of_engines_page_and_native_ones_call_the_webhook():
     path = os.path.join(ROOT, "alerts", "alertmanager.yml")
 
     def route(*labels: str) -> str:
-        out = subprocess.run([_amtool(), "config", "routes", "test", f"--config.file={path}", *labels],
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        return amtool_route(path, *labels)
 
     assert route("alertname=HiSparseAnchorHitRateLow", "action=recalibrate", "control=none", "target=vllm-0") == "page"
     assert route("alertname=HiSparseAnchorHitRateLow", "action=recalibrate", "target=decode-0") == \

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from helpers_prometheus import binary  # noqa: E402
+from helpers_prometheus import amtool_route, binary  # noqa: E402
 
 from alerts import build as rules, fleet  # noqa: E402
 
@@ -83,13 +83,9 @@ def test_each_nodes_recalibration_reaches_that_node_only(tmp_path, route_label):
     inv = fleet.parse_inventory(_inventory(route_label=route_label))
     path = tmp_path / "alertmanager.yml"
     path.write_text(yaml.safe_dump(fleet.alertmanager_config(inv)))
-    amtool = binary("amtool")
 
     def route(*labels: str) -> str:
-        out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={path}", *labels],
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        return amtool_route(str(path), *labels)
 
     recal = ("alertname=HiSparseAnchorHitRateLow", "action=recalibrate", "target=decode-0")
     assert route(*recal, f"{route_label}=node-b") == "easymats-recalibrate-node-b"
