@@ -104,8 +104,23 @@ def _record(run: Any, args: argparse.Namespace, model_name: str) -> dict[str, An
     rec.update(model=model_name, text=args.text, continuation_asked=args.continuation,
                date=time.strftime("%Y-%m-%d"), machine=f"{platform.machine()}, {os.cpu_count()} cpus",
                threads=torch.get_num_threads(), torch=torch.__version__,
-               transformers=transformers.__version__, command=" ".join(sys.argv))
+               transformers=transformers.__version__, command=" ".join(sys.argv),
+               revision=_revision())
     return rec
+
+
+def _revision() -> str | None:
+    """The git revision of the runtime's source tree (``-dirty`` with local changes), or None
+    outside a checkout (an installed wheel): which code a recorded number belongs to."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _describe(rec: dict[str, Any]) -> str:

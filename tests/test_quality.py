@@ -111,3 +111,11 @@ def test_eval_tables_from_recorded_results(tmp_path):
     assert "| 2048 + 512 | dense | 10.000 | – |" in table
     assert "| 11.000 | +10.0 % | 90 % | 95 % | 40 % | 12 x 4-bit (0.180) |" in table
     assert "✓ `BLUE-HARVEST-4921`" in table
+
+
+def test_eval_records_name_the_source_revision():
+    # every recorded number says which code made it (the tests run from a git checkout)
+    import re
+
+    rev = hs_eval._revision()
+    assert rev is not None and re.fullmatch(r"[0-9a-f]{12}(-dirty)?", rev), rev
