@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from itertools import product
 
 import torch
 import triton
 import triton.testing
 
 import hi_sparse.kernels as K
+from hi_sparse.kernels import _quant_triton as QT
 
 SWEEP = False         # --sweep: tile/pipelining variants of the decode kernel
 RESULTS: dict[str, list | dict] = {"ceilings": {}, "swap_in": [], "attention": [], "quant": [], "layouts": [],
@@ -311,15 +313,23 @@ def bench_layouts(pool: torch.Tensor, h2d: float, hbm: float) -> None:
             scale = (torch.rand(shape) + 0.1).half().pin_memory()
             zero = torch.rand(shape).half().pin_memory()
             pair = 4 * d / rpb if layout == "channel" else 4
-            for pattern in ("random", "runs64"):
+            default = QT.ROWS_TILE_VALUES[layout]
+            # the channel layout's values per program swept (its pairs are read once per program)
+            tiles = (2048, 4096, 8192) if layout == "channel" else (default,)
+            for pattern, tile in product(("random", "runs64"), tiles):
                 src_rows = runs_of(r, m, 1 if pattern == "random" else 64)
-                ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows, layout),
-                           warmup=5, rep=40)
+                QT.ROWS_TILE_VALUES[layout] = tile
+                try:
+                    ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows,
+                                                         layout), warmup=5, rep=40)
+                finally:
+                    QT.ROWS_TILE_VALUES[layout] = default
                 gbps = m * (p + pair) / ms / 1e6
                 RESULTS["layouts"].append({"op": "swap_in_dequant", "layout": layout, "bits": bits, "pattern": pattern,
-                                           "rows": m, "ms": ms, "GBps": gbps, "pct_bulk": 100 * gbps / h2d})
-                print(f"dequant {bits}b {layout:>7} {pattern:>7}: {ms:7.3f} ms {gbps:6.1f} GB/s of packed rows + pairs "
-                      f"({100 * gbps / h2d:5.1f}% bulk)", flush=True)
+                                           "tile_values": tile, "default": tile == default, "rows": m, "ms": ms,
+                                           "GBps": gbps, "pct_bulk": 100 * gbps / h2d})
+                print(f"dequant {bits}b {layout:>7} {pattern:>7} tile {tile:5d}: {ms:7.3f} ms {gbps:6.1f} GB/s of "
+                      f"packed rows + pairs ({100 * gbps / h2d:5.1f}% bulk)", flush=True)
             scale = zero = None  # free them early (not `del`: the timed lambdas close over them)
         packed = dst = None
     for shape in ((16384, 64, 128), (32768, 64, 64)):

@@ -280,6 +280,8 @@ def main() -> int:
                     help="comma list of sequence counts: prefill one --batch-context sequence with host_kv_bits=4 "
                          "(a host pool sized for them), fork it (cache.batch_repeat_interleave) and time "
                          "aggregate decode of all, greedy and on a repeated token")
+    ap.add_argument("--ab-phases", type=int, default=3, help="--batch-telemetry: off/on phase pairs")
+    ap.add_argument("--ab-steps", type=int, default=12, help="--batch-telemetry: decode steps per phase")
     ap.add_argument("--batch-telemetry", action="store_true",
                     help="with --hisparse-batch: then, on the same batch, greedy phases alternating telemetry off "
                          "and on (publishing, easymats attached at 10 Hz), for the on-vs-off decode step")
@@ -386,7 +388,7 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
 
-    ab_phases, ab_steps = 3, 12          # --batch-telemetry: off/on phase pairs, decode steps per phase
+    ab_phases, ab_steps = args.ab_phases, args.ab_steps   # --batch-telemetry: off/on phase pairs, steps each
 
     def measure(label: str, bits, ids: torch.Tensor, repeat: int = 1, inputs: tuple[bool, ...] = (False,),
                 pool_blocks: int | None = None, telemetry_ab: bool = False) -> dict:
@@ -524,15 +526,28 @@ def main() -> int:
         results["runs"].append(row)
         times = {"off": [], "on": []}
         tok = first
+        # the publishing work itself, timed where it runs (the A/B's difference is within noise)
+        spent, publish = [0.0], pub.maybe_publish
+
+        def timed_publish(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return publish(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        pub.maybe_publish = timed_publish
         for phase in range(2 * ab_phases):
             side = "on" if phase % 2 else "off"
             agent = start_agent(row, args.json) if side == "on" else None
             pub.interval_s = math.inf if side == "off" else publish_every
+            before = spent[0]
             try:
                 t, logits = decode(model, cache, tok, ab_steps, device)
             finally:
                 pub.interval_s = math.inf
                 stop_agent(agent, row)
+            if side == "off":
+                spent[0] = before           # calls that returned at once (interval inf)
             tok = logits[:, -1].argmax(-1, keepdim=True)
             times[side] += t[1:]              # the first step of a phase follows the agent's start
         on, off = median(times["on"]), median(times["off"])
@@ -540,10 +555,14 @@ def main() -> int:
                    decode_step_ms_on=[round(1e3 * t, 2) for t in times["on"]],
                    decode_step_ms_off=[round(1e3 * t, 2) for t in times["off"]],
                    decode_tokens_per_s=B / on, decode_tokens_per_s_mean=B * len(times["on"]) / sum(times["on"]),
-                   telemetry_overhead_pct=100 * (on / off - 1), phases=2 * ab_phases, steps_per_phase=ab_steps)
+                   telemetry_overhead_pct=100 * (on / off - 1), phases=2 * ab_phases, steps_per_phase=ab_steps,
+                   publish_us_per_step=1e6 * spent[0] / (ab_phases * ab_steps),
+                   publish_pct_of_step=100 * spent[0] / (ab_phases * ab_steps) / off)
+        del pub.maybe_publish                   # the method again
         results.setdefault("batch_telemetry_overhead_pct", {})[B] = row["telemetry_overhead_pct"]
         print(f"telemetry on + easymats at 10 Hz vs off, {B} x {row['context']}, alternating phases on one engine: "
-              f"decode step {1e3 * on:.2f} vs {1e3 * off:.2f} ms ({row['telemetry_overhead_pct']:+.2f} %); "
+              f"decode step {1e3 * on:.2f} vs {1e3 * off:.2f} ms ({row['telemetry_overhead_pct']:+.2f} %); publishing "
+              f"{row['publish_us_per_step']:.0f} us per step ({row['publish_pct_of_step']:.3f} % of it); "
               f"agent {row.get('agent')}", flush=True)
         save()
         return row

@@ -696,30 +696,38 @@ def launch_relay(x: torch.Tensor, bits: int, tile_values: int = 2048, warps: int
     return packed, scale, zero
 
 
+# values per program of the row dequant kernels, by layout: a channel-layout program reads its
+# block's D scale/zero pairs once, so it takes more rows (a 64-row run of one block: one pair
+# read); benchmarks/bench_kernels.py --only layouts sweeps it
+ROWS_TILE_VALUES = {"block": 2048, "token": 2048, "channel": 2048}
+
+
 def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather, layout):
     d, p = dst2d.shape[1], packed2d.shape[1]
     lid = LAYOUT_IDS[layout]
+    tile = ROWS_TILE_VALUES[layout]
+    warps = 4 if tile <= 2048 else 8
     words = _int32_rows(packed2d) if d % 8 == 0 and bits in (4, 8) else None
     if words is not None:
         BLOCK_W = next_pow2(d * bits // 32)
-        BLOCK_M = max(1, min(64, 2048 // (BLOCK_W * (32 // bits))))
+        BLOCK_M = max(1, min(64, tile // (BLOCK_W * (32 // bits))))
         _dequant_words_kernel[(triton.cdiv(m, BLOCK_M),)](
             words, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, words.stride(0), dst2d.stride(0),
-            BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)
+            BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=warps)
         return
     if d % 8 == 0:
         BLOCK_G = next_pow2(d // 8)
-        BLOCK_M = max(1, min(64, 2048 // (BLOCK_G * 8)))
+        BLOCK_M = max(1, min(64, tile // (BLOCK_G * 8)))
         _dequant_grouped_kernel[(triton.cdiv(m, BLOCK_M),)](
             packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, packed2d.stride(0),
-            dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=4)
+            dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=warps)
         return
     BLOCK_D = min(next_pow2(d), 256)
-    BLOCK_M = max(1, min(64, 4096 // BLOCK_D))
+    BLOCK_M = max(1, min(64, 2 * tile // BLOCK_D))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(d, BLOCK_D))
     _dequant_rows_kernel[grid](packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, p, rows_per_block,
                                packed2d.stride(0), dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid,
-                               BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4)
+                               BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
 
 
 def _int32_rows(packed2d: torch.Tensor) -> torch.Tensor | None:

@@ -176,7 +176,7 @@ class HiSparseEngine:
         self._sequences.free(seq_ids)
         self._decoder.forget(seq_ids)
         self._prefill.forget(seq_ids)
-        self.publisher.maybe_publish()
+        self.publisher.maybe_publish(settle=True)   # a request's end: its last counts, exactly
 
     def resume_sequence(self, seq_id: int) -> bool:
         """Take back a freed sequence within its grace period (its blocks are reclaimed).

@@ -160,32 +160,83 @@ class Stats:
         raise AttributeError(f"no runtime metric field {name!r}: see hi_sparse.metrics.SCALARS")
 
 
+class ReadBack:
+    """Values of a device tensor read back without stalling the device: on CUDA the copy goes
+    into pinned host memory in stream order, and :meth:`take` hands the values over once it has
+    landed (a step later, typically), so publishing never waits for the GPU; on the CPU it is a
+    plain read. ``take(wait=True)`` waits (exact reads: ``engine.stats``, the last publish)."""
+
+    def __init__(self, device: torch.device, n: int, dtype: torch.dtype = torch.int64) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=dtype, pin_memory=self.cuda)
+        self.event: Any = None
+        self.values: list | None = None         # landed, not yet taken (the CPU path)
+
+    @property
+    def pending(self) -> bool:
+        return self.event is not None or self.values is not None
+
+    def ready(self) -> bool:
+        """A started read has landed (take would not wait)."""
+        return self.values is not None or (self.event is not None and bool(self.event.query()))
+
+    def start(self, values: torch.Tensor) -> None:
+        """Start reading ``values`` (n,) back; the caller may change it right after (stream order)."""
+        if not self.cuda:
+            self.values = values.tolist()
+            return
+        with torch.cuda.device(self.device):
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def take(self, wait: bool) -> list | None:
+        """The values of the last :meth:`start` once landed (None while in flight and not
+        ``wait``, or when nothing was started); each start's values are taken once."""
+        if self.values is not None:
+            vals, self.values = self.values, None
+            return vals
+        if self.event is None or (not wait and not self.event.query()):
+            return None
+        self.event.synchronize()
+        self.event = None
+        return self.host.tolist()
+
+
 class DeviceCounters:
-    """Per-step counts kept as one small device tensor; read back in a batch."""
+    """Per-step counts kept as one small device tensor; read back in a batch, on a GPU without
+    waiting for it (:class:`ReadBack`): counts of a read still in flight are added at a later
+    flush, and counts made meanwhile wait in the tensor, so nothing is lost or counted twice."""
 
     def __init__(self, device: torch.device) -> None:
         self.acc = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=device)
+        self._read = ReadBack(self.acc.device, len(DEVICE_COUNTERS))
 
     def add(self, *values: torch.Tensor) -> None:
         """values in DEVICE_COUNTERS order (0-dim tensors or ints; the first len(values) counters)."""
         self.acc[:len(values)].add_(torch.stack([torch.as_tensor(v, device=self.acc.device).reshape(())
                                                  for v in values]))
 
-    def flush_into(self, metrics: RuntimeMetrics) -> None:
-        """Add the counts to the metrics (one read-back) and start again from zero."""
-        vals = self.acc.tolist()
-        self.acc.zero_()
-        for name, v in zip(DEVICE_COUNTERS, vals):
+    def flush_into(self, metrics: RuntimeMetrics, wait: bool = True) -> None:
+        """Add the counts to the metrics and start again from zero. ``wait=False`` (a GPU, a
+        periodic publish): add those of the previous read if it has landed and start the next
+        one, never waiting for the device; ``wait=True``: every count made so far, exactly."""
+        if self._read.pending:
+            landed = self._read.take(wait)
+            if landed is None:
+                return                  # still in flight: the next flush takes it
+            self._count(metrics, landed)
+        self._read.start(self.acc)
+        self.acc.zero_()                # after the copy, in stream order
+        if wait or not self._read.cuda:
+            self._count(metrics, self._read.take(True) or [])
+
+    @staticmethod
+    def _count(metrics: RuntimeMetrics, values: list) -> None:
+        for name, v in zip(DEVICE_COUNTERS, values):
             if v:
                 getattr(metrics, name).inc(v)
-
-
-def device_sum(counts: list[torch.Tensor]) -> int:
-    """Sum of 0-dim counts that may live on several devices: one host read per device."""
-    by_dev: dict[torch.device, list[torch.Tensor]] = {}
-    for c in counts:
-        by_dev.setdefault(c.device, []).append(c)
-    return sum(int(torch.stack(cs).sum()) for cs in by_dev.values())
 
 
 class Gauges:
@@ -197,14 +248,17 @@ class Gauges:
         self.metrics, self.cfg, self.shape, self.layers = metrics, cfg, shape, layers
         self.pool, self.pages, self.host, self.sequences, self.meta_device = pool, pages, host, sequences, meta_device
         self.refreshed_at = float("-inf")
+        self._residency: dict[torch.device, ReadBack] = {}
 
-    def refresh(self, costly: bool = True) -> None:
+    def refresh(self, costly: bool = True, wait: bool = True) -> None:
         """Device counts and the cheap gauges; with ``costly`` also anchors and hot-buffer
-        residency (a reduction per layer, one read-back per device) and memory by tier (a walk
-        over every layer's tensors: ~1 ms of Python at 32 layers, more than the rest of a publish)."""
+        residency (a reduction per layer, read back per device) and memory by tier (a walk
+        over every layer's tensors: ~1 ms of Python at 32 layers, more than the rest of a publish).
+        ``wait=False`` (a periodic publish) never waits for a GPU: what it reads back lands in
+        the metrics at a later refresh, a step later, typically."""
         m = self.metrics
         for counters in dict.fromkeys(layer.counters for layer in self.layers):
-            counters.flush_into(m)
+            counters.flush_into(m, wait)
         live = self.sequences.live.values()
         m.sequences.set(len(live))
         m.context_tokens.set(sum(s.length for s in live))
@@ -218,13 +272,36 @@ class Gauges:
         # of it say nothing about exhaustion (alerts and the report judge against this).
         m.blocks_limit.set(self.cfg.host_pool_blocks or 0)
         m.hot_buffer_capacity.set(len(live) * self.shape.num_layers * self.shape.num_kv_heads * self.shape.slots)
+        self._take_residency(wait)
         if costly:
-            # whole banks: freed rows are reset, so they count only live sequences
-            m.anchors.set(device_sum([(layer.bank.t["anchors"] >= 0).sum() for layer in self.layers]))
-            m.hot_buffer_resident.set(device_sum([(layer.hot.slot_token >= 0).sum() for layer in self.layers]))
+            self._start_residency()
+            self._take_residency(wait)
             for key, value in self.memory_bytes().items():
                 m.memory[key].set(value)
             self.refreshed_at = time.monotonic()
+
+    def _start_residency(self) -> None:
+        """Start reading back the anchors pinned and the hot-buffer slots held, one (2,) sum per
+        device (whole banks: freed rows are reset, so they count only live sequences)."""
+        if any(r.pending for r in self._residency.values()):
+            return                      # the last one is still in flight
+        by_dev: dict[torch.device, list[torch.Tensor]] = {}
+        for layer in self.layers:
+            anchors = (layer.bank.t["anchors"] >= 0).sum()
+            by_dev.setdefault(anchors.device, []).append(
+                torch.stack([anchors, (layer.hot.slot_token >= 0).sum().to(anchors.device)]))
+        for dev, sums in by_dev.items():
+            if dev not in self._residency:
+                self._residency[dev] = ReadBack(dev, 2)
+            self._residency[dev].start(torch.stack(sums).sum(0))
+
+    def _take_residency(self, wait: bool) -> None:
+        reads = [r for r in self._residency.values() if r.pending]
+        if not reads or (not wait and not all(r.ready() for r in reads)):
+            return
+        landed = [r.take(True) or [0, 0] for r in reads]
+        self.metrics.anchors.set(sum(v[0] for v in landed))
+        self.metrics.hot_buffer_resident.set(sum(v[1] for v in landed))
 
     def memory_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes held by tier ('device'/'host') and kind ('data'/'metadata')."""
@@ -252,14 +329,20 @@ class Publisher:
         self.interval_s, self.gauge_interval_s = interval_s, gauge_interval_s
         self._last = float("-inf")
 
-    def maybe_publish(self, force: bool = False, now: Callable[[], float] = time.monotonic) -> None:
+    def maybe_publish(self, force: bool = False, now: Callable[[], float] = time.monotonic,
+                      settle: bool = False) -> None:
+        """Publish unless the last publish was under ``interval_s`` ago. A periodic publish never
+        waits for a GPU (counts still in flight land at the next one); ``settle`` (a request's end,
+        after which the engine may idle) publishes now with every count made so far; ``force``
+        too, with the costly gauges refreshed."""
         if self.metrics.segment is None:
             return
         t = now()
-        if not force and t - self._last < self.interval_s:
+        if not (force or settle) and t - self._last < self.interval_s:
             return
         self._last = t
-        self.gauges.refresh(costly=force or t - self.gauges.refreshed_at >= self.gauge_interval_s)
+        self.gauges.refresh(costly=force or t - self.gauges.refreshed_at >= self.gauge_interval_s,
+                            wait=force or settle)
         self.metrics.segment.publish()
 
     def close(self, owned: bool) -> None:

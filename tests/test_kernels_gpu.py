@@ -296,3 +296,27 @@ def test_two_level_candidates_match_the_reference(dtype):
     ok = blocks >= 0
     assert torch.equal(torch.isinf(sc), ~ok)
     assert _rel(torch.where(ok, sc, 0.0), torch.where(ok, ref, 0.0)) < 1e-5
+
+
+@pytest.mark.parametrize("tile", [2048, 4096, 8192])
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("D", [64, 128, 60])
+def test_channel_swap_in_at_every_row_tile(tile, bits, D, monkeypatch):
+    """Each values-per-program setting the layout benchmark sweeps (words, grouped and general
+    kernels) dequantizes as the reference: runs of one block and rows of mixed blocks."""
+    from hi_sparse.kernels import _quant_triton
+
+    monkeypatch.setitem(_quant_triton.ROWS_TILE_VALUES, "channel", tile)
+    T, n = 64, 12
+    x = (torch.randn(n, T, D, device="cuda") * torch.linspace(0.5, 20.0, D, device="cuda")).to(torch.bfloat16)
+    packed, scale, zero = K.quantize_blocks(x, bits, "channel")
+    flat = packed.reshape(n * T, -1).cpu().pin_memory()
+    sc, zc = scale.cpu().pin_memory(), zero.cpu().pin_memory()
+    src_rows = torch.cat([torch.arange(128) + 3 * T, torch.randperm(n * T)[:77]])
+    dst_rows = torch.randperm(256)[:src_rows.numel()]
+    dst = torch.full((256, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    K.swap_in_dequant(flat, sc, zc, bits, T, src_rows, dst, dst_rows.cuda(), "channel")
+    ref = torch.full((256, D), float("nan"), dtype=torch.bfloat16)
+    K.reference_swap_in_dequant(flat, sc, zc, bits, T, src_rows, ref, dst_rows, "channel")
+    assert torch.equal(dst.cpu().isnan(), ref.isnan())
+    assert _rel(dst.cpu()[dst_rows].float(), ref[dst_rows].float()) < 1e-3

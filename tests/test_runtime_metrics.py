@@ -15,6 +15,7 @@ from easymats import catalogue, telemetry
 from easymats.segment import Histogram, SegmentReader, control_path
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.engine import HiSparseEngine
+from hi_sparse.metrics import DEVICE_COUNTERS, DeviceCounters, RuntimeMetrics
 from hi_sparse.workloads import PlantedWorkload, run_decode, run_prefill
 
 HQ, HKV, D = 4, 2, 32
@@ -211,3 +212,47 @@ def test_every_runtime_series_is_one_metric_object_with_or_without_a_segment(seg
     assert snap.backup_bytes == 5 and snap.recalibrations["drift"] == 1 and sum(snap.quant_error.counts) == 1
     assert bound.snapshot().backup_bytes == 0
     seg.close()
+
+
+def _counted(metrics) -> dict:
+    st = metrics.snapshot()
+    return {name: getattr(st, name) for name in DEVICE_COUNTERS}
+
+
+def test_device_counters_flush_every_count_once():
+    """A periodic flush (wait=False) and an exact one both add every count once and start over."""
+    metrics = RuntimeMetrics(None)
+    dc = DeviceCounters(torch.device("cpu"))
+    dc.add(torch.tensor(3), 4)
+    dc.flush_into(metrics, wait=False)
+    dc.add(1, 1)
+    dc.flush_into(metrics)
+    dc.flush_into(metrics, wait=False)
+    got = _counted(metrics)
+    assert [got[n] for n in DEVICE_COUNTERS[:2]] == [4, 5] and not any(got[n] for n in DEVICE_COUNTERS[2:])
+    assert int(dc.acc.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_device_counters_on_cuda_never_wait_for_the_gpu_and_lose_nothing():
+    """A periodic flush returns while the GPU is busy (the counts land at a later flush); an
+    exact flush then has every count, once."""
+    metrics = RuntimeMetrics(None)
+    dc = DeviceCounters(torch.device("cuda"))
+    x = torch.randn(4096, 4096, device="cuda")
+    total = 0
+    for i in range(20):
+        for _ in range(8):                      # ~tens of ms of GPU work queued ahead of the counts
+            x = torch.tanh(x @ x)
+        dc.add(i + 1)
+        total += i + 1
+        t0 = time.perf_counter()
+        dc.flush_into(metrics, wait=False)
+        assert time.perf_counter() - t0 < 0.005, "a periodic flush waited for the GPU"
+    early = _counted(metrics)[DEVICE_COUNTERS[0]]
+    assert early < total                        # some counts were still in flight
+    dc.flush_into(metrics)
+    assert _counted(metrics)[DEVICE_COUNTERS[0]] == total
+    dc.flush_into(metrics)
+    assert _counted(metrics)[DEVICE_COUNTERS[0]] == total
