@@ -334,15 +334,24 @@ def bench_layouts(pool: torch.Tensor, h2d: float, hbm: float) -> None:
         packed = dst = None
     for shape in ((16384, 64, 128), (32768, 64, 64)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        default = dict(QT.CHANNEL_STRIP)
+        # the channel layout's strip width (8-column groups per program) and warps swept
+        strips = [(1 << 30, 0), (1 << 30, 8), (8, 4), (4, 4), (4, 2), (2, 2)]
         for layout in ("channel", "token"):
-            for bits in (4, 5, 6, 8):
-                packed, scale, zero = K.quantize_blocks(x, bits, layout)
-                ms = bench(lambda: K.quantize_blocks(x, bits, layout))
+            for bits, (groups, warps) in product((4, 5, 6, 8), strips if layout == "channel" else strips[:1]):
+                QT.CHANNEL_STRIP.update(groups=groups, warps=warps)
+                try:
+                    packed, scale, zero = K.quantize_blocks(x, bits, layout)
+                    ms = bench(lambda: K.quantize_blocks(x, bits, layout))
+                finally:
+                    QT.CHANNEL_STRIP.update(default)
                 moved = x.numel() * 2 + packed.numel() + 2 * scale.numel() * 2
                 g = moved / ms / 1e6
+                strip = f"strip {min(groups, 99):2d} x {warps} warps" if layout == "channel" else ""
                 RESULTS["layouts"].append({"op": "quantize", "layout": layout, "bits": bits, "shape": list(shape),
-                                           "ms": ms, "GBps": g, "pct_hbm": 100 * g / hbm})
-                print(f"quantize {bits}b {layout:>7} {shape}: {ms:7.3f} ms {g:7.1f} GB/s "
+                                           "strip_groups": groups, "warps": warps, "ms": ms, "GBps": g,
+                                           "pct_hbm": 100 * g / hbm})
+                print(f"quantize {bits}b {layout:>7} {shape} {strip}: {ms:7.3f} ms {g:7.1f} GB/s "
                       f"({100 * g / hbm:4.1f}% HBM copy)", flush=True)
         x = None
 

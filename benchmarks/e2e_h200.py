@@ -280,6 +280,8 @@ def main() -> int:
                     help="comma list of sequence counts: prefill one --batch-context sequence with host_kv_bits=4 "
                          "(a host pool sized for them), fork it (cache.batch_repeat_interleave) and time "
                          "aggregate decode of all, greedy and on a repeated token")
+    ap.add_argument("--channel-tile", type=int, default=0,
+                    help="values per program of the channel-layout swap-in (0: the kernels' default)")
     ap.add_argument("--ab-phases", type=int, default=3, help="--batch-telemetry: off/on phase pairs")
     ap.add_argument("--ab-steps", type=int, default=12, help="--batch-telemetry: decode steps per phase")
     ap.add_argument("--batch-telemetry", action="store_true",
@@ -306,6 +308,10 @@ def main() -> int:
 
     import hi_sparse as hs
     from hi_sparse.kernels import two_level_pays
+
+    if args.channel_tile:
+        from hi_sparse.kernels import _quant_triton
+        _quant_triton.ROWS_TILE_VALUES["channel"] = args.channel_tile
 
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -527,7 +533,7 @@ def main() -> int:
         times = {"off": [], "on": []}
         tok = first
         # the publishing work itself, timed where it runs (the A/B's difference is within noise)
-        spent, publish = [0.0], pub.maybe_publish
+        spent, publish, calls = [0.0], pub.maybe_publish, []
 
         def timed_publish(*a, **kw):
             t0 = time.perf_counter()
@@ -535,6 +541,7 @@ def main() -> int:
                 return publish(*a, **kw)
             finally:
                 spent[0] += time.perf_counter() - t0
+                calls.append(time.perf_counter() - t0)
         pub.maybe_publish = timed_publish
         for phase in range(2 * ab_phases):
             side = "on" if phase % 2 else "off"
@@ -548,6 +555,10 @@ def main() -> int:
                 stop_agent(agent, row)
             if side == "off":
                 spent[0] = before           # calls that returned at once (interval inf)
+                calls.clear()
+            else:
+                row.setdefault("publish_us_calls", []).extend(round(1e6 * c, 1) for c in calls)
+                calls.clear()
             tok = logits[:, -1].argmax(-1, keepdim=True)
             times[side] += t[1:]              # the first step of a phase follows the agent's start
         on, off = median(times["on"]), median(times["off"])
@@ -557,12 +568,15 @@ def main() -> int:
                    decode_tokens_per_s=B / on, decode_tokens_per_s_mean=B * len(times["on"]) / sum(times["on"]),
                    telemetry_overhead_pct=100 * (on / off - 1), phases=2 * ab_phases, steps_per_phase=ab_steps,
                    publish_us_per_step=1e6 * spent[0] / (ab_phases * ab_steps),
-                   publish_pct_of_step=100 * spent[0] / (ab_phases * ab_steps) / off)
+                   publish_pct_of_step=100 * spent[0] / (ab_phases * ab_steps) / off,
+                   publish_us_median=median(row.get("publish_us_calls") or [0.0]),
+                   publish_us_top=sorted(row.get("publish_us_calls") or [])[-8:])
         del pub.maybe_publish                   # the method again
         results.setdefault("batch_telemetry_overhead_pct", {})[B] = row["telemetry_overhead_pct"]
         print(f"telemetry on + easymats at 10 Hz vs off, {B} x {row['context']}, alternating phases on one engine: "
               f"decode step {1e3 * on:.2f} vs {1e3 * off:.2f} ms ({row['telemetry_overhead_pct']:+.2f} %); publishing "
-              f"{row['publish_us_per_step']:.0f} us per step ({row['publish_pct_of_step']:.3f} % of it); "
+              f"{row['publish_us_per_step']:.0f} us per step ({row['publish_pct_of_step']:.3f} % of it; a call: median "
+              f"{row['publish_us_median']:.0f} us, largest {row['publish_us_top']}); "
               f"agent {row.get('agent')}", flush=True)
         save()
         return row

@@ -582,6 +582,9 @@ def auto_method(t: int, d: int, bits: int, elem_bytes: int) -> str:
 
 LAYOUT_IDS = {"block": 0, "channel": 1, "token": 2}
 AXIS_TILE_VALUES = 4096     # token layout: rows per program (whole rows, about this many values)
+# channel layout: at most this many 8-column groups per strip (one program each) and the warps of
+# a program (0: by tile size); benchmarks/bench_kernels.py --only layouts sweeps them
+CHANNEL_STRIP = {"groups": 1 << 30, "warps": 0}
 
 
 def _outputs(x: torch.Tensor, bits: int, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -628,7 +631,7 @@ def axis_tiles(t: int, d: int, layout: str, tile_values: int = AXIS_TILE_VALUES)
     groups = next_pow2(d // 8)
     if layout == "channel":
         block_t = next_pow2(t)
-        block_g = max(1, min(groups, REG_CAP // (block_t * 8)))
+        block_g = max(1, min(groups, CHANNEL_STRIP["groups"], REG_CAP // (block_t * 8)))
         return block_t, block_g, triton.cdiv(d // 8, block_g)
     block_t = tile_rows(next_pow2(t), groups, tile_values)
     return block_t, groups, triton.cdiv(t, block_t)
@@ -644,9 +647,10 @@ def launch_axis(x: torch.Tensor, bits: int, layout: str,
     # word stores need whole word groups in every strip (a strip starts at byte g0 * bits)
     words = word_stores(d, bits) and (parts == 1 or BLOCK_G % _WORD_GROUPS[bits] == 0)
     values = BLOCK_T * BLOCK_G * 8
+    warps = CHANNEL_STRIP["warps"] if layout == "channel" and CHANNEL_STRIP["warps"] else 8 if values > 8192 else 4
     _quantize_axis_kernel[(n * parts,)](x, packed, scale, zero, t, d, packed.shape[-1], parts, BITS=bits,
                                         LAYOUT=LAYOUT_IDS[layout], WORDS=words, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
-                                        num_warps=8 if values > 8192 else 4)
+                                        num_warps=warps)
     return packed, scale, zero
 
 

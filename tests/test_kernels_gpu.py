@@ -320,3 +320,20 @@ def test_channel_swap_in_at_every_row_tile(tile, bits, D, monkeypatch):
     K.reference_swap_in_dequant(flat, sc, zc, bits, T, src_rows, ref, dst_rows, "channel")
     assert torch.equal(dst.cpu().isnan(), ref.isnan())
     assert _rel(dst.cpu()[dst_rows].float(), ref[dst_rows].float()) < 1e-3
+
+
+@pytest.mark.parametrize("groups,warps", [(1 << 30, 8), (8, 4), (4, 4), (4, 2), (2, 2)])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("D", [64, 128])
+def test_channel_quantize_at_every_strip(groups, warps, bits, D, monkeypatch):
+    """Each strip width and warp count the layout benchmark sweeps quantizes as the reference."""
+    from hi_sparse.kernels import _quant_triton
+
+    monkeypatch.setitem(_quant_triton.CHANNEL_STRIP, "groups", groups)
+    monkeypatch.setitem(_quant_triton.CHANNEL_STRIP, "warps", warps)
+    x = (torch.randn(7, 64, D, device="cuda") * torch.linspace(0.5, 20.0, D, device="cuda")).to(torch.bfloat16)
+    packed, scale, zero = K.quantize_blocks(x, bits, "channel")
+    rp, rs, rz = K.reference_quantize_blocks(x, bits, "channel")
+    assert torch.equal(zero, rz) and torch.allclose(scale.float(), rs.float(), rtol=1e-3, atol=0)
+    codes, ref = K.unpack_codes(packed, bits, D).int(), K.unpack_codes(rp, bits, D).int()
+    assert int((codes - ref).abs().max()) <= 1 and float((codes != ref).float().mean()) < 1e-3
