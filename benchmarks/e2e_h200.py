@@ -572,11 +572,30 @@ def main() -> int:
                    publish_us_median=median(row.get("publish_us_calls") or [0.0]),
                    publish_us_top=sorted(row.get("publish_us_calls") or [])[-8:])
         del pub.maybe_publish                   # the method again
+        # In the steps the publishing calls also wait for room in the launch queue (the GPU is
+        # behind), which the step's own sync waits for anyway; its CPU cost, with the GPU idle:
+        sync(device)
+        gauge_every = pub.gauge_interval_s
+        for kind, gauges in (("cheap", math.inf), ("costly", 0.0)):
+            pub.interval_s, pub.gauge_interval_s = 0.0, gauges
+            spent_idle = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                pub.maybe_publish()
+                spent_idle.append(time.perf_counter() - t0)
+                sync(device)
+            row[f"publish_{kind}_us_idle"] = 1e6 * median(spent_idle)
+        pub.interval_s, pub.gauge_interval_s = math.inf, gauge_every
+        per_step = row["publish_cheap_us_idle"] + row["publish_costly_us_idle"] * min(1.0, off / gauge_every)
+        row["publish_idle_pct_of_step"] = 100 * per_step / 1e6 / off
         results.setdefault("batch_telemetry_overhead_pct", {})[B] = row["telemetry_overhead_pct"]
         print(f"telemetry on + easymats at 10 Hz vs off, {B} x {row['context']}, alternating phases on one engine: "
               f"decode step {1e3 * on:.2f} vs {1e3 * off:.2f} ms ({row['telemetry_overhead_pct']:+.2f} %); publishing "
               f"{row['publish_us_per_step']:.0f} us per step ({row['publish_pct_of_step']:.3f} % of it; a call: median "
-              f"{row['publish_us_median']:.0f} us, largest {row['publish_us_top']}); "
+              f"{row['publish_us_median']:.0f} us, largest {row['publish_us_top']}); CPU cost of a publish, GPU "
+              f"idle: {row['publish_cheap_us_idle']:.0f} us, with the costly gauges "
+              f"{row['publish_costly_us_idle']:.0f} us (every {gauge_every:g} s): "
+              f"{row['publish_idle_pct_of_step']:.3f} % of the step; "
               f"agent {row.get('agent')}", flush=True)
         save()
         return row

@@ -583,8 +583,9 @@ def auto_method(t: int, d: int, bits: int, elem_bytes: int) -> str:
 LAYOUT_IDS = {"block": 0, "channel": 1, "token": 2}
 AXIS_TILE_VALUES = 4096     # token layout: rows per program (whole rows, about this many values)
 # channel layout: at most this many 8-column groups per strip (one program each) and the warps of
-# a program (0: by tile size); benchmarks/bench_kernels.py --only layouts sweeps them
-CHANNEL_STRIP = {"groups": 1 << 30, "warps": 0}
+# a program (0: by tile size). 4 x 2 on the H200: 53-58 % of the HBM copy at 4 and 8 bits against
+# 39-46 % for whole-block strips; benchmarks/bench_kernels.py --only layouts sweeps them
+CHANNEL_STRIP = {"groups": 4, "warps": 2}
 
 
 def _outputs(x: torch.Tensor, bits: int, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -701,9 +702,11 @@ def launch_relay(x: torch.Tensor, bits: int, tile_values: int = 2048, warps: int
 
 
 # values per program of the row dequant kernels, by layout: a channel-layout program reads its
-# block's D scale/zero pairs once, so it takes more rows (a 64-row run of one block: one pair
-# read); benchmarks/bench_kernels.py --only layouts sweeps it
-ROWS_TILE_VALUES = {"block": 2048, "token": 2048, "channel": 2048}
+# block's D scale/zero pairs once, so it takes a whole 64-row run of one block at D = 128 (H200,
+# runs of 64 rows: 86 % of the bulk pinned copy at 4 bits against 68 % at 2048; scattered single
+# rows cost ~2x, and the 24 x 128K decode step is 2 % faster: docs/BENCHMARKS.md);
+# benchmarks/bench_kernels.py --only layouts sweeps it
+ROWS_TILE_VALUES = {"block": 2048, "token": 2048, "channel": 8192}
 
 
 def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather, layout):
