@@ -63,9 +63,12 @@ _RUNTIME_METRICS = (
     _m("hisparse_sequences", GAUGE, "Live sequences held by the KV cache."),
     _m("hisparse_context_tokens", GAUGE, "Tokens held in the KV cache over all live sequences."),
     _m("hisparse_anchor_lookups_total", COUNTER,
-       "Audited true top-m tokens (exact attention on a sampled layer and head)."),
+       "Audited queries (exact attention of a sampled layer and head); with audit_measure=top_m, "
+       "their true top-m tokens."),
     _m("hisparse_anchor_hits_total", COUNTER,
-       "Audited true top-m tokens that the selection held; anchor hit rate = hits / lookups."),
+       "Share of each audited query's exact attention that fell on tokens the selection held, "
+       "summed (with audit_measure=top_m: the true top-m tokens it held); anchor hit rate = "
+       "hits / lookups."),
     _m("hisparse_anchors", GAUGE, "Anchor tokens pinned by the importance probe."),
     _m("hisparse_anchor_threshold_ratio", GAUGE,
        "Current importance-probe threshold (probability, 0..1).", unit="ratio"),
@@ -105,11 +108,11 @@ _RUNTIME_METRICS = (
     _m("hisparse_step_duration_seconds", HISTOGRAM, "Decode step latency inside the runtime.",
        unit="seconds", buckets=STEP_DURATION_BUCKETS),
     _m("hisparse_audit_lookups_total", COUNTER,
-       "Audited true top-m tokens, by layer (detail: only with layer_metrics=True).",
+       "hisparse_anchor_lookups_total by layer (detail: only with layer_metrics=True).",
        labels=("layer",), detail=True),
     _m("hisparse_audit_hits_total", COUNTER,
-       "Audited true top-m tokens that the selection held, by layer (detail: only with "
-       "layer_metrics=True).", labels=("layer",), detail=True),
+       "hisparse_anchor_hits_total by layer (detail: only with layer_metrics=True).",
+       labels=("layer",), detail=True),
     _m("hisparse_runtime_info", INFO, "Runtime version, model and compute device.",
        labels=("version", "model", "device")),
     _m("hisparse_config_info", INFO, "HiSparse configuration.",

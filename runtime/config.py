@@ -16,6 +16,7 @@ Bits = Union[int, str, None]
 # Per-sequence page tables and block bounds are sized by max_seq_len: past this a generate would
 # fail at its first step with an allocator error instead of here.
 MAX_SEQ_LEN = 1 << 24
+AUDIT_MEASURES = ("mass", "top_m")
 NAME_BYTES = 64  # the telemetry segment's name field (easymats/layout.py NAME_FIELD)
 
 # Integer options and their smallest allowed value (optional ones may also be None).
@@ -79,7 +80,11 @@ class HiSparseConfig:
     recalibrate_topk: int = 32           # tokens labelled as anchors when the probe is refit
     recalibrate_queries: int = 8         # recent decode queries kept per layer for re-scoring
     audit_every: int = 16                # decode steps between audits (0 = never)
-    audit_top_m: int = 8                 # true top-m tokens compared against the selection
+    audit_top_m: int = 8                 # true top-m tokens compared against the selection ("top_m")
+    # what an audit measures: "mass", the share of the query's exact attention that fell on the
+    # selected tokens (what quality follows: the hit rate falls as perplexity rises), or "top_m",
+    # how many of the true top-m tokens were selected (needle recall; most sit in the window)
+    audit_measure: str = "mass"
     drift_floor: float = 0.5             # audited hit rate below this triggers recalibration
     drift_window: int = 4                # audits averaged for the drift decision
     threshold_base: float = 0.5          # probe threshold at 128K context
@@ -162,6 +167,8 @@ class HiSparseConfig:
         need(self.recalibrate_queries >= 1, "recalibrate_queries must be >= 1")
         need(self.audit_every >= 0, "audit_every must be >= 0 (0 disables the audit)")
         need(self.audit_top_m >= 1, "audit_top_m must be >= 1")
+        need(self.audit_measure in AUDIT_MEASURES,
+             f"audit_measure must be one of {', '.join(map(repr, AUDIT_MEASURES))}, got {self.audit_measure!r}")
         need(0.0 <= self.drift_floor <= 1.0, f"drift_floor must be in [0, 1], got {self.drift_floor}")
         need(self.drift_window >= 1, "drift_window must be >= 1")
         need(0 < self.threshold_min <= self.threshold_max < 1,

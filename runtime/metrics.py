@@ -133,11 +133,12 @@ class RuntimeMetrics:
             self.segment.info("hisparse_config_info", **config_labels)
 
     def snapshot(self) -> Stats:
-        """Plain values of every series now (counters and counts as ints)."""
+        """Plain values of every series now (counters and counts as ints; the threshold and the
+        audited hits, a sum of attention shares, as floats)."""
         out = Stats()
         for name in SCALARS:
             value = getattr(self, name).value
-            setattr(out, name, value if name == "anchor_threshold" else int(value))
+            setattr(out, name, value if name in ("anchor_threshold", "anchor_hits") else int(value))
         for name in BY_LABEL:
             setattr(out, name, {k: int(m.value) for k, m in getattr(self, name).items()})
         for name in HISTOGRAMS:

@@ -43,15 +43,19 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, 
 
 
 def audit_hits(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, selected: torch.Tensor,
-               top_m: int, scale: float) -> tuple[int, int]:
-    """(lookups, hits): true top-m tokens of one query q (D,) and how many are in ``selected`` (K,)."""
-    p = attention_probs(q, keys, visible, scale)
-    m = min(top_m, int(visible.sum()))
-    if m == 0:
+               top_m: int, scale: float, measure: str = "top_m") -> tuple[float, float]:
+    """(lookups, hits) of one query q (D,) against the selection ``selected`` (K,, -1 padded).
+    "top_m": the true top-m tokens and how many were selected; "mass": one lookup, and the share
+    of the query's exact attention that fell on selected tokens."""
+    if not bool(visible.any()):
         return 0, 0
+    p = attention_probs(q, keys, visible, scale)
+    held = selected[selected >= 0]
+    if measure == "mass":
+        return 1, float(p[held].sum().clamp(max=1.0))
+    m = min(top_m, int(visible.sum()))
     top = p.topk(m).indices
-    hits = int(torch.isin(top, selected[selected >= 0]).sum())
-    return m, hits
+    return m, int(torch.isin(top, held).sum())
 
 
 def attention_mass(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float,
@@ -98,12 +102,12 @@ class RecalibrationController:
         self.calibrated = False
         self.requested: str | None = None
         self.backoff = 1
-        self.history: deque[tuple[int, int]] = deque(maxlen=drift_window * self.MAX_BACKOFF)
+        self.history: deque[tuple[float, float]] = deque(maxlen=drift_window * self.MAX_BACKOFF)
 
     def on_tokens(self, n: int) -> None:
         self.tokens_since += n
 
-    def on_audit(self, lookups: int, hits: int) -> None:
+    def on_audit(self, lookups: float, hits: float) -> None:
         if lookups:
             self.history.append((lookups, hits))
             need = self.window * self.backoff
@@ -191,12 +195,13 @@ def pick_anchors(mass: torch.Tensor, target: torch.Tensor, outside: torch.Tensor
 
 
 class Audit(NamedTuple):
-    """One audited (sequence, layer, query head): true top-m tokens and how many were selected."""
+    """One audited (sequence, layer, query head): lookups and hits as ``audit_measure`` counts them
+    (true top-m tokens and those selected, or one query and the attention share it kept)."""
     step: int
     layer: int
     head: int
-    lookups: int
-    hits: int
+    lookups: float
+    hits: float
 
 
 class Recalibrator:
@@ -205,16 +210,17 @@ class Recalibrator:
     def __init__(self, cfg, shape: KVShape, layers: list[LayerRows], reader: ContextReader) -> None:
         self.cfg, self.shape, self.layers, self.reader = cfg, shape, layers, reader
 
-    def audit(self, layer: LayerRows, seqs: list[Sequence], q: torch.Tensor, head: int) -> list[tuple[int, int]]:
+    def audit(self, layer: LayerRows, seqs: list[Sequence], q: torch.Tensor, head: int) -> list[tuple[float, float]]:
         """(lookups, hits) per sequence of query head ``head`` of q (B, Hq, D) against the
-        sequence's last selection at this layer."""
+        sequence's last selection at this layer (``audit_measure``: top-m tokens or attention mass)."""
         kv_head = head // self.shape.group_size
         out = []
         for b, s in enumerate(seqs):
             n = s.lengths[layer.index]
             keys, _ = self.reader.read(s, layer, torch.tensor([kv_head]), torch.arange(n))
             out.append(audit_hits(q[b, head], keys, self.reader.visible(s, layer, n),
-                                  s.last_selection[layer.index][kv_head], self.cfg.audit_top_m, self.shape.scale))
+                                  s.last_selection[layer.index][kv_head], self.cfg.audit_top_m, self.shape.scale,
+                                  self.cfg.audit_measure))
         return out
 
     def recalibrate(self, seqs: list[Sequence]) -> None:

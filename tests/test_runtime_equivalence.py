@@ -58,7 +58,7 @@ def test_full_budget_equals_dense_sdpa(Hq, Hkv, D, P, bs):
     st = eng.stats
     assert st.tokens_decode == steps * B and st.tokens_prefill == P * B
     assert st.hot_buffer_lookups == st.hot_buffer_hits > 0  # everything fits: all hits
-    assert st.anchor_lookups == st.anchor_hits > 0           # and the audit agrees
+    assert st.anchor_lookups > 0 and st.anchor_hits == pytest.approx(st.anchor_lookups, rel=1e-5)  # all the mass
     eng.close()
 
 

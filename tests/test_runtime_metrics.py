@@ -40,7 +40,8 @@ def test_no_runtime_metric_stays_constant(segment_dir):
     seg = telemetry.open_segment("metrics-test", labels={"model": "planted"})
     cfg = HiSparseConfig(max_seq_len=4096, cache_block_size=16, window_size=16, global_tokens=8, top_k=64,
                          host_kv_bits="budget", quant_error_budget=0.02, host_pool_blocks=36, streaming=True,
-                         audit_every=2, audit_top_m=8, drift_floor=0.8, drift_window=2, recycle_grace_s=0.5,
+                         audit_every=2, audit_top_m=8, audit_measure="top_m", drift_floor=0.8, drift_window=2,
+                         recycle_grace_s=0.5,
                          publish_interval_s=0.0, gauge_interval_s=0.0, prefetch_blocks=2)
     eng = HiSparseEngine(cfg, 2, HQ, HKV, D, segment=seg, model_name="planted")
     reader = SegmentReader(seg.path)

@@ -24,8 +24,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(seed=1, **over):
+    # these tests are about finding planted tokens: the audit counts the true top-m (needle recall)
     kw = dict(max_seq_len=8192, cache_block_size=32, window_size=32, global_tokens=12, top_k=128,
-              audit_every=1, audit_top_m=8, drift_floor=0.0, telemetry=False, prefetch_blocks=1)
+              audit_every=1, audit_top_m=8, audit_measure="top_m", drift_floor=0.0, telemetry=False,
+              prefetch_blocks=1)
     kw.update(over)
     wl = PlantedWorkload(HKV, HQ, D, seed=seed)
     eng = HiSparseEngine(HiSparseConfig(**kw), L, HQ, HKV, D)
