@@ -118,7 +118,7 @@ def threshold_findings(values: dict[str, float | None]) -> list[str]:
     return out
 
 
-HIT_RATE_WINDOW_LOOKUPS = 32  # a few audits (each looks up the true top-m tokens, m = 8 in the demo)
+HIT_RATE_WINDOW_LOOKUPS = 8  # eight attention-mass audits (one lookup each), one top-m audit (m = 8)
 DEVICE_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="device"}'
 HOST_DATA = 'hisparse_kv_memory_bytes{kind="data",tier="host"}'
 
