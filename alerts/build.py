@@ -225,8 +225,8 @@ def alert_rules() -> list[Alert]:
         Alert("HiSparseAnchorHitRateLow", with_control(ANCHOR_HIT_RATIO, f"< {T.ANCHOR_HIT_RATE_MIN:g}"),
               T.ANCHOR_HIT_RATE_FOR_S, "warning",
               f"Anchor hit rate of {{{{ $labels.target }}}} is below {_pct(T.ANCHOR_HIT_RATE_MIN)}",
-              "Of the audited true top-m tokens, only {{ $value | humanizePercentage }} were "
-              "selected on {{ $labels.target }} ({{ $labels.instance }}): the anchors and probe no "
+              "The tokens the selection held got only {{ $value | humanizePercentage }} of the audited "
+              "exact attention on {{ $labels.target }} ({{ $labels.instance }}): the anchors and probe no "
               "longer match the context (e.g. a topic shift). {{ if eq $labels.control \"none\" }}This "
               "engine has no control channel: recalibrate it by hand (docs/runbook.md).{{ else }}easymats "
               "asks the runtime to recalibrate.{{ end }}",

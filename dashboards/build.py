@@ -94,8 +94,9 @@ RECALIBRATION_ANNOTATION = (f"sum by (target, reason) (increase(hisparse_recalib
 ROWS: tuple[Row, ...] = (
     Row("Selection health", (
         PanelSpec(RATIO["anchor_hit_rate"].title,
-                  "Of the audited true top-m tokens, the share the selection held (exact attention on a "
-                  "sampled layer and head). Below the line for the alert's duration, the runtime is asked "
+                  "The share of the audited exact attention (a sampled layer and head) that fell on the "
+                  "tokens the selection held (audit_measure=top_m: of the true top-m tokens). Below the "
+                  "line for the alert's duration, the runtime is asked "
                   "to recalibrate; recalibrations are drawn as annotations.",
                   "percentunit", (_q(f"{RATIO['anchor_hit_rate'].record}{{{SEL}}}"),),
                   line=Line(T.ANCHOR_HIT_RATE_MIN, "min"), ratio=True),
@@ -295,7 +296,7 @@ FLEET_ROWS: tuple[Row, ...] = (
     )),
     Row("Worst targets first", (
         _worst("Lowest anchor hit rate",
-               f"The {WORST} targets whose selection holds the fewest audited true top-m tokens.",
+               f"The {WORST} targets whose selection holds the least of the audited attention.",
                "percentunit", f"bottomk({WORST}, {rules.ANCHOR_HIT_RATIO}{{{FLEET_SEL}}})", desc=False),
         _worst("Highest sampling lag",
                f"The {WORST} agents whose sampling ticks run latest (p99): they miss peaks.",
