@@ -240,10 +240,18 @@ def tables(records: Iterable[dict[str, Any]]) -> str:
             cols = []
             for d in depths:
                 r = by_depth.get(d)
-                cols.append("not run" if r is None else
-                            f"{'✓' if r['retrieved'] else '✗'} `{r['answer'][:48]}`")
+                cols.append("not run" if r is None else f"{'✓' if r['retrieved'] else '✗'} {_cell(r['answer'])}")
             lines.append(f"| {context} | {label(json.loads(opts))} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
+
+
+def _cell(answer: str, width: int = 48) -> str:
+    """An answer as one Markdown table cell: its first ``width`` characters as code, line breaks
+    shown as ⏎, a backtick or pipe in it kept from ending the code span or the cell."""
+    text = answer[:width].replace("\n", "⏎").replace("|", "\\|")
+    fence = "``" if "`" in text else "`"
+    pad = " " if "`" in text else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def main(argv: list[str] | None = None) -> int:

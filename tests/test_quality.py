@@ -119,3 +119,14 @@ def test_eval_records_name_the_source_revision():
 
     rev = hs_eval._revision()
     assert rev is not None and re.fullmatch(r"[0-9a-f]{12}(-dirty)?", rev), rev
+
+
+def test_eval_tables_keep_a_multiline_answer_in_its_cell(tmp_path):
+    # a model's answer may hold line breaks, backticks or pipes: each table row stays one line
+    rec = dict(kind="needle", options=None, context=2048, seconds=5.0, perplexity=None, continuation=0,
+               depth=0.1, answer='The key is:\n\n`12|34`', retrieved=False, counters=None, model="m", text="t",
+               continuation_asked=512)
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    row = [ln for ln in hs_eval.tables(hs_eval.read_records(str(path))).splitlines() if ln.startswith("| 2048 |")]
+    assert row == ["| 2048 | dense | ✗ `` The key is:⏎⏎`12\\|34` `` |"]
