@@ -97,21 +97,17 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     query always sees itself), or None when every position is. With a mask: chunked over queries
     so that scores or masks stay bounded."""
     n, Tq = k.shape[1], q.shape[1]
-    if visible is None and q.is_cuda:
-        # SDPA's own causal mask, for a later chunk aligned to the bottom right (CausalBias
-        # dispatches that to flash): the fused kernels, no mask tensor, no chunks; equal head
-        # counts keep it off the math kernel (which would hold Tq x n scores)
-        if group > 1:
-            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    if visible is None:
+        # SDPA's own causal mask, aligned to the bottom right for a later chunk (CausalBias
+        # dispatches that to flash on a GPU): the fused kernels, no mask tensor, no chunks. On a
+        # GPU equal head counts keep it off the math kernel (which would hold Tq x n scores); the
+        # CPU's fused kernel takes the GQA group itself
+        gqa = group > 1
+        if q.is_cuda and gqa:
+            k, v, gqa = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), False
         mask = None if Tq == n else causal_lower_right(Tq, n)
         return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                                                is_causal=Tq == n)[0]
-    if visible is None and not q.is_cuda:
-        # queries at the last Tq positions: causal aligned to the bottom right (top-left is_causal
-        # when Tq == n), which the CPU's fused kernel takes without a mask tensor
-        mask = None if Tq == n else causal_lower_right(Tq, n)
-        return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                                                is_causal=Tq == n, enable_gqa=group > 1)[0]
+                                                                is_causal=Tq == n, enable_gqa=gqa)[0]
     kpos = torch.arange(n, device=q.device)
     qpos = torch.arange(n - Tq, n, device=q.device)
     gqa = group > 1
