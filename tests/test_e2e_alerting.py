@@ -166,7 +166,7 @@ def workload_main(name: str, seed: int) -> None:
     torch.set_num_threads(1)  # a small model on a shared CI machine: threads only contend
     L, HQ, HKV, D = 1, 4, 2, 32
     cfg = HiSparseConfig(max_seq_len=65536, cache_block_size=16, window_size=16, global_tokens=8,
-                         top_k=48, audit_every=1, audit_top_m=8, drift_floor=0.0,
+                         top_k=48, audit_every=1, audit_top_m=8, audit_measure="top_m", drift_floor=0.0,
                          recalibrate_every=10 ** 9, host_kv_bits="auto", prefetch_blocks=1, name=name,
                          seed=seed, host_pool_blocks=4096)  # a bounded pool: the limit panels have data
     wl = PlantedWorkload(HKV, HQ, D, seed=seed)
