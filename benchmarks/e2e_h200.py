@@ -267,6 +267,9 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=2048)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--selection-block", type=int, default=None,
+                    help="HiSparse selection_block_size: key bounds ranked per this many tokens inside each "
+                         "storage block (default: the storage block)")
     ap.add_argument("--host-ram-gib", type=float, default=None, help="host RAM for capacity (default: this machine's)")
     ap.add_argument("--skip-quant", action="store_true")
     ap.add_argument("--variants", default=None,
@@ -366,7 +369,8 @@ def main() -> int:
         eager_logits = teacher_forced(model, prompt, forced, DynamicCache(config=cfg))
         model.set_attn_implementation("sdpa")
         hs.enable_hisparse_kv_cache(model, max_seq_len=4 * n_check, block_size=args.block_size,
-                                    window_size=args.window, top_k=max(args.top_k, 2 * n_check),
+                                    selection_block_size=args.selection_block, window_size=args.window,
+                                    top_k=max(args.top_k, 2 * n_check),
                                     device_buffer_tokens=max(args.top_k, 2 * n_check) * 2,
                                     telemetry=False)
         hs_logits = teacher_forced(model, prompt, forced, None)
@@ -440,6 +444,7 @@ def main() -> int:
                     telemetry = label.endswith("+easymats") or telemetry_ab
                     hs.enable_hisparse_kv_cache(model, max_seq_len=ctx + extra_tokens,
                                                 block_size=args.block_size, window_size=args.window,
+                                                selection_block_size=args.selection_block,
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
                                                 decode_graphs=not args.no_graphs)

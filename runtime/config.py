@@ -23,7 +23,7 @@ NAME_BYTES = 64  # the telemetry segment's name field (easymats/layout.py NAME_F
 _INTS = {"max_seq_len": 1, "cache_block_size": 1, "window_size": 1, "global_tokens": 0, "sink_tokens": 0, "top_k": 1,
          "recalibrate_every": 1, "recalibrate_topk": 1, "recalibrate_queries": 1, "audit_every": 0,
          "audit_top_m": 1, "drift_window": 1, "prefetch_blocks": 0, "bound_group": 1, "seed": 0}
-_OPTIONAL_INTS = {"device_buffer_tokens": 1, "host_pool_blocks": 1}
+_OPTIONAL_INTS = {"device_buffer_tokens": 1, "host_pool_blocks": 1, "selection_block_size": 1}
 _NUMBERS = ("quant_error_budget", "drift_floor", "threshold_base", "threshold_min", "threshold_max",
             "recycle_grace_s", "publish_interval_s")
 
@@ -64,7 +64,11 @@ class HiSparseConfig:
     """Every knob of the runtime. Call :meth:`validate` (the engine does) before use."""
 
     max_seq_len: int = 32768
-    cache_block_size: int = 512          # tokens per KV block (storage and selection granularity)
+    cache_block_size: int = 512          # tokens per KV block (storage: host pool, quantization,
+                                         # page tables, streaming eviction)
+    selection_block_size: int | None = None   # tokens per selection block: key bounds are kept and
+                                         # ranked at this granularity inside each storage block
+                                         # (divides cache_block_size; None -> cache_block_size)
     window_size: int = 1024              # most recent tokens always selected
     global_tokens: int = 16              # anchors pinned per sequence, layer and KV head
     sink_tokens: int = 4                 # first tokens of each sequence always selected (attention
@@ -110,6 +114,11 @@ class HiSparseConfig:
                                          # memory) at most this often
 
     @property
+    def select_block(self) -> int:
+        """Tokens per selection block (the unit the key bounds rank)."""
+        return self.selection_block_size if self.selection_block_size is not None else self.cache_block_size
+
+    @property
     def buffer_tokens(self) -> int:
         """Hot buffer slots per sequence, layer and KV head."""
         return self.device_buffer_tokens if self.device_buffer_tokens is not None else 2 * self.top_k
@@ -144,6 +153,10 @@ class HiSparseConfig:
         need(0 < self.threshold_base < 1,
              f"threshold_base must be between 0 and 1 (the probe's anchor threshold at 128K context, a "
              f"probability), got {self.threshold_base}")
+        need(self.cache_block_size % self.select_block == 0,
+             f"selection_block_size ({self.select_block}) must divide cache_block_size "
+             f"({self.cache_block_size}): a selection block is a run of rows of one storage block; "
+             "pick a divisor such as 8, 16 or 32 (or None for whole storage blocks)")
         need(self.window_size <= self.top_k,
              f"window_size ({self.window_size}) must be <= top_k ({self.top_k}): raise top_k or "
              "lower window_size")

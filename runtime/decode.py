@@ -106,7 +106,7 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     B, H, T, D = k.shape
     start = batch.starts(layer)
     host.backup(layer, batch.tables, batch.tail_units, start, k, v)
-    key_bounds.update(rows.bank, batch.rows, start, k, shape.block_size, cfg.bound_group)
+    key_bounds.update(rows.bank, batch.rows, start, k, cfg.select_block, cfg.bound_group)
     pos = batch.head_starts(layer)                                                      # (B*H, T)
     if T > 1:
         pos = pos + torch.arange(T, device=k.device)
@@ -125,25 +125,28 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                 n_super: int, q: torch.Tensor, nb: int, n_cand: int, mixed_levels: bool,
                 holes: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode attention of the batch at ``rows``' layer, q (B, Hq, D) -> ((B, Hq, D), the
-    selected positions (B*Hkv, K)). nb: blocks of the longest sequence; n_cand: a host bound on
-    the candidate blocks (selection.candidate_blocks); mixed_levels: some sequences are too short
+    selected positions (B*Hkv, K)). nb: selection blocks (``cfg.select_block`` tokens) of the
+    longest sequence; n_cand: a host bound on the candidate selection blocks
+    (selection.candidate_blocks); mixed_levels: some sequences are too short
     for two-level scoring to pay on their own (they are scored as they would be alone); holes:
     some sequence lost blocks to streaming mode. Block hits add to the importance in streaming
     mode only (only its eviction reads them)."""
     layer, bank = rows.index, rows.bank.t
     B, H, D, S, bs = batch.size, shape.num_kv_heads, shape.head_dim, shape.slots, shape.block_size
+    ps = cfg.select_block                                   # selection block (divides the storage block)
+    ns = -(-nb * ps // bs)                                  # storage blocks of the longest sequence
     r = batch.rows
     n, n_head = batch.starts(layer), batch.head_starts(layer)                          # (B,), (B*H, 1)
-    # the first block of each window: ceil((n - window) / bs), at least 0
-    window_block = torch.div(n - (cfg.window_size - bs + 1), bs, rounding_mode="floor").clamp(min=0)
-    row_blocks = torch.div(n + bs - 1, bs, rounding_mode="floor")[:, None] if mixed_levels else None
+    # the first selection block of each window: ceil((n - window) / ps), at least 0
+    window_block = torch.div(n - (cfg.window_size - ps + 1), ps, rounding_mode="floor").clamp(min=0)
+    row_blocks = torch.div(n + ps - 1, ps, rounding_mode="floor")[:, None] if mixed_levels else None
     scores = bound_scores(q.view(B, H, shape.group_size, D), bank["kmin"][r, :, :nb], bank["kmax"][r, :, :nb],
                           bank["smin"][r], bank["smax"][r], cfg.bound_group, n_super, window_block[:, None],
                           row_blocks)
-    sel = select(scores.reshape(B * H, nb), n_head, batch.first_of_head, cfg.window_size, cfg.top_k, bs,
+    sel = select(scores.reshape(B * H, nb), n_head, batch.first_of_head, cfg.window_size, cfg.top_k, ps,
                  bank["anchors"][r].reshape(B * H, -1),
-                 bank["holes"][r, :nb].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks, n_cand,
-                 cfg.sink_tokens)
+                 bank["holes"][r, :ns].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks * bs // ps,
+                 n_cand, cfg.sink_tokens, store_block=bs)
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[layer]
@@ -166,7 +169,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     lookups = used.sum()                                   # every selected token is looked up
     rows.counters.add(lookups, hits, prefetch_used, lookups, sel.loaded, loaded.sum(), nbytes)
     if cfg.streaming:
-        bank["importance"][r, :nb] += sel.block_hits.view(B, H, nb).sum(1)
+        bank["importance"][r, :ns] += sel.block_hits.view(B, H, ns).sum(1)
     remember_queries(rows.bank, r, q[:, None])
     out = sparse_decode_attention(q.to(shape.dtype), rows.k[r], rows.v[r], slots.view(B, H, -1), shape.scale)
     return out.to(q.dtype), sel.tokens
@@ -179,8 +182,8 @@ class Decoder:
                  storage: Storage, sequences: SequenceTable, metrics: RuntimeMetrics) -> None:
         self.cfg, self.shape, self.layers, self.host = cfg, shape, layers, host
         self.storage, self.sequences, self.metrics = storage, sequences, metrics
-        self.n_super = key_bounds.n_super(cfg.top_k, cfg.window_size, cfg.global_tokens, cfg.cache_block_size,
-                                          cfg.prefetch_blocks)
+        self.n_super = key_bounds.n_super(cfg.top_k, cfg.window_size, cfg.global_tokens, cfg.select_block,
+                                          cfg.prefetch_blocks * cfg.cache_block_size // cfg.select_block)
         # graphs on CUDA with decode_graphs, when every layer is on one GPU (graphs per layer and
         # device have not been run on the hardware yet: a split decodes through the same bodies
         # without them)
@@ -229,7 +232,7 @@ class Decoder:
                 if (p + T) // bs > p // bs:
                     self._count_write(*self.host.seal(layer, self.storage.block_table(s), s.tail_slot, p,
                                                       k[b], v[b]))
-        key_bounds.grow(rows.bank, -(-n_max // bs), bs, cfg.bound_group, cfg.max_seq_len)
+        key_bounds.grow(rows.bank, n_max, bs, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
         rows.hot.ensure_tokens(n_max)
         batch = self.batch(seqs, rows.device)
         batch.set(layer, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
@@ -253,14 +256,14 @@ class Decoder:
 
     def attend(self, rows: LayerRows, seqs: list[Sequence], q: torch.Tensor) -> torch.Tensor:
         """The decode step's attention, q (B, Hq, D) on the layer's device -> (B, Hq, D)."""
-        cfg, bs, layer = self.cfg, self.shape.block_size, rows.index
+        cfg, bs, ps, layer = self.cfg, self.shape.block_size, self.cfg.select_block, rows.index
         lengths = [s.lengths[layer] for s in seqs]
         n_max = max(lengths)
-        nb = -(-n_max // bs)
+        nb = -(-n_max // ps)                                                # selection blocks
         batch = self.batch(seqs, rows.device)
-        n_cand = candidate_blocks(nb, n_max - cfg.window_size, batch.first_lo, bs)
+        n_cand = candidate_blocks(nb, n_max - cfg.window_size, batch.first_lo, ps)
         self.host.prepare(layer, rows.device)
-        mixed = len({two_level_pays(-(-n // bs), cfg.bound_group, self.n_super) for n in lengths}) > 1
+        mixed = len({two_level_pays(-(-n // ps), cfg.bound_group, self.n_super) for n in lengths}) > 1
         holes = any(self.storage.has_holes(s) for s in seqs)
         width = cfg.top_k + cfg.global_tokens                               # select's token width
         batch.set(layer, lengths, rows.hot.reserve(ticks(selected=width, prefetched=cfg.prefetch_blocks * bs)))

@@ -64,10 +64,11 @@ def _bits(text: str) -> list[Any]:
 
 def configurations(top_ks: list[int], bits: list[Any], window: int, block_size: int,
                    global_tokens: int, max_seq_len: int, full_budget: bool,
-                   sink_tokens: int = 4) -> list[dict[str, Any]]:
+                   sink_tokens: int = 4, selection_block: int | None = None) -> list[dict[str, Any]]:
     """HiSparse options per configuration, in run order. A window that leaves no room for the
-    anchors (window + global_tokens > top_k, e.g. 256 + 16 at top_k 256) is halved."""
-    out = []
+    anchors (window + global_tokens > top_k, e.g. 256 + 16 at top_k 256) is halved. A selection
+    block is named only when given (records without it rank whole storage blocks)."""
+    out: list[dict[str, Any]] = []
     if full_budget:
         out.append(dict(max_seq_len=max_seq_len, block_size=block_size, window_size=window,
                         global_tokens=global_tokens, top_k=max_seq_len, host_kv_bits=None, sink_tokens=sink_tokens))
@@ -76,6 +77,9 @@ def configurations(top_ks: list[int], bits: list[Any], window: int, block_size: 
         for b in bits:
             out.append(dict(max_seq_len=max_seq_len, block_size=block_size, window_size=w,
                             global_tokens=global_tokens, top_k=top_k, host_kv_bits=b, sink_tokens=sink_tokens))
+    if selection_block is not None:
+        for o in out:
+            o["selection_block_size"] = selection_block
     return out
 
 
@@ -85,8 +89,10 @@ def label(options: dict[str, Any] | None) -> str:
     bits = options.get("host_kv_bits")
     # records made before sink tokens existed carry no sink_tokens (they had none)
     sinks = f"sinks {options['sink_tokens']}, " if "sink_tokens" in options else ""
+    sel = options.get("selection_block_size")
+    blocks = f"{options['block_size']}" + (f" (selected in {sel})" if sel is not None else "")
     return (f"top_k {options['top_k']}, window {options['window_size']}, blocks "
-            f"{options['block_size']}, anchors {options['global_tokens']}, {sinks}host "
+            f"{blocks}, anchors {options['global_tokens']}, {sinks}host "
             f"{'unquantized' if bits is None else bits if isinstance(bits, str) else f'{bits}-bit'}")
 
 
@@ -154,7 +160,8 @@ def run_grid(args: argparse.Namespace) -> int:
     print(f"hi_sparse.eval: {lm.name} loaded in {time.perf_counter() - t0:.0f} s; text {args.text}; "
           f"{torch.get_num_threads()} threads", flush=True)
     configs = [None] + configurations(args.top_k, args.bits, args.window, args.block_size,
-                                      args.global_tokens, args.max_seq_len, args.full_budget, args.sinks)
+                                      args.global_tokens, args.max_seq_len, args.full_budget, args.sinks,
+                                      args.selection_block)
     for context in args.context:
         if "perplexity" in args.passes:
             try:
@@ -268,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--global-tokens", type=int, default=16)
     parser.add_argument("--sinks", type=int, default=4, help="sink tokens always selected (default 4)")
+    parser.add_argument("--selection-block", type=int, default=None,
+                        help="tokens per selection block inside each storage block (selection_block_size; "
+                             "default: the storage block)")
     parser.add_argument("--max-seq-len", type=int, default=8192)
     parser.add_argument("--full-budget", action="store_true",
                         help="also run top_k = max_seq_len without quantization (must equal dense)")

@@ -1,10 +1,13 @@
-"""Per-block key bounds of every row: the one place they are laid out, grown and updated.
+"""Key bounds of every row: the one place they are laid out, grown and updated.
 
-Per KV head, each row keeps the elementwise min and max key of each block of ``block_size``
-tokens (kmin / kmax (Hkv, NB, D)) and of each super-block of ``bound_group`` blocks (smin / smax
-(Hkv, NS, D)); selection scores blocks by them (selection.bound_scores). Two more per-block kinds
-share their growth: importance (selected tokens per block, summed over layers by streaming
-eviction) and holes (blocks streaming mode overwrote).
+Per KV head, each row keeps the elementwise min and max key of each *selection block* of
+``select_block`` tokens (kmin / kmax (Hkv, NB, D)) and of each super-block of ``bound_group``
+selection blocks (smin / smax (Hkv, NS, D)); selection scores selection blocks by them
+(selection.bound_scores). A selection block is a run of rows of one storage block
+(``cache_block_size``, a multiple of it): selecting finer than the host pool stores keeps a
+block that holds one important token from spending a whole storage block of the budget. Two
+more kinds are per *storage* block and share the growth: importance (selected tokens per
+block, summed over layers by streaming eviction) and holes (blocks streaming mode overwrote).
 
 Bounds only widen as tokens arrive, so an update folds the new tokens into per-block bounds and
 widens the stored ones with them; the super-blocks are widened with the blocks' new bounds,
@@ -17,8 +20,9 @@ import torch
 
 from .row_bank import RowBank
 
-PER_BLOCK = ("kmin", "kmax", "importance", "holes")
+BOUNDS = ("kmin", "kmax")                 # per selection block
 PER_SUPER_BLOCK = ("smin", "smax")
+PER_BLOCK = ("importance", "holes")      # per storage block
 
 
 def add_kinds(bank: RowBank, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -30,31 +34,35 @@ def add_kinds(bank: RowBank, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
     bank.add("holes", (0,), torch.bool, False)
 
 
-def n_super(top_k: int, window: int, global_tokens: int, block_size: int, prefetch_blocks: int) -> int:
-    """Super-blocks two-level scoring keeps per KV head: enough for every block the selection can
-    take (its budget, anchors that may overlap it, rank slack and prefetch)."""
-    return -(-(top_k - window + global_tokens) // block_size) + 2 + prefetch_blocks
+def n_super(top_k: int, window: int, global_tokens: int, select_block: int, prefetch_units: int) -> int:
+    """Super-blocks two-level scoring keeps per KV head: enough for every selection block the
+    selection can take (its budget, anchors that may overlap it, rank slack and prefetch)."""
+    return -(-(top_k - window + global_tokens) // select_block) + 2 + prefetch_units
 
 
-def grow(bank: RowBank, blocks: int, block_size: int, group: int, max_seq_len: int) -> None:
-    """Room for ``blocks`` blocks in every row, in whole super-blocks plus two spare ones (an
-    update's folds may reach a block and a super-block past the last token, with nothing in them)."""
+def grow(bank: RowBank, tokens: int, block_size: int, select_block: int, group: int, max_seq_len: int) -> None:
+    """Room for ``tokens`` tokens in every row: their selection blocks in whole super-blocks plus
+    two spare ones (an update's folds may reach a block and a super-block past the last token, with
+    nothing in them), and the storage blocks (``block_size`` tokens) those selection blocks span."""
+    blocks = -(-tokens // select_block)
     need = (-(-blocks // group) + 2) * group
     cap = bank.size("kmin", 1)
     if need <= cap:
         return
-    limit = (-(-max_seq_len // block_size) // group + 3) * group
+    limit = (-(-max_seq_len // select_block) // group + 3) * group
     new = -(-max(need, min(max(2 * cap, 8), limit)) // group) * group   # geometric, whole super-blocks
-    for name in PER_BLOCK:
-        bank.grow(name, 1 if bank.t[name].dim() == 4 else 0, new)
+    for name in BOUNDS:
+        bank.grow(name, 1, new)
     for name in PER_SUPER_BLOCK:
         bank.grow(name, 1, new // group)
+    for name in PER_BLOCK:
+        bank.grow(name, 0, -(-new * select_block // block_size))
 
 
-def update(bank: RowBank, rows: slice, start: torch.Tensor, k: torch.Tensor, block_size: int, group: int) -> None:
+def update(bank: RowBank, rows: slice, start: torch.Tensor, k: torch.Tensor, select_block: int, group: int) -> None:
     """Widen the bounds of rows ``rows`` by new keys k (B, Hkv, T, D) at positions start (B,) + t
     (a device tensor: no host sync; a decode token is its own bounds, so T = 1 folds nothing)."""
-    lo, hi, first = _fold(k, k, start, block_size)
+    lo, hi, first = _fold(k, k, start, select_block)
     _widen(bank.t["kmin"][rows], first, lo, torch.minimum)
     _widen(bank.t["kmax"][rows], first, hi, torch.maximum)
     slo, shi, sfirst = _fold(lo, hi, first, group)

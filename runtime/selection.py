@@ -66,8 +66,8 @@ class Selection:
     anchors, then the ranked blocks' tokens.
     prefetch: (R, prefetch_blocks * block_size) positions predicted for the next step (the
     next-ranked blocks), -1 padded.
-    block_hits: (R, NB) selected tokens per logical block (importance for streaming).
-    loaded: 0-dim, tokens in the blocks the selection touched, summed over rows.
+    block_hits: (R, NS) selected tokens per storage block (importance for streaming).
+    loaded: 0-dim, tokens in the storage blocks the selection touched, summed over rows.
     both: (R, top_k + A + prefetch width): tokens then prefetch in one tensor (they are its views).
     """
     tokens: torch.Tensor
@@ -86,9 +86,11 @@ def candidate_blocks(nb: int, w0: int, first_lo: int, bs: int) -> int:
 
 def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int, top_k: int,
            block_size: int, anchors: torch.Tensor, holes: torch.Tensor | None, prefetch_blocks: int,
-           n_cand: int, sinks: int = 0) -> Selection:
+           n_cand: int, sinks: int = 0, store_block: int | None = None) -> Selection:
     """Select tokens for each row (a KV head of a sequence).
 
+    block_size is the selection block (what scores rank); store_block, a multiple of it (default
+    equal), the storage block that block_hits and loaded count in, and holes (R, NS) mark.
     scores: (R, NB) block upper bounds (NaN allowed past a row's tokens); n_tokens, first: (R, 1)
     int64 device tensors, the row's token count and first visible position; anchors: (R, A)
     positions, -1 padded; holes: (R, NB) bool or None; n_cand: a host upper bound on the
@@ -97,6 +99,7 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     host sync: output widths come from the budget (top_k, prefetch_blocks), not the data.
     """
     (R, nb), bs, device = scores.shape, block_size, scores.device
+    sb = store_block or bs
     w0 = n_tokens - window                                                      # (R, 1) window start
     win = w0 + torch.arange(window, device=device)
     win_ok = win >= first
@@ -107,10 +110,10 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     blk0 = torch.arange(nb, device=device) * bs                                 # each block's first token
     cand_blk = (blk0 < w0) & (blk0 + bs > first)                                # (R, NB)
     if holes is not None:
-        win_ok &= ~_in_hole(holes, win, bs)
-        sink_ok &= ~_in_hole(holes, sink, bs)
-        anc_ok &= ~_in_hole(holes, anchors, bs)
-        cand_blk &= ~holes
+        win_ok &= ~_in_hole(holes, win, sb)
+        sink_ok &= ~_in_hole(holes, sink, sb)
+        anc_ok &= ~_in_hole(holes, anchors, sb)
+        cand_blk &= ~(holes if sb == bs else holes.repeat_interleave(sb // bs, 1)[:, :nb])
     win, anc = torch.where(win_ok, win, -1), torch.where(anc_ok, anchors, -1)
     w_keep, w_pf = top_k - window, prefetch_blocks * bs
     # the ranked budget; at most top_k - window (the window holds no holes: streaming evicts
@@ -142,7 +145,8 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     both = torch.cat([win, anc, packed[:, :-1]], 1)
     K = both.shape[1] - w_pf
     tokens = both[:, :K]
-    per_block, loaded = _per_block(tokens, n_tokens, blk0, bs)
+    sblk0 = blk0 if sb == bs else torch.arange(-(-nb * bs // sb), device=device) * sb   # storage blocks
+    per_block, loaded = _per_block(tokens, n_tokens, sblk0, sb)
     return Selection(tokens, both[:, K:], per_block, loaded, both)
 
 

@@ -214,8 +214,8 @@ class SequenceTable:
         cfg = self.cfg
         for layer, saved in zip(self.layers, s.saved or []):
             layer.reset(s.row)
-            key_bounds.grow(layer.bank, -(-s.length // cfg.cache_block_size), cfg.cache_block_size,
-                            cfg.bound_group, cfg.max_seq_len)
+            key_bounds.grow(layer.bank, s.length, cfg.cache_block_size, cfg.select_block, cfg.bound_group,
+                            cfg.max_seq_len)
             layer.bank.load(s.row, saved)
             layer.hot.ensure_tokens(s.length)
         s.saved = None
