@@ -38,6 +38,7 @@ from .recalibration import remember_queries
 from .selection import bound_scores, candidate_blocks, select
 from .sequences import Sequence, SequenceTable
 from .storage import Storage
+from .trace import phase
 
 
 class Batch:
@@ -189,6 +190,7 @@ class Decoder:
         # without them)
         self._graphs = cfg.decode_graphs and len({layer.device for layer in layers}) == 1
         self._batches: dict[tuple, Batch] = {}
+        self._pending_errors: list[torch.Tensor] = []       # QuantEvents.pending, until the step ends
 
     def batch(self, seqs: list[Sequence], device: torch.device) -> Batch:
         """The batch state of these sequences on ``device`` (their rows made consecutive)."""
@@ -225,22 +227,26 @@ class Decoder:
         cfg, bs, layer = self.cfg, self.shape.block_size, rows.index
         T = k.shape[2]
         starts = [s.lengths[layer] for s in seqs]
-        self.storage.extend(seqs, [p + T for p in starts])
+        with phase("prefill.extend", T > 1):
+            self.storage.extend(seqs, [p + T for p in starts])
         n_max = max(starts) + T
         if self.host.quantized:          # blocks the tokens complete: quantized on the host first
             for b, (s, p) in enumerate(zip(seqs, starts)):
                 if (p + T) // bs > p // bs:
-                    self._count_write(*self.host.seal(layer, self.storage.block_table(s), s.tail_slot, p,
-                                                      k[b], v[b]))
-        key_bounds.grow(rows.bank, n_max, bs, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
-        rows.hot.ensure_tokens(n_max)
+                    with phase("prefill.seal", T > 1):
+                        self._count_write(*self.host.seal(layer, self.storage.block_table(s), s.tail_slot, p,
+                                                          k[b], v[b]))
+        with phase("prefill.grow", T > 1):
+            key_bounds.grow(rows.bank, n_max, bs, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
+            rows.hot.ensure_tokens(n_max)
         batch = self.batch(seqs, rows.device)
         batch.set(layer, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
         body = functools.partial(append_body, rows, self.host, batch, cfg, self.shape)
         if T == 1:
             batch.runner.run((layer, "append"), self.graph_key(rows, batch, T), body, k, v)
         else:                            # prefill: run once per shape, not worth a graph
-            body(k, v)
+            with phase("prefill.append"):
+                body(k, v)
         self.host.note_device_writes(rows.device)
         self.metrics.backup_bytes.inc(self.host.backup_bytes(starts, T))
         for s, p in zip(seqs, starts):
@@ -253,6 +259,16 @@ class Decoder:
             m.quant_blocks[bits].inc(c)
         for e in events.errors:
             m.quant_error.observe(e)
+        self._pending_errors.extend(events.pending)
+
+    def flush_quant_errors(self) -> None:
+        """Observe the relative errors of units quantized on a GPU this step (one read-back for
+        all of them, at the step's end, instead of a host sync per seal)."""
+        if self._pending_errors:
+            errors = torch.cat([e.reshape(-1).float().cpu() for e in self._pending_errors]).tolist()
+            self._pending_errors.clear()
+            for e in errors:
+                self.metrics.quant_error.observe(e)
 
     def attend(self, rows: LayerRows, seqs: list[Sequence], q: torch.Tensor) -> torch.Tensor:
         """The decode step's attention, q (B, Hq, D) on the layer's device -> (B, Hq, D)."""

@@ -282,6 +282,7 @@ class HiSparseEngine:
         self._step_t0 = None
         self._audit_at = None
         self._prefill.end_step()
+        self._decoder.flush_quant_errors()
         if self._control.recalibration_requested():
             self.recal.request("request")
         live = list(self._sequences.live.values())

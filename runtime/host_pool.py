@@ -27,13 +27,16 @@ import torch
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
 
 from .quant_policy import BITS, LAYOUT, make_policy, max_bits, quantize_roundtrip
+from .trace import phase
 
 
 @dataclass
 class QuantEvents:
-    """What one write quantized: unit counts by bits and each unit's relative error."""
+    """What one write quantized: unit counts by bits and each unit's relative error (floats, or
+    device tensors of them when quantized on a GPU: read back later, not waited for here)."""
     counts: dict[int, int] = field(default_factory=dict)
     errors: list[float] = field(default_factory=list)
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 def _pin(t: torch.Tensor) -> None:
@@ -53,6 +56,12 @@ def _pin(t: torch.Tensor) -> None:
                            f"(cudaHostRegister error {int(err)}): lower host_pool_blocks or host_kv_bits, "
                            "or raise the locked-memory limit (ulimit -l)")
     weakref.finalize(t, _unpin, ptr, size)   # the pool holds the base tensor until it grows
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on a GPU through a pinned staging copy: a copy from pageable memory would wait
+    for everything queued on the stream first (a host sync); this one is queued behind it."""
+    return t if t.device == device else t.pin_memory().to(device, non_blocking=True)
 
 
 def _unpin(ptr: int, size: int) -> None:
@@ -121,7 +130,8 @@ class HostPool:
 
     def grow(self, blocks: int | None = None, tails: int | None = None) -> None:
         """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept)."""
-        self._alloc(max(self.num_blocks, blocks or 0), max(self.num_tail, tails or 0))
+        with phase("host_pool.grow"):
+            self._alloc(max(self.num_blocks, blocks or 0), max(self.num_tail, tails or 0))
 
     def bytes(self) -> tuple[int, int]:
         """(data bytes, metadata bytes) held: K/V rows and tails vs scales, zeros and bits."""
@@ -237,14 +247,26 @@ class HostPool:
         n_full = (start + k.shape[1]) // bs - b0 // bs
         if not self.quantized or n_full == 0:
             return 0, events
-        self._host_visible()
+        # on a GPU with a pinned pool the units are quantized and written there, in stream order
+        # (the row-copy kernel writes the pinned rows over UVA): no host sync
+        gpu = k.is_cuda and self.pin
+        if not gpu:
+            self._host_visible()
         store = self.layers[layer]
         new = b0 + n_full * bs - start                          # new tokens in the completed blocks
         k, v = k[:, :new].to(dtype=self.dtype), v[:, :new].to(dtype=self.dtype)
         if start > b0:
             old = self.tail_rows(tail_slot, torch.arange(H)[:, None], torch.arange(b0, start)[None]).reshape(-1)
-            k = torch.cat([store["k_tail"][old].view(H, -1, D).to(k.device), k], 1)
-            v = torch.cat([store["v_tail"][old].view(H, -1, D).to(v.device), v], 1)
+            if gpu:
+                old = _to_device(old, k.device)
+                ko, vo = (torch.empty(old.numel(), D, dtype=self.dtype, device=k.device) for _ in range(2))
+                idx = torch.arange(old.numel(), device=k.device)
+                swap_in(store["k_tail"], old, ko, idx)
+                swap_in(store["v_tail"], old, vo, idx)
+                k, v = torch.cat([ko.view(H, -1, D), k], 1), torch.cat([vo.view(H, -1, D), v], 1)
+            else:
+                k = torch.cat([store["k_tail"][old].view(H, -1, D).to(k.device), k], 1)
+                v = torch.cat([store["v_tail"][old].view(H, -1, D).to(v.device), v], 1)
         blocks = block_table[torch.arange(b0 // bs, b0 // bs + n_full)]                  # (F,)
         units = (blocks[:, None] * H + torch.arange(H)[None]).reshape(-1)                 # (F*H,)
         ku = k.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D)
@@ -261,25 +283,55 @@ class HostPool:
         store = self.layers[layer]
         written = 0
         offs = torch.arange(self.block_size)
+        gpu = x.is_cuda and self.pin
+        bits = bits.cpu()
         for b in sorted(set(bits.tolist())):
-            sel = (bits == b).nonzero().squeeze(1).cpu()
-            packed, scale, zero, err = (t.cpu() for t in quantize_roundtrip(x[sel.to(x.device)], b, LAYOUT[prefix]))
+            sel = (bits == b).nonzero().squeeze(1)
+            every = len(sel) == len(bits)
+            out = quantize_roundtrip(x if every else x[_to_device(sel, x.device)], b, LAYOUT[prefix])
             u = units[sel]
             rows = (u[:, None] * self.block_size + offs[None]).reshape(-1)
-            P = packed.shape[-1]
-            store[f"{prefix}_packed"][rows, :P] = packed.reshape(-1, P)
             # channel pairs (N, D) go to the units' entries, token pairs (N, T) to the rows'
             at = rows if LAYOUT[prefix] == "token" else u
-            store[f"{prefix}_scale"][at] = scale.flatten(0, 1) if LAYOUT[prefix] == "token" else scale
-            store[f"{prefix}_zero"][at] = zero.flatten(0, 1) if LAYOUT[prefix] == "token" else zero
-            store[f"{prefix}_bits"][u] = b
-            mirror = self._bits_on.get((layer, prefix))
-            if mirror is not None:
-                mirror[u.to(mirror.device)] = b
+            if gpu:
+                self._write_units(layer, prefix, u, rows, at, b, *out[:3])
+                events.pending.append(out[3])
+            else:
+                packed, scale, zero, err = (t.cpu() for t in out)
+                P = packed.shape[-1]
+                store[f"{prefix}_packed"][rows, :P] = packed.reshape(-1, P)
+                store[f"{prefix}_scale"][at] = scale.flatten(0, 1) if LAYOUT[prefix] == "token" else scale
+                store[f"{prefix}_zero"][at] = zero.flatten(0, 1) if LAYOUT[prefix] == "token" else zero
+                store[f"{prefix}_bits"][u] = b
+                mirror = self._bits_on.get((layer, prefix))
+                if mirror is not None:
+                    mirror[u.to(mirror.device)] = b
+                events.errors.extend(err.tolist())
             events.counts[b] = events.counts.get(b, 0) + len(u)
-            events.errors.extend(err.tolist())
+            packed, scale = out[0], out[1]
             written += packed.numel() + 2 * scale.numel() * scale.element_size()
         return written
+
+    def _write_units(self, layer: int, prefix: str, u: torch.Tensor, rows: torch.Tensor, at: torch.Tensor,
+                     b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
+        with the row-copy kernel, in stream order: nothing waits for the device."""
+        store, dev = self.layers[layer], packed.device
+        P = packed.shape[-1]
+        rows_d, at_d, u_d = (_to_device(t, dev) for t in (rows, at, u))
+
+        def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
+            src2 = src.to(dst.dtype).reshape(where.numel(), -1)
+            swap_in(src2, torch.arange(where.numel(), device=dev), dst.view(dst.shape[0], -1), where)
+
+        put(packed, store[f"{prefix}_packed"][:, :P], rows_d)
+        put(scale, store[f"{prefix}_scale"], at_d)
+        put(zero, store[f"{prefix}_zero"], at_d)
+        width = torch.full((u.numel(), 1), b, dtype=torch.uint8, device=dev)
+        put(width, store[f"{prefix}_bits"], u_d)
+        mirror = self._bits_on.get((layer, prefix))
+        if mirror is not None:
+            mirror[u_d] = b
 
     @staticmethod
     def _per_unit(name: str) -> bool:
@@ -405,8 +457,12 @@ class HostPool:
         the rows are gathered by the GPU straight from the pinned pool (no host-side gather).
         """
         device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:     # "cuda": the current one, by index
+            device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "cpu":
             self._host_visible()
+        else:       # the row arithmetic runs where the gather does: no pageable copy, no host sync
+            heads, pos, block_table = (_to_device(t, device) for t in (heads, pos, block_table))
         self.prepare(layer, device)
         heads, pos = torch.broadcast_tensors(heads, pos)
         shape = pos.shape

@@ -17,6 +17,7 @@ from .page_table import PageTable
 from .recalibration import remember_queries
 from .sequences import Sequence
 from .storage import Storage
+from .trace import phase
 
 _PREFILL_SCORE_BUDGET = 1 << 25  # elements of one prefill attention score chunk (CPU: math kernel)
 _PREFILL_MASK_BUDGET = 1 << 29   # bytes of one prefill boolean mask chunk (CUDA: fused kernels)
@@ -74,8 +75,9 @@ class PrefillAttention:
         new = kl.shape[1] if kl is not None else 0
         old = n - new
         if old > 0:
-            ko, vo = self.reader.read(s, layer, torch.arange(shape.num_kv_heads)[:, None], torch.arange(old)[None],
-                                      shape.dtype)
+            with phase("prefill.read_context"):
+                ko, vo = self.reader.read(s, layer, torch.arange(shape.num_kv_heads)[:, None],
+                                          torch.arange(old)[None], shape.dtype)
             k = torch.cat([ko, kl], 1) if new else ko
             v = torch.cat([vo, vl], 1) if new else vo
         else:
@@ -84,7 +86,8 @@ class PrefillAttention:
         # causal one (SDPA's own: no mask tensor, the fused kernels, no chunks)
         plain = s.first_token == 0 and not self.reader.storage.has_holes(s)
         visible = None if plain else self.reader.visible(s, layer, n)
-        out = _causal(q, k.to(q.dtype), v.to(q.dtype), visible, shape.group_size)
+        with phase("prefill.attention"):
+            out = _causal(q, k.to(q.dtype), v.to(q.dtype), visible, shape.group_size)
         remember_queries(layer.bank, slice(s.row, s.row + 1), q.transpose(0, 1)[None])
         kept = layer.bank.size("queries", 0)
         s.queries_kept[layer.index] = min(kept, s.queries_kept[layer.index] + Tq)

@@ -97,7 +97,8 @@ def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
 def _fit(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
          lr: float) -> list[float]:
     P, dev = len(probes), probes[0].fc1.weight.device
-    n = torch.tensor([len(y) for _, y in data], dtype=torch.float32, device=dev)       # (P,)
+    n = torch.tensor([len(y) for _, y in data], dtype=torch.float32)                   # (P,)
+    n = n.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else n          # no host sync
     width = max(len(y) for _, y in data)
     x = torch.zeros(P, width, probes[0].fc1.in_features, device=dev)
     y = torch.zeros(P, width, device=dev)
@@ -108,7 +109,7 @@ def _fit(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Ten
         y[i, :m] = targets.float().to(dev).clamp(0, 1)
         # positives are rare: weight them so they are not drowned by the negatives
         pos = (y[i, :m] > 0.5).float()
-        w[i, :m] = 1.0 + pos * max(1.0, float((1 - pos).sum() / pos.sum().clamp_min(1)))
+        w[i, :m] = 1.0 + pos * ((1 - pos).sum() / pos.sum().clamp_min(1)).clamp_min(1.0)   # no host sync
     wn = w / n[:, None]                                       # the weighted mean's factor per row
     # stacked parameters, (P, D, hidden), (P, hidden), (P, hidden), (P,); written back at the end
     params = [torch.stack([p.fc1.weight.T for p in probes]), torch.stack([p.fc1.bias for p in probes]),

@@ -16,6 +16,7 @@ distillation targets. :class:`Recalibrator` runs both against an engine's layers
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -25,6 +26,7 @@ from easymats.catalogue import RECALIBRATION_REASONS
 
 from .probe import fit_probes, one_thread_on_cpu
 from .row_bank import RowBank
+from .trace import phase
 
 if TYPE_CHECKING:          # prefill imports this module (remember_queries)
     from .layers import KVShape, LayerRows
@@ -36,8 +38,9 @@ REASONS = RECALIBRATION_REASONS
 
 
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """Exact softmax attention weights. q (..., D), keys (L, D), visible (L,) bool -> (..., L) fp32."""
-    s = (q.float() @ keys.float().T) * scale
+    """Exact softmax attention weights. q (..., D), keys (L, D) (or (H, L, D) for q (H, Q, D): per
+    head), visible (L,) bool -> (..., L) fp32."""
+    s = (q.float() @ keys.float().transpose(-1, -2)) * scale
     s = s.masked_fill(~visible, float("-inf"))
     return torch.softmax(s, dim=-1)
 
@@ -61,12 +64,13 @@ def audit_hits(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, selec
 def attention_mass(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float,
                    weights: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted mean attention weight each token received: queries (Q, D), keys (L, D),
-    weights (Q,) or None (uniform) -> (L,) fp32."""
+    weights (Q,) or None (uniform) -> (L,) fp32; or per head: queries (H, Q, D), keys (H, L, D)
+    -> (H, L)."""
     p = attention_probs(queries, keys, visible, scale)
     if weights is None:
-        return p.mean(0)
+        return p.mean(-2)
     w = weights.float().to(p.device)
-    return (p * w[:, None]).sum(0) / w.sum()
+    return (p * w[:, None]).sum(-2) / w.sum()
 
 
 def remember_queries(bank: RowBank, rows: slice, q: torch.Tensor) -> None:
@@ -77,11 +81,13 @@ def remember_queries(bank: RowBank, rows: slice, q: torch.Tensor) -> None:
     held.copy_(torch.cat([held, q[:, -R:].float()], 1)[:, -R:])
 
 
-def distillation_target(mass: torch.Tensor, n_visible: int, gain: float = 100.0) -> torch.Tensor:
+def distillation_target(mass: torch.Tensor, n_visible: int | torch.Tensor, gain: float = 100.0) -> torch.Tensor:
     """Probe targets from attention mass: 0 at or below the uniform share 1/n, 1 at ``gain`` times
-    it, log-linear between (attention mass spans orders of magnitude). mass (..., L) -> (..., L)."""
-    ratio = (mass * max(n_visible, 1)).clamp_min(1e-30)
-    return (ratio.log() / torch.log(torch.tensor(gain))).clamp(0.0, 1.0)
+    it, log-linear between (attention mass spans orders of magnitude). mass (..., L) -> (..., L);
+    n_visible an int or a 0-dim tensor on mass's device (no host sync)."""
+    n = n_visible.clamp_min(1) if isinstance(n_visible, torch.Tensor) else max(n_visible, 1)
+    ratio = (mass * n).clamp_min(1e-30)
+    return (ratio.log() / math.log(gain)).clamp(0.0, 1.0)
 
 
 class RecalibrationController:
@@ -153,23 +159,37 @@ def score_tokens(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tenso
 
     queries (Q, Hkv, G, D) oldest first; keys (Hkv, n, D); visible (n,) bool. Returns
     (mass (Hkv, n) with tokens inside the window zeroed, targets (Hkv, n) in [0, 1], outside (n,)).
+    No host sync: everything stays on keys' device.
     """
     nq, H, G, D = queries.shape
-    n = keys.shape[1]
-    outside = visible & (torch.arange(n, device=keys.device) < n - window)
-    w = (RECENCY_DECAY ** torch.arange(nq - 1, -1, -1, dtype=torch.float32)).repeat_interleave(G)
-    mass = torch.stack([attention_mass(queries[:, h].reshape(-1, D), keys[h], visible, scale, w)
-                        for h in range(H)])
+    n, dev = keys.shape[1], keys.device
+    outside = visible & (torch.arange(n, device=dev) < n - window)
+    w = (RECENCY_DECAY ** torch.arange(nq - 1, -1, -1, dtype=torch.float32, device=dev)).repeat_interleave(G)
+    # KV heads in batched products (a loop over heads launched ~30 small kernels each), as many at
+    # once as keep the scores under 2**26 elements (one head at a time at 1M tokens)
+    qh = queries.permute(1, 0, 2, 3).reshape(H, nq * G, D)
+    per = max(1, (1 << 26) // max(1, nq * G * n))
+    mass = torch.cat([attention_mass(qh[h:h + per], keys[h:h + per], visible, scale, w) for h in range(0, H, per)])
     mass = torch.where(outside[None], mass, torch.zeros_like(mass))
-    return mass, distillation_target(mass, int(visible.sum())), outside
+    return mass, distillation_target(mass, visible.sum()), outside
 
 
 def training_set(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, outside: torch.Tensor,
-                 topk: int, negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                 topk: int, negatives: int, generator: torch.Generator,
+                 n_outside: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Probe training rows: per head the ``topk`` heaviest tokens and a sample of the rest.
 
-    Returns (x (N, D), y (N,)) on the CPU.
+    Returns (x (N, D), y (N,)): on the CPU, or, when the caller knows how many tokens are outside
+    the window (``n_outside``: no holes) and ``generator`` is on keys' device, on that device
+    without a host sync (the sample: the outside tokens of the largest random keys).
     """
+    if n_outside is not None and generator.device == keys.device:
+        H, n, D = keys.shape
+        m, k = min(topk, n_outside), min(negatives, n_outside)
+        r = torch.rand(H, n, generator=generator, device=keys.device).masked_fill_(~outside, -1.0)
+        idx = torch.cat([mass.topk(m, dim=1).indices, r.topk(k, dim=1).indices], 1)       # (H, m + k)
+        x = keys.gather(1, idx[..., None].expand(H, m + k, D)).reshape(-1, D)
+        return x, target.gather(1, idx).reshape(-1)
     cand = torch.nonzero(outside).squeeze(1).cpu()
     m = min(topk, cand.numel())
     top = mass.topk(m, dim=1).indices
@@ -183,10 +203,11 @@ def training_set(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, o
 
 
 def pick_anchors(mass: torch.Tensor, target: torch.Tensor, outside: torch.Tensor,
-                 slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 slots: int, n_outside: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``slots`` heaviest tokens per head outside the window, -1 padded: (positions, scores),
-    each (Hkv, slots). Scores are their targets, so a probe-picked token must beat them."""
-    a = min(slots, int(outside.sum()))
+    each (Hkv, slots). Scores are their targets, so a probe-picked token must beat them.
+    ``n_outside``: the outside tokens when the caller knows (no host sync to count them)."""
+    a = min(slots, int(outside.sum()) if n_outside is None else n_outside)
     top = mass.topk(a, dim=1).indices
     score = target.gather(1, top)
     pad = slots - a
@@ -230,12 +251,12 @@ class Recalibrator:
             return  # nothing is pinned, so there is nothing to re-score or fit
         fits: dict[torch.device, list] = {}
         for layer in self.layers:
-            with layer.on_device(), one_thread_on_cpu(layer.device):
+            with layer.on_device(), one_thread_on_cpu(layer.device), phase("recalibrate.score"):
                 data = self._layer(layer, seqs)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
         for device_fits in fits.values():
-            with device_fits[0][0].on_device():
+            with device_fits[0][0].on_device(), phase("recalibrate.fit"):
                 fit_probes([layer.probe for layer, _ in device_fits], [data for _, data in device_fits])
 
     def _layer(self, layer: LayerRows, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -243,7 +264,10 @@ class Recalibrator:
         returns its probe's training set (keys, targets), or None when it has none."""
         cfg, shape, i = self.cfg, self.shape, layer.index
         xs, ys, picks = [], [], []
-        g = torch.Generator().manual_seed(cfg.seed + i)
+        # on a GPU the sample is drawn there and nothing waits for the device (a prefill's first
+        # recalibration of 32 layers took ~10 host syncs per layer); the CPU keeps its own stream
+        # of random numbers
+        g = torch.Generator(device=layer.device).manual_seed(cfg.seed + i)
         H = shape.num_kv_heads
         for s in seqs:
             nq, n = s.queries_kept[i], s.lengths[i]
@@ -253,12 +277,15 @@ class Recalibrator:
             qs = s.queries[i][-nq:].view(nq, H, shape.group_size, shape.head_dim)
             mass, target, outside = score_tokens(qs, keys, self.reader.visible(s, layer, n), cfg.window_size,
                                                  shape.scale)
-            if not bool(outside.any()):
+            # without holes every token from the first visible one to the window is outside it
+            n_out = None if self.reader.storage.has_holes(s) else n - cfg.window_size - s.first_token
+            if n_out is None and not bool(outside.any()):
                 continue
-            x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g)
+            x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g,
+                                n_out if layer.device.type == "cuda" else None)
             xs.append(x)
             ys.append(y)
-            picks.append((s, mass, target, outside))
-        for s, mass, target, outside in picks:
-            s.anchors[i], s.anchor_p[i] = pick_anchors(mass, target, outside, cfg.global_tokens)
+            picks.append((s, mass, target, outside, n_out))
+        for s, mass, target, outside, n_out in picks:
+            s.anchors[i], s.anchor_p[i] = pick_anchors(mass, target, outside, cfg.global_tokens, n_out)
         return (torch.cat(xs), torch.cat(ys)) if xs else None

@@ -110,3 +110,42 @@ def test_copy_blocks_copies_every_tensor_of_the_blocks(consecutive):
     a = hp.read(0, torch.tensor(src), 0, 2, torch.arange(H)[:, None], torch.arange(8)[None])[0]
     b = hp.read(0, torch.tensor(dst), 0, 2, torch.arange(H)[:, None], torch.arange(8)[None])[0]
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("bits", [4, 8, "auto", "budget"])
+def test_sealing_on_the_gpu_writes_what_sealing_on_the_host_writes(bits):
+    """On a GPU with a pinned pool seal quantizes there and the row-copy kernel writes the units
+    (packed rows, pairs, widths) over UVA with no host sync; the errors come back at the step's
+    end (QuantEvents.pending). The pool must hold what the host path writes: the same widths, the
+    same values read back (Triton's rounding against the reference's: within a code step)."""
+    g = torch.Generator().manual_seed(11)
+    host, pinned = _pool(bits), HostPool(1, H, D, BS, torch.float32, pin=True, host_kv_bits=bits)
+    pinned.grow(blocks=8, tails=3)
+    table = torch.tensor([5, 2, 7, 0, 3])
+    k, v = torch.randn(H, 19, D, generator=g), torch.randn(H, 19, D, generator=g)
+    errors = {"host": [], "gpu": []}
+    for lo, hi in ((0, 3), (3, 4), (4, 13), (13, 19)):  # partial, completing (from the tail), multi-block, tail
+        _, ev = host.seal(0, table, 1, lo, k[:, lo:hi], v[:, lo:hi])
+        errors["host"] += ev.errors
+        host.backup(0, table[None], host.tail_units(torch.tensor([1])), torch.tensor([lo]), k[None, :, lo:hi],
+                    v[None, :, lo:hi])
+        kc, vc = k[:, lo:hi].cuda(), v[:, lo:hi].cuda()
+        _, ev = pinned.seal(0, table, 1, lo, kc, vc)
+        assert not ev.errors
+        errors["gpu"] += torch.cat([e.cpu() for e in ev.pending]).tolist() if ev.pending else []
+        pinned.backup(0, table[None].cuda(), pinned.tail_units(torch.tensor([1])).cuda(), torch.tensor([lo]).cuda(),
+                      kc[None], vc[None])
+        pinned.note_device_writes(torch.device("cuda"))
+    torch.cuda.synchronize()
+    for prefix in ("k", "v"):
+        assert torch.equal(pinned.layers[0][f"{prefix}_bits"], host.layers[0][f"{prefix}_bits"]), prefix
+    assert errors["gpu"] == pytest.approx(errors["host"], abs=2e-3)
+    want = host.read(0, table, 1, 19 // BS, torch.arange(H)[:, None], torch.arange(19)[None])
+    got = pinned.read(0, table, 1, 19 // BS, torch.arange(H)[:, None], torch.arange(19)[None], device="cuda")
+    step = {4: 0.5, 8: 0.05, "auto": 0.3, "budget": 0.1}[bits]   # at most about one code of the unit's range
+    for w, x in zip(want, got):
+        assert (w - x.cpu()).abs().max() <= step * (k.abs().max() + v.abs().max())
+        assert torch.equal(w[:, 16:], x.cpu()[:, 16:])            # the tail is exact on both
+    assert len(errors["gpu"]) == len(errors["host"]) > 0
