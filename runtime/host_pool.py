@@ -316,19 +316,16 @@ class HostPool:
                      b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
         with the row-copy kernel, in stream order: nothing waits for the device."""
-        store, dev = self.layers[layer], packed.device
-        P = packed.shape[-1]
+        store, dev, P = self.layers[layer], packed.device, packed.shape[-1]
         rows_d, at_d, u_d = (_to_device(t, dev) for t in (rows, at, u))
 
         def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
             src2 = src.to(dst.dtype).reshape(where.numel(), -1)
             swap_in(src2, torch.arange(where.numel(), device=dev), dst.view(dst.shape[0], -1), where)
 
-        put(packed, store[f"{prefix}_packed"][:, :P], rows_d)
-        put(scale, store[f"{prefix}_scale"], at_d)
-        put(zero, store[f"{prefix}_zero"], at_d)
-        width = torch.full((u.numel(), 1), b, dtype=torch.uint8, device=dev)
-        put(width, store[f"{prefix}_bits"], u_d)
+        for src, name, where in ((packed, "packed", rows_d), (scale, "scale", at_d), (zero, "zero", at_d),
+                                 (torch.full((u.numel(), 1), b, dtype=torch.uint8, device=dev), "bits", u_d)):
+            put(src, store[f"{prefix}_{name}"][:, :P] if name == "packed" else store[f"{prefix}_{name}"], where)
         mirror = self._bits_on.get((layer, prefix))
         if mirror is not None:
             mirror[u_d] = b

@@ -89,17 +89,15 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
            n_cand: int, sinks: int = 0, store_block: int | None = None) -> Selection:
     """Select tokens for each row (a KV head of a sequence).
 
-    block_size is the selection block (what scores rank); store_block, a multiple of it (default
-    equal), the storage block that block_hits and loaded count in, and holes (R, NS) mark.
-    scores: (R, NB) block upper bounds (NaN allowed past a row's tokens); n_tokens, first: (R, 1)
-    int64 device tensors, the row's token count and first visible position; anchors: (R, A)
-    positions, -1 padded; holes: (R, NB) bool or None; n_cand: a host upper bound on the
-    candidate blocks of every row (:func:`candidate_blocks`); sinks: the first visible tokens
-    always kept (sinks <= top_k - window; they take the first columns of the ranked part). No
-    host sync: output widths come from the budget (top_k, prefetch_blocks), not the data.
+    scores: (R, NB) upper bounds of selection blocks of ``block_size`` tokens (NaN allowed past a
+    row's tokens); n_tokens, first: (R, 1) int64 device tensors, the row's token count and first
+    visible position; anchors: (R, A) positions, -1 padded; holes: (R, NS) bool per storage block
+    of ``store_block`` tokens (a multiple of block_size; default equal), or None; block_hits and
+    loaded count storage blocks too; n_cand: a host upper bound on the candidate blocks of every
+    row (:func:`candidate_blocks`); sinks: the first visible tokens always kept (<= top_k - window,
+    the first columns of the ranked part). No host sync: widths come from the budget, not the data.
     """
-    (R, nb), bs, device = scores.shape, block_size, scores.device
-    sb = store_block or bs
+    (R, nb), bs, sb, device = scores.shape, block_size, store_block or block_size, scores.device
     w0 = n_tokens - window                                                      # (R, 1) window start
     win = w0 + torch.arange(window, device=device)
     win_ok = win >= first
@@ -144,10 +142,8 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     packed = torch.full((R, w_keep + w_pf + 1), -1, dtype=pos.dtype, device=device).scatter_(1, dest, pos)
     both = torch.cat([win, anc, packed[:, :-1]], 1)
     K = both.shape[1] - w_pf
-    tokens = both[:, :K]
-    sblk0 = blk0 if sb == bs else torch.arange(-(-nb * bs // sb), device=device) * sb   # storage blocks
-    per_block, loaded = _per_block(tokens, n_tokens, sblk0, sb)
-    return Selection(tokens, both[:, K:], per_block, loaded, both)
+    per_block, loaded = _per_block(both[:, :K], n_tokens, -(-nb * bs // sb), sb)
+    return Selection(both[:, :K], both[:, K:], per_block, loaded, both)
 
 
 def _not_in(anc: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
@@ -160,12 +156,14 @@ def _not_in(anc: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
     return outside.gather(1, pos + 1)
 
 
-def _per_block(tokens: torch.Tensor, n_tokens: torch.Tensor, blk0: torch.Tensor,
+def _per_block(tokens: torch.Tensor, n_tokens: torch.Tensor, nb: int,
                bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selected tokens per block (R, NB), and the tokens of every touched block (a scalar tensor).
+    """Selected tokens per block of ``bs`` tokens (R, nb), and the tokens of every touched block
+    (a scalar tensor).
 
     Column 0 of a (R, 1 + NB) count collects the -1 padding."""
-    per_block = torch.zeros(tokens.shape[0], blk0.shape[0] + 1, dtype=torch.int64, device=tokens.device)
+    blk0 = torch.arange(nb, device=tokens.device) * bs                          # each block's first token
+    per_block = torch.zeros(tokens.shape[0], nb + 1, dtype=torch.int64, device=tokens.device)
     per_block.scatter_add_(1, (tokens + bs) // bs, torch.ones_like(tokens))
     per_block = per_block[:, 1:]
     sizes = (n_tokens - blk0).clamp(0, bs)                                      # (R, NB) tokens held
