@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_h200 import CACHE, build_model, output_cache, sync  # noqa: E402
+from e2e_h200 import CACHE, build_model, median, output_cache, sync  # noqa: E402
 
 
 def run_prefill(model, ids: torch.Tensor, chunk: int, cache) -> float:
@@ -61,27 +61,29 @@ def main() -> int:
     results: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                      "torch": torch.__version__, "runs": {}}
 
+    def enable(variant: str) -> None:
+        hs.enable_hisparse_kv_cache(model, max_seq_len=args.context + 64, block_size=64, window_size=1024,
+                                    top_k=2048, host_kv_bits=bits[variant], telemetry=False, audit_every=0)
+
+    def settle() -> None:
+        gc.collect()
+        time.sleep(0.3)                          # past recycle_grace_s: the next prefill reuses the blocks
+
     def timed(variant: str, x: torch.Tensor, warm_runs: int = 0) -> list[float]:
         """Seconds of one prefill in a fresh engine, then of ``warm_runs`` more in the same engine
         (its host pool grown and pinned by the first: the freed blocks are recycled)."""
         if variant == "dense":
             return [run_prefill(model, x, args.chunk, DynamicCache(config=cfg)) for _ in range(1 + warm_runs)]
-        hs.enable_hisparse_kv_cache(model, max_seq_len=args.context + 64, block_size=64, window_size=1024,
-                                    top_k=2048, host_kv_bits=bits[variant], telemetry=False, audit_every=0)
+        enable(variant)
         try:
             out = []
             for _ in range(1 + warm_runs):
                 out.append(run_prefill(model, x, args.chunk, None))
-                gc.collect()
-                time.sleep(0.3)                  # past recycle_grace_s: the next prefill reuses the blocks
+                settle()
             return out
         finally:
             hs.disable_hisparse_kv_cache(model)
             torch.cuda.empty_cache()
-
-    def median(xs: list[float]) -> float:
-        xs = sorted(xs)
-        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -102,11 +104,9 @@ def main() -> int:
     results["profiles"] = {}
     for variant in [v for v in args.profile.split(",") if v]:
         if variant != "dense":
-            hs.enable_hisparse_kv_cache(model, max_seq_len=args.context + 64, block_size=64, window_size=1024,
-                                        top_k=2048, host_kv_bits=bits[variant], telemetry=False, audit_every=0)
+            enable(variant)
             run_prefill(model, ids, args.chunk, None)    # grows the pool: the profile is of a warm engine
-            gc.collect()
-            time.sleep(0.3)
+            settle()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             seconds = run_prefill(model, ids, args.chunk, None if variant != "dense" else DynamicCache(config=cfg))
         if variant != "dense":

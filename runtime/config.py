@@ -119,6 +119,11 @@ class HiSparseConfig:
         return self.selection_block_size if self.selection_block_size is not None else self.cache_block_size
 
     @property
+    def prefetch_units(self) -> int:
+        """Selection blocks prefetched per step: ``prefetch_blocks`` storage blocks' worth of tokens."""
+        return self.prefetch_blocks * self.cache_block_size // self.select_block
+
+    @property
     def buffer_tokens(self) -> int:
         """Hot buffer slots per sequence, layer and KV head."""
         return self.device_buffer_tokens if self.device_buffer_tokens is not None else 2 * self.top_k

@@ -146,7 +146,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                           row_blocks)
     sel = select(scores.reshape(B * H, nb), n_head, batch.first_of_head, cfg.window_size, cfg.top_k, ps,
                  bank["anchors"][r].reshape(B * H, -1),
-                 bank["holes"][r, :ns].repeat_interleave(H, 0) if holes else None, cfg.prefetch_blocks * bs // ps,
+                 bank["holes"][r, :ns].repeat_interleave(H, 0) if holes else None, cfg.prefetch_units,
                  n_cand, cfg.sink_tokens, store_block=bs)
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
@@ -184,7 +184,7 @@ class Decoder:
         self.cfg, self.shape, self.layers, self.host = cfg, shape, layers, host
         self.storage, self.sequences, self.metrics = storage, sequences, metrics
         self.n_super = key_bounds.n_super(cfg.top_k, cfg.window_size, cfg.global_tokens, cfg.select_block,
-                                          cfg.prefetch_blocks * cfg.cache_block_size // cfg.select_block)
+                                          cfg.prefetch_units)
         # graphs on CUDA with decode_graphs, when every layer is on one GPU (graphs per layer and
         # device have not been run on the hardware yet: a split decodes through the same bodies
         # without them)

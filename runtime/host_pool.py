@@ -252,21 +252,12 @@ class HostPool:
         gpu = k.is_cuda and self.pin
         if not gpu:
             self._host_visible()
-        store = self.layers[layer]
         new = b0 + n_full * bs - start                          # new tokens in the completed blocks
         k, v = k[:, :new].to(dtype=self.dtype), v[:, :new].to(dtype=self.dtype)
-        if start > b0:
-            old = self.tail_rows(tail_slot, torch.arange(H)[:, None], torch.arange(b0, start)[None]).reshape(-1)
-            if gpu:
-                old = _to_device(old, k.device)
-                ko, vo = (torch.empty(old.numel(), D, dtype=self.dtype, device=k.device) for _ in range(2))
-                idx = torch.arange(old.numel(), device=k.device)
-                swap_in(store["k_tail"], old, ko, idx)
-                swap_in(store["v_tail"], old, vo, idx)
-                k, v = torch.cat([ko.view(H, -1, D), k], 1), torch.cat([vo.view(H, -1, D), v], 1)
-            else:
-                k = torch.cat([store["k_tail"][old].view(H, -1, D).to(k.device), k], 1)
-                v = torch.cat([store["v_tail"][old].view(H, -1, D).to(v.device), v], 1)
+        if start > b0:               # the block's older tokens, from its tail (read where k is)
+            ko, vo = self.read(layer, block_table, tail_slot, b0 // bs, torch.arange(H)[:, None],
+                               torch.arange(b0, start)[None], self.dtype, k.device)
+            k, v = torch.cat([ko, k], 1), torch.cat([vo, v], 1)
         blocks = block_table[torch.arange(b0 // bs, b0 // bs + n_full)]                  # (F,)
         units = (blocks[:, None] * H + torch.arange(H)[None]).reshape(-1)                 # (F*H,)
         ku = k.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D)

@@ -180,10 +180,10 @@ def training_set(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, o
     """Probe training rows: per head the ``topk`` heaviest tokens and a sample of the rest.
 
     Returns (x (N, D), y (N,)): on the CPU, or, when the caller knows how many tokens are outside
-    the window (``n_outside``: no holes) and ``generator`` is on keys' device, on that device
-    without a host sync (the sample: the outside tokens of the largest random keys).
+    the window (``n_outside``: no holes; ``generator`` on keys' device), on that device without a
+    host sync (the sample: the outside tokens of the largest random keys).
     """
-    if n_outside is not None and generator.device == keys.device:
+    if n_outside is not None:
         H, n, D = keys.shape
         m, k = min(topk, n_outside), min(negatives, n_outside)
         r = torch.rand(H, n, generator=generator, device=keys.device).masked_fill_(~outside, -1.0)

@@ -36,8 +36,7 @@ def make(seed=1, **over):
 
 def _n_super(eng):
     c = eng.cfg
-    return n_super(c.top_k, c.window_size, c.global_tokens, c.select_block,
-                   c.prefetch_blocks * c.cache_block_size // c.select_block)
+    return n_super(c.top_k, c.window_size, c.global_tokens, c.select_block, c.prefetch_units)
 
 
 def topic_queries(wl, topic, n):
