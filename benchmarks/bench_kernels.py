@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager
 from itertools import product
 
 import torch
@@ -293,6 +294,25 @@ def bench_quant_shape(hbm: float, shape: tuple[int, int, int]) -> None:
               f"dequantize {ms_d:7.3f} ms {gd:7.1f} GB/s ({100 * gd / hbm:4.1f}%)", flush=True)
 
 
+# (values per program, warps (0: by tile)) of the swap-in with fused dequant per layout; the default first
+ROWS_SWEEP = {"channel": [(8192, 4), (8192, 0), (2048, 0)],
+              "token": [(8192, 0), (8192, 16), (4096, 4), (2048, 0)]}
+# the channel layout's quantize: ("strip", groups, warps) or ("twopass", tile values, warps); the default first
+CHANNEL_QUANT_SWEEP = [("twopass", 1024, 1), ("twopass", 512, 1), ("twopass", 1024, 2), ("strip", 4, 1),
+                       ("strip", 4, 2)]
+
+
+@contextmanager
+def _swap_rows_setting(layout: str, tile: int, warps: int):
+    """The row dequant kernel's settings for one layout, restored afterwards."""
+    saved = QT.ROWS_TILE_VALUES[layout], QT.ROWS_WARPS[layout]
+    QT.ROWS_TILE_VALUES[layout], QT.ROWS_WARPS[layout] = tile, warps
+    try:
+        yield
+    finally:
+        QT.ROWS_TILE_VALUES[layout], QT.ROWS_WARPS[layout] = saved
+
+
 def bench_layouts(pool: torch.Tensor, h2d: float, hbm: float) -> None:
     """The host pool's layouts (issue 23): keys one fp16 scale / zero per channel of a 64-token
     unit, values one per token. Swap-in with fused dequant from pinned rows (GB/s of packed rows
@@ -313,45 +333,47 @@ def bench_layouts(pool: torch.Tensor, h2d: float, hbm: float) -> None:
             scale = (torch.rand(shape) + 0.1).half().pin_memory()
             zero = torch.rand(shape).half().pin_memory()
             pair = 4 * d / rpb if layout == "channel" else 4
-            default = QT.ROWS_TILE_VALUES[layout]
-            # the channel layout's values per program swept (its pairs are read once per program)
-            tiles = (2048, 4096, 8192) if layout == "channel" else (default,)
-            for pattern, tile in product(("random", "runs64"), tiles):
+            sweep = ROWS_SWEEP[layout]
+            runs = [("random", v) for v in sweep[::len(sweep) - 1]] + [("runs64", v) for v in sweep]
+            for pattern, (tile, warps) in runs:
                 src_rows = runs_of(r, m, 1 if pattern == "random" else 64)
-                QT.ROWS_TILE_VALUES[layout] = tile
-                try:
+                with _swap_rows_setting(layout, tile, warps):
                     ms = bench(lambda: K.swap_in_dequant(packed, scale, zero, bits, rpb, src_rows, dst, dst_rows,
                                                          layout), warmup=5, rep=40)
-                finally:
-                    QT.ROWS_TILE_VALUES[layout] = default
                 gbps = m * (p + pair) / ms / 1e6
+                default = (tile, warps) == sweep[0]
                 RESULTS["layouts"].append({"op": "swap_in_dequant", "layout": layout, "bits": bits, "pattern": pattern,
-                                           "tile_values": tile, "default": tile == default, "rows": m, "ms": ms,
-                                           "GBps": gbps, "pct_bulk": 100 * gbps / h2d})
-                print(f"dequant {bits}b {layout:>7} {pattern:>7} tile {tile:5d}: {ms:7.3f} ms {gbps:6.1f} GB/s of "
-                      f"packed rows + pairs ({100 * gbps / h2d:5.1f}% bulk)", flush=True)
+                                           "tile_values": tile, "warps": warps, "default": default,
+                                           "rows": m, "ms": ms, "GBps": gbps, "pct_bulk": 100 * gbps / h2d})
+                print(f"dequant {bits}b {layout:>7} {pattern:>7} tile {tile:5d} warps {warps or 'auto':>4}: "
+                      f"{ms:7.3f} ms {gbps:6.1f} GB/s of packed rows + pairs "
+                      f"({100 * gbps / h2d:5.1f}% bulk)", flush=True)
             scale = zero = None  # free them early (not `del`: the timed lambdas close over them)
         packed = dst = None
     for shape in ((16384, 64, 128), (32768, 64, 64)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-        default = dict(QT.CHANNEL_STRIP)
-        # the channel layout's strip width (8-column groups per program) and warps swept
-        strips = [(4, 2), (1 << 30, 0), (8, 4), (4, 4), (2, 2)]   # the default first
+        strip0, quant0 = dict(QT.CHANNEL_STRIP), dict(QT.CHANNEL_QUANT)
         for layout in ("channel", "token"):
-            for bits, (groups, warps) in product((4, 5, 6, 8), strips if layout == "channel" else strips[:1]):
-                QT.CHANNEL_STRIP.update(groups=groups, warps=warps)
+            variants = CHANNEL_QUANT_SWEEP if layout == "channel" else CHANNEL_QUANT_SWEEP[:1]
+            for bits, (method, size, warps) in product((4, 5, 6, 8), variants):
+                QT.CHANNEL_QUANT["method"] = method
+                if method == "twopass":
+                    QT.CHANNEL_QUANT.update(tile=size, warps=warps)
+                else:
+                    QT.CHANNEL_STRIP.update(groups=size, warps=warps)
                 try:
                     packed, scale, zero = K.quantize_blocks(x, bits, layout)
                     ms = bench(lambda: K.quantize_blocks(x, bits, layout))
                 finally:
-                    QT.CHANNEL_STRIP.update(default)
+                    QT.CHANNEL_STRIP.update(strip0)
+                    QT.CHANNEL_QUANT.update(quant0)
                 moved = x.numel() * 2 + packed.numel() + 2 * scale.numel() * 2
                 g = moved / ms / 1e6
-                strip = f"strip {min(groups, 99):2d} x {warps} warps" if layout == "channel" else ""
+                what = f"{method} {min(size, 99999):5d} x {warps} warps" if layout == "channel" else ""
                 RESULTS["layouts"].append({"op": "quantize", "layout": layout, "bits": bits, "shape": list(shape),
-                                           "strip_groups": groups, "warps": warps, "ms": ms, "GBps": g,
+                                           "method": method, "size": size, "warps": warps, "ms": ms, "GBps": g,
                                            "pct_hbm": 100 * g / hbm})
-                print(f"quantize {bits}b {layout:>7} {shape} {strip}: {ms:7.3f} ms {g:7.1f} GB/s "
+                print(f"quantize {bits}b {layout:>7} {shape} {what}: {ms:7.3f} ms {g:7.1f} GB/s "
                       f"({100 * g / hbm:4.1f}% HBM copy)", flush=True)
         x = None
 

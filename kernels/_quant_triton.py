@@ -119,7 +119,8 @@ def _pair_at(p_scale, p_zero, o_src, o_blk, m_m, cols, m, D, LAYOUT: tl.constexp
     trailing singleton dims) and columns ``cols`` (mask m: the values' shape): the block's pair,
     the row's (token) or the column's of the block (channel). A channel pair is loaded once for
     the lowest block of the program's rows and per row only for rows of other blocks (block runs
-    are what selection swaps in: their pairs cost one read)."""
+    are what selection swaps in: their pairs cost one read; reading the first row's block instead,
+    without the reduction, measured no faster: docs/BENCHMARKS.md)."""
     if LAYOUT == 1:
         blk0 = tl.min(tl.where(m_m, o_blk, 1 << 62))
         # (blk0 broadcast as a tensor: the interpreter rejects a scalar mask combined with a tensor)
@@ -400,18 +401,23 @@ def _quantize_words_kernel(
 def _quantize_twopass_kernel(
     p_x, p_packed, p_scale, p_zero, T, D, P,
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-    LOAD2D: tl.constexpr, PREFETCH: tl.constexpr,
+    LOAD2D: tl.constexpr, PREFETCH: tl.constexpr, LAYOUT: tl.constexpr,
 ):
     """One program per block (D % 8 == 0), in row tiles of BLOCK_T rows: pass 1 folds the block's
-    min / max, pass 2 reads the block again (from L2 while the blocks in flight fit in it: small
-    blocks) and packs it as _store_groups. PREFETCH: each pass loads the next tile before it works
-    on the current one (two tiles in flight per program). (Fewer programs looping over the blocks,
-    to bound the blocks in flight, had too few loads in flight: docs/BENCHMARKS.md.)"""
+    min / max (LAYOUT 0) or each column's (LAYOUT 1, channel: fp16 pairs per column), pass 2 reads
+    the block again (from L2 while the blocks in flight fit in it: small blocks) and packs whole
+    rows as _store_groups. PREFETCH: each pass loads the next tile before it works on the current
+    one (two tiles in flight per program). (Fewer programs looping over the blocks, to bound the
+    blocks in flight, had too few loads in flight: docs/BENCHMARKS.md.)"""
     i_n = tl.program_id(0).to(tl.int64)
     p_xn = p_x + i_n * T * D
     o_r = tl.arange(0, BLOCK_T)
-    acc_lo = tl.full([BLOCK_T, BLOCK_G], float("inf"), tl.float32)
-    acc_hi = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
+    if LAYOUT == 1:
+        acc_lo = tl.full([BLOCK_T, BLOCK_G, 8], float("inf"), tl.float32)
+        acc_hi = tl.full([BLOCK_T, BLOCK_G, 8], float("-inf"), tl.float32)
+    else:
+        acc_lo = tl.full([BLOCK_T, BLOCK_G], float("inf"), tl.float32)
+        acc_hi = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
     b_next, m_next = _load_units(p_xn, o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
     for t0 in range(0, T, BLOCK_T):
         if PREFETCH:
@@ -419,11 +425,24 @@ def _quantize_twopass_kernel(
             b_next, m_next = _load_units(p_xn, t0 + BLOCK_T + o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
         else:
             b_x, m = _load_units(p_xn, t0 + o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
-        acc_lo = tl.minimum(acc_lo, tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2))
-        acc_hi = tl.maximum(acc_hi, tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2))
-    lo = tl.min(tl.min(acc_lo, 1), 0)
-    hi = tl.max(tl.max(acc_hi, 1), 0)
-    inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
+        if LAYOUT == 1:
+            acc_lo = tl.minimum(acc_lo, tl.where(m[:, :, None], b_x, float("inf")))
+            acc_hi = tl.maximum(acc_hi, tl.where(m[:, :, None], b_x, float("-inf")))
+        else:
+            acc_lo = tl.minimum(acc_lo, tl.min(tl.where(m[:, :, None], b_x, float("inf")), 2))
+            acc_hi = tl.maximum(acc_hi, tl.max(tl.where(m[:, :, None], b_x, float("-inf")), 2))
+    if LAYOUT == 1:
+        scale, lo = _pair_of(tl.min(acc_lo, 0), tl.max(acc_hi, 0), BITS, p_scale.dtype.element_ty)     # (G, 8)
+        o_c = i_n * D + tl.arange(0, BLOCK_G)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        m_c = (tl.arange(0, BLOCK_G) < D // 8)[:, None]
+        tl.store(p_scale + o_c, scale.to(p_scale.dtype.element_ty), mask=m_c)
+        tl.store(p_zero + o_c, lo.to(p_zero.dtype.element_ty), mask=m_c)
+        inv = _inverse(scale)[None, :, :]
+        lo = lo[None, :, :]
+    else:
+        lo = tl.min(tl.min(acc_lo, 1), 0)
+        hi = tl.max(tl.max(acc_hi, 1), 0)
+        inv = _block_params(p_scale, p_zero, i_n, lo, hi, BITS, True)
     p_on = p_packed + i_n * T * P
     b_next, _ = _load_units(p_xn, o_r, T, D, 8, BLOCK_T, BLOCK_G, LOAD2D)
     for t0 in range(0, T, BLOCK_T):
@@ -582,10 +601,15 @@ def auto_method(t: int, d: int, bits: int, elem_bytes: int) -> str:
 
 LAYOUT_IDS = {"block": 0, "channel": 1, "token": 2}
 AXIS_TILE_VALUES = 4096     # token layout: rows per program (whole rows, about this many values)
-# channel layout: at most this many 8-column groups per strip (one program each) and the warps of
-# a program (0: by tile size). 4 x 2 on the H200: 53-58 % of the HBM copy at 4 and 8 bits against
-# 39-46 % for whole-block strips; benchmarks/bench_kernels.py --only layouts sweeps them
+# channel layout, method "strip": at most this many 8-column groups per strip (one program each)
+# and the warps of a program (0: by tile size)
 CHANNEL_STRIP = {"groups": 4, "warps": 2}
+# channel layout's quantize kernel: "twopass" (one program per block: column pairs folded over row
+# tiles of `tile` values, then whole rows packed from L2) or "strip" (the axis kernel, the input
+# read once in column strips, whose 5 / 6-bit rows store a few words per row). On the H200, 64-token
+# units: twopass 1024 x 1 warp 58.9-67.8 % of the HBM copy at every width and D = 64 / 128
+# against 34-58 % for strips of 4 x 2 (docs/BENCHMARKS.md); bench_kernels.py --only layouts sweeps them
+CHANNEL_QUANT = {"method": "twopass", "tile": 1024, "warps": 1}
 
 
 def _outputs(x: torch.Tensor, bits: int, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -602,6 +626,8 @@ def quantize(x: torch.Tensor, bits: int, layout: str = "block") -> tuple[torch.T
     x = x.contiguous()
     n, t, d = x.shape
     if layout != "block":
+        if layout == "channel" and d % 8 == 0 and CHANNEL_QUANT["method"] == "twopass":
+            return launch_twopass(x, bits, CHANNEL_QUANT["tile"], CHANNEL_QUANT["warps"], layout="channel")
         if d % 8 == 0 and (layout == "token" or next_pow2(t) * 8 <= REG_CAP):
             return launch_axis(x, bits, layout)
         return launch_general(x, bits, layout)
@@ -670,16 +696,18 @@ def launch_words(x: torch.Tensor, bits: int, unit: tuple[int, int] | None = None
 
 
 def launch_twopass(x: torch.Tensor, bits: int, tile_values: int = 2048, warps: int = 2, load2d: bool = True,
-                   prefetch: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   prefetch: bool = True, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One program per block reading it twice, the second time from L2 (_quantize_twopass_kernel),
-    in row tiles of about ``tile_values`` values (D % 8 == 0)."""
+    in row tiles of about ``tile_values`` values (D % 8 == 0; block or channel layout)."""
+    if layout not in ("block", "channel"):
+        raise ValueError(f"the twopass kernel packs the block and channel layouts, not {layout!r}")
     n, t, d = x.shape
-    packed, scale, zero = _outputs(x, bits)
+    packed, scale, zero = _outputs(x, bits, layout)
     BLOCK_G = next_pow2(d // 8)
     BLOCK_T = tile_rows(next_pow2(t), BLOCK_G, tile_values)
     _quantize_twopass_kernel[(n,)](x, packed, scale, zero, t, d, packed.shape[-1], BITS=bits,
                                    WORDS=word_stores(d, bits), BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, LOAD2D=load2d,
-                                   PREFETCH=prefetch, num_warps=warps)
+                                   PREFETCH=prefetch, LAYOUT=LAYOUT_IDS[layout], num_warps=warps)
     return packed, scale, zero
 
 
@@ -704,16 +732,21 @@ def launch_relay(x: torch.Tensor, bits: int, tile_values: int = 2048, warps: int
 # values per program of the row dequant kernels, by layout: a channel-layout program reads its
 # block's D scale/zero pairs once, so it takes a whole 64-row run of one block at D = 128 (H200,
 # runs of 64 rows: 86 % of the bulk pinned copy at 4 bits against 68 % at 2048; scattered single
-# rows cost ~2x, and the 24 x 128K decode step is 2 % faster: docs/BENCHMARKS.md);
+# rows cost ~2x, and the 24 x 128K decode step is 2 % faster); token-layout programs of 64 rows
+# too (91.7 % against 88.9 % at 2048 values). docs/BENCHMARKS.md;
 # benchmarks/bench_kernels.py --only layouts sweeps it
-ROWS_TILE_VALUES = {"block": 2048, "token": 2048, "channel": 8192}
+ROWS_TILE_VALUES = {"block": 2048, "token": 8192, "channel": 8192}
+# warps of a row dequant program by layout (0: 4 up to 2048 values, else 8; the channel layout's
+# 64-row programs at 4 warps: 91.6 % of bulk at 4 bits against 82.7 % at 8);
+# benchmarks/bench_kernels.py --only layouts sweeps them
+ROWS_WARPS = {"block": 0, "token": 0, "channel": 4}
 
 
 def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather, layout):
     d, p = dst2d.shape[1], packed2d.shape[1]
     lid = LAYOUT_IDS[layout]
     tile = ROWS_TILE_VALUES[layout]
-    warps = 4 if tile <= 2048 else 8
+    warps = ROWS_WARPS[layout] or (4 if tile <= 2048 else 8)
     words = _int32_rows(packed2d) if d % 8 == 0 and bits in (4, 8) else None
     if words is not None:
         BLOCK_W = next_pow2(d * bits // 32)
@@ -727,7 +760,8 @@ def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, d
         BLOCK_M = max(1, min(64, tile // (BLOCK_G * 8)))
         _dequant_grouped_kernel[(triton.cdiv(m, BLOCK_M),)](
             packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, packed2d.stride(0),
-            dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, num_warps=warps)
+            dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G,
+            num_warps=warps)
         return
     BLOCK_D = min(next_pow2(d), 256)
     BLOCK_M = max(1, min(64, 2 * tile // BLOCK_D))

@@ -126,14 +126,21 @@ def _quantize(bits: int, d: int = 60, t: int = 63, n: int = 2, **tuning) -> None
     _valid_rounding(x, packed, scale, zero, bits)
 
 
-def _layout_quantize(bits: int, layout: str, n: int, t: int, d: int) -> None:
+def _layout_quantize(bits: int, layout: str, n: int, t: int, d: int, channel_quant: dict | None = None) -> None:
     """quantize_blocks in a channel / token layout against the reference: the same pairs (fp16,
     equal or one rounding apart), codes that round each value against the kernel's own pair, and
-    the round trip within half a step of every value."""
+    the round trip within half a step of every value. channel_quant: the channel kernel's settings
+    (_quant_triton.CHANNEL_QUANT) for this call."""
+    from hi_sparse.kernels import _quant_triton
     x = torch.randn(n, t, d) * torch.linspace(0.5, 20.0, d) + torch.linspace(-3.0, 3.0, d)
     x[-1, :, 1] = 2.25                     # a constant column (channel scale 0)
     x[-1, 2] = -1.0                        # a constant row (token scale 0)
-    packed, scale, zero = K.quantize_blocks(x, bits, layout)
+    saved = dict(_quant_triton.CHANNEL_QUANT)
+    _quant_triton.CHANNEL_QUANT.update(channel_quant or {})
+    try:
+        packed, scale, zero = K.quantize_blocks(x, bits, layout)
+    finally:
+        _quant_triton.CHANNEL_QUANT.update(saved)
     rp, rs, rz = K.reference_quantize_blocks(x, bits, layout)
     _need(packed.shape == rp.shape and scale.shape == rs.shape and scale.dtype == torch.float16,
           f"shapes {tuple(packed.shape)} {tuple(scale.shape)} {scale.dtype}")
@@ -151,10 +158,11 @@ def _layout_quantize(bits: int, layout: str, n: int, t: int, d: int) -> None:
     _need(float(err.max()) <= 0, f"a value is {float(err.max()):.3g} past half a step")
 
 
-def _layout_swap_dequant(bits: int, layout: str, d: int, wide_rows: bool = False) -> None:
+def _layout_swap_dequant(bits: int, layout: str, d: int, wide_rows: bool = False, first_row: int = 9) -> None:
     """swap_in_dequant in a channel / token layout against the reference: rows in a run of one
     block (one pair read for the run) and rows of other blocks, a -1 row, NaN-poisoned dst; with
-    wide_rows the packed rows are a view [:, :P] of 8-bit-wide rows (a mixed-width host pool)."""
+    wide_rows the packed rows are a view [:, :P] of 8-bit-wide rows (a mixed-width host pool);
+    first_row: the first source row (-1: a skipped row first)."""
     n, t = 3, 8
     packed, scale, zero = K.reference_quantize_blocks(torch.randn(n, t, d) * 4 + 1, bits, layout)
     flat = packed.reshape(n * t, -1)
@@ -164,15 +172,16 @@ def _layout_swap_dequant(bits: int, layout: str, d: int, wide_rows: bool = False
         flat = wide[:, : flat.shape[1]]
     if layout == "token":
         scale, zero = scale.reshape(-1), zero.reshape(-1)
-    src_rows = torch.tensor([9, 10, 11, 12, 23, -1, 0, 16])
+    src_rows = torch.tensor([first_row, 10, 11, 12, 23, -1, 0, 16])
     dst_rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8])
     dst = torch.full((10, d), float("nan"))
     K.swap_in_dequant(flat, scale, zero, bits, t, src_rows, dst, dst_rows, layout)
     ref = torch.full((10, d), float("nan"))
     K.reference_swap_in_dequant(flat, scale, zero, bits, t, src_rows, ref, dst_rows, layout)
-    done = [0, 1, 2, 3, 4, 6, 8]
+    done = [int(dst_rows[i]) for i in range(len(src_rows)) if src_rows[i] >= 0]
+    rest = [i for i in range(len(dst)) if i not in done]
     _need(torch.allclose(dst[done], ref[done], rtol=1e-6, atol=1e-6), "dequantized rows differ")
-    _need(bool(dst[[5, 7, 9]].isnan().all()), "a -1 row or a row outside dst_rows was written")
+    _need(bool(dst[rest].isnan().all()), "a -1 row or a row outside dst_rows was written")
 
 
 def _constant_block() -> None:
@@ -327,18 +336,24 @@ CASES: dict[str, Callable[[], None]] = {
        for b in (4, 5, 6, 8)},
     "quantize-4bit-d64-t40-twopass-no-prefetch": lambda: _quantize(4, 64, 40, 3, method="twopass", pack_values=512,
                                                                   prefetch=False),
-    # channel / token layouts (keys / values of the host pool): the axis kernel at D=64 (whole
-    # block one tile), channel strips (T=300, D=128: 4 strips of 32 columns, 5 / 6 bits store
-    # words per quad / pair), token row tiles (T=300: 5 tiles), the general kernel (D=60; T=2100
-    # is a channel strip over REG_CAP)
+    # channel / token layouts (keys / values of the host pool): the channel default (two passes)
+    # and the token axis kernel at D=64, channel strips (method "strip"; T=300, D=128: 4 strips of
+    # 32 columns, 5 / 6 bits store words per quad / pair), token row tiles (T=300: 5 tiles), the
+    # general kernel (D=60; T=2100 is a channel strip over REG_CAP)
     **{f"quantize-{b}bit-{lay}-d64": (lambda b=b, lay=lay: _layout_quantize(b, lay, 3, 16, 64))
        for b in (4, 5, 6, 8) for lay in ("channel", "token")},
-    **{f"quantize-{b}bit-channel-t300-strips": (lambda b=b: _layout_quantize(b, "channel", 1, 300, 128))
+    **{f"quantize-{b}bit-channel-t300-strips": (lambda b=b: _layout_quantize(b, "channel", 1, 300, 128,
+                                                                             {"method": "strip"}))
        for b in (4, 5, 6)},
+    "quantize-5bit-channel-t300-twopass": lambda: _layout_quantize(5, "channel", 1, 300, 128),
     "quantize-5bit-token-t300-tiles": lambda: _layout_quantize(5, "token", 1, 300, 64),
     **{f"quantize-{b}bit-{lay}-d60-general": (lambda b=b, lay=lay: _layout_quantize(b, lay, 2, 9, 60))
        for b in (5, 8) for lay in ("channel", "token")},
-    "quantize-4bit-channel-t2100-general": lambda: _layout_quantize(4, "channel", 1, 2100, 16),
+    "quantize-4bit-channel-t2100-general": lambda: _layout_quantize(4, "channel", 1, 2100, 16, {"method": "strip"}),
+    # the channel layout through the two-pass kernel: column pairs folded over 5 row tiles of 8
+    # rows (the last ragged), whole rows packed
+    **{f"quantize-{b}bit-channel-twopass": (lambda b=b: _layout_quantize(
+        b, "channel", 3, 40, 64, {"method": "twopass", "tile": 512, "warps": 2})) for b in (4, 5, 6, 8)},
     # swap-in with fused dequant per layout: 4 / 8 bits read whole words, 5 bits the byte groups,
     # D=60 the general rows kernel; 4 bits from rows of a wider (mixed-width) pool
     **{f"swap_in_dequant-{b}bit-{lay}": (lambda b=b, lay=lay: _layout_swap_dequant(b, lay, 64))
@@ -347,6 +362,9 @@ CASES: dict[str, Callable[[], None]] = {
        for lay in ("channel", "token")},
     **{f"swap_in_dequant-4bit-{lay}-wide-rows": (lambda lay=lay: _layout_swap_dequant(4, lay, 64, True))
        for lay in ("channel", "token")},
+    # a skipped row (-1) first in the program
+    **{f"swap_in_dequant-{b}bit-channel-skipped-first": (lambda b=b: _layout_swap_dequant(b, "channel", 64,
+                                                                                       first_row=-1)) for b in (4, 5)},
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},

@@ -298,37 +298,49 @@ def test_two_level_candidates_match_the_reference(dtype):
     assert _rel(torch.where(ok, sc, 0.0), torch.where(ok, ref, 0.0)) < 1e-5
 
 
-@pytest.mark.parametrize("tile", [2048, 4096, 8192])
+@pytest.mark.parametrize("tile,warps", [(2048, 0), (4096, 0), (8192, 0), (8192, 4), (16384, 16), (16384, 8)])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("D", [64, 128, 60])
-def test_channel_swap_in_at_every_row_tile(tile, bits, D, monkeypatch):
-    """Each values-per-program setting the layout benchmark sweeps (words, grouped and general
-    kernels) dequantizes as the reference: runs of one block and rows of mixed blocks."""
+@pytest.mark.parametrize("layout", ["channel", "token"])
+def test_layout_swap_in_at_every_row_tile(tile, warps, bits, D, layout, monkeypatch):
+    """Each values-per-program and warps setting the layout benchmark sweeps (words,
+    grouped and general kernels) dequantizes as the reference: runs of one block and rows of
+    mixed blocks."""
     from hi_sparse.kernels import _quant_triton
 
-    monkeypatch.setitem(_quant_triton.ROWS_TILE_VALUES, "channel", tile)
+    monkeypatch.setitem(_quant_triton.ROWS_TILE_VALUES, layout, tile)
+    monkeypatch.setitem(_quant_triton.ROWS_WARPS, layout, warps)
     T, n = 64, 12
     x = (torch.randn(n, T, D, device="cuda") * torch.linspace(0.5, 20.0, D, device="cuda")).to(torch.bfloat16)
-    packed, scale, zero = K.quantize_blocks(x, bits, "channel")
+    packed, scale, zero = K.quantize_blocks(x, bits, layout)
     flat = packed.reshape(n * T, -1).cpu().pin_memory()
     sc, zc = scale.cpu().pin_memory(), zero.cpu().pin_memory()
     src_rows = torch.cat([torch.arange(128) + 3 * T, torch.randperm(n * T)[:77]])
     dst_rows = torch.randperm(256)[:src_rows.numel()]
     dst = torch.full((256, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    K.swap_in_dequant(flat, sc, zc, bits, T, src_rows, dst, dst_rows.cuda(), "channel")
+    if layout == "token":
+        sc, zc = sc.reshape(-1), zc.reshape(-1)
+    K.swap_in_dequant(flat, sc, zc, bits, T, src_rows, dst, dst_rows.cuda(), layout)
     ref = torch.full((256, D), float("nan"), dtype=torch.bfloat16)
-    K.reference_swap_in_dequant(flat, sc, zc, bits, T, src_rows, ref, dst_rows, "channel")
+    K.reference_swap_in_dequant(flat, sc, zc, bits, T, src_rows, ref, dst_rows, layout)
     assert torch.equal(dst.cpu().isnan(), ref.isnan())
     assert _rel(dst.cpu()[dst_rows].float(), ref[dst_rows].float()) < 1e-3
 
 
-@pytest.mark.parametrize("groups,warps", [(1 << 30, 8), (8, 4), (4, 4), (4, 2), (2, 2)])
+@pytest.mark.parametrize("method,groups,warps", [
+    ("strip", 1 << 30, 8), ("strip", 8, 4), ("strip", 4, 4), ("strip", 4, 2), ("strip", 2, 2), ("strip", 4, 1),
+    ("twopass", 1024, 1), ("twopass", 2048, 2), ("twopass", 4096, 4), ("twopass", 8192, 4)])
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("D", [64, 128])
-def test_channel_quantize_at_every_strip(groups, warps, bits, D, monkeypatch):
-    """Each strip width and warp count the layout benchmark sweeps quantizes as the reference."""
+def test_channel_quantize_at_every_strip(method, groups, warps, bits, D, monkeypatch):
+    """Each strip width (or two-pass tile) and warp count the layout benchmark sweeps quantizes
+    as the reference."""
     from hi_sparse.kernels import _quant_triton
 
+    monkeypatch.setitem(_quant_triton.CHANNEL_QUANT, "method", method)
+    if method == "twopass":
+        monkeypatch.setitem(_quant_triton.CHANNEL_QUANT, "tile", groups)
+        monkeypatch.setitem(_quant_triton.CHANNEL_QUANT, "warps", warps)
     monkeypatch.setitem(_quant_triton.CHANNEL_STRIP, "groups", groups)
     monkeypatch.setitem(_quant_triton.CHANNEL_STRIP, "warps", warps)
     x = (torch.randn(7, 64, D, device="cuda") * torch.linspace(0.5, 20.0, D, device="cuda")).to(torch.bfloat16)
