@@ -24,8 +24,8 @@ _INTS = {"max_seq_len": 1, "cache_block_size": 1, "window_size": 1, "global_toke
          "recalibrate_every": 1, "recalibrate_topk": 1, "recalibrate_queries": 1, "audit_every": 0,
          "audit_top_m": 1, "drift_window": 1, "prefetch_blocks": 0, "bound_group": 1, "seed": 0}
 _OPTIONAL_INTS = {"device_buffer_tokens": 1, "host_pool_blocks": 1, "selection_block_size": 1}
-_NUMBERS = ("quant_error_budget", "drift_floor", "threshold_base", "threshold_min", "threshold_max",
-            "recycle_grace_s", "publish_interval_s")
+_NUMBERS = ("drift_floor", "threshold_base", "threshold_min", "threshold_max", "recycle_grace_s",
+            "publish_interval_s")
 
 
 def _int_problem(name: str, value: object, lowest: int) -> str | None:
@@ -76,9 +76,11 @@ class HiSparseConfig:
     top_k: int = 2048                    # tokens attended per decode step and KV head
     device_buffer_tokens: int | None = None   # hot buffer slots per KV head; None -> 2 * top_k
     kv_dtype: object = None              # torch dtype of stored KV; None -> the engine's dtype
-    host_kv_bits: Bits = None            # None: no quantization; 4/5/6/8 fixed; "auto": seed rule;
-                                         # "budget": error-budget policy
-    quant_error_budget: float = 0.02     # relative error allowed per block by the budget policy
+    host_kv_bits: Bits = None            # None: no quantization; 4/5/6/8 fixed; "auto": per unit the
+                                         # fewest of 4/5/6 bits within the error budget; "budget":
+                                         # the same over 4/5/6/8; "seed": the seed's bimodal rule
+    quant_error_budget: float | None = None   # relative error allowed per unit by "auto" and "budget"
+                                         # (None -> 0.03 for "auto", 0.02 for "budget")
     metadata_device: str = "cpu"         # where page tables live
     recalibrate_every: int = 32768       # tokens between scheduled recalibrations
     recalibrate_topk: int = 32           # tokens labelled as anchors when the probe is refit
@@ -174,10 +176,13 @@ class HiSparseConfig:
         need(self.buffer_tokens >= self.top_k,
              f"device_buffer_tokens ({self.buffer_tokens}) must be >= top_k ({self.top_k}): every "
              "selected token needs a hot buffer slot (leave it None for 2 * top_k)")
-        need(self.host_kv_bits in (None, "auto", "budget") + QUANT_BITS,
-             f"host_kv_bits must be None, 4, 5, 6, 8, 'auto' or 'budget', got {self.host_kv_bits!r}")
-        need(0 < self.quant_error_budget < 1,
-             f"quant_error_budget must be in (0, 1), got {self.quant_error_budget}")
+        need(self.host_kv_bits in (None, "auto", "budget", "seed") + QUANT_BITS,
+             f"host_kv_bits must be None, 4, 5, 6, 8, 'auto', 'budget' or 'seed', got {self.host_kv_bits!r}")
+        if self.quant_error_budget is not None:
+            problem = _number_problem("quant_error_budget", self.quant_error_budget)
+            need(problem is None, problem or "")
+            need(0 < self.quant_error_budget < 1,
+                 f"quant_error_budget must be in (0, 1) or None (the policy's default), got {self.quant_error_budget}")
         need(self.metadata_device in ("cpu", "device"),
              f"metadata_device must be 'cpu' or 'device', got {self.metadata_device!r}")
         need(self.recalibrate_every >= 1, "recalibrate_every must be >= 1 token")

@@ -2,7 +2,7 @@
 
 - **demo-generate**: chat requests through ``enable_hisparse_kv_cache``: "what does this part of
   a license say?" over excerpts of 3-6 x top_k tokens, some as left-padded batches of two,
-  sampled answers; 4/5/6-bit host blocks by the seed rule (``host_kv_bits="auto"``).
+  sampled answers; 4/5/6-bit host blocks, each unit's width from its measured error (``host_kv_bits="auto"``).
 - **demo-longctx**: a long document read token by token (teacher-forced decode over the text
   itself, so every step's attention is the model's real attention over real prose), on a bounded
   host pool in streaming mode. Timeline per document, as fractions of the cycle (as in

@@ -53,21 +53,23 @@ def _bits(text: str) -> list[Any]:
         x = x.strip().lower()
         if x == "none":
             out.append(None)
-        elif x in ("auto", "budget"):
+        elif x in ("auto", "budget", "seed"):
             out.append(x)
         elif x in ("4", "5", "6", "8"):
             out.append(int(x))
         else:
-            raise argparse.ArgumentTypeError(f"{x!r}: host_kv_bits are none, 4, 5, 6, 8, auto or budget")
+            raise argparse.ArgumentTypeError(f"{x!r}: host_kv_bits are none, 4, 5, 6, 8, auto, budget or seed")
     return out
 
 
 def configurations(top_ks: list[int], bits: list[Any], window: int, block_size: int,
                    global_tokens: int, max_seq_len: int, full_budget: bool,
-                   sink_tokens: int = 4, selection_block: int | None = None) -> list[dict[str, Any]]:
+                   sink_tokens: int = 4, selection_block: int | None = None,
+                   error_budget: float | None = None) -> list[dict[str, Any]]:
     """HiSparse options per configuration, in run order. A window that leaves no room for the
     anchors (window + global_tokens > top_k, e.g. 256 + 16 at top_k 256) is halved. A selection
-    block is named only when given (records without it rank whole storage blocks)."""
+    block and an error budget (quant_error_budget, for the auto and budget widths) are named only
+    when given (records without them rank whole storage blocks / use the policy's default)."""
     out: list[dict[str, Any]] = []
     if full_budget:
         out.append(dict(max_seq_len=max_seq_len, block_size=block_size, window_size=window,
@@ -80,6 +82,10 @@ def configurations(top_ks: list[int], bits: list[Any], window: int, block_size: 
     if selection_block is not None:
         for o in out:
             o["selection_block_size"] = selection_block
+    if error_budget is not None:
+        for o in out:
+            if o["host_kv_bits"] in ("auto", "budget"):
+                o["quant_error_budget"] = error_budget
     return out
 
 
@@ -91,9 +97,10 @@ def label(options: dict[str, Any] | None) -> str:
     sinks = f"sinks {options['sink_tokens']}, " if "sink_tokens" in options else ""
     sel = options.get("selection_block_size")
     blocks = f"{options['block_size']}" + (f" (selected in {sel})" if sel is not None else "")
+    budget = f" (budget {options['quant_error_budget']})" if "quant_error_budget" in options else ""
     return (f"top_k {options['top_k']}, window {options['window_size']}, blocks "
             f"{blocks}, anchors {options['global_tokens']}, {sinks}host "
-            f"{'unquantized' if bits is None else bits if isinstance(bits, str) else f'{bits}-bit'}")
+            f"{'unquantized' if bits is None else bits if isinstance(bits, str) else f'{bits}-bit'}{budget}")
 
 
 def _key(rec: dict[str, Any]) -> tuple:
@@ -161,7 +168,7 @@ def run_grid(args: argparse.Namespace) -> int:
           f"{torch.get_num_threads()} threads", flush=True)
     configs = [None] + configurations(args.top_k, args.bits, args.window, args.block_size,
                                       args.global_tokens, args.max_seq_len, args.full_budget, args.sinks,
-                                      args.selection_block)
+                                      args.selection_block, args.error_budget)
     for context in args.context:
         if "perplexity" in args.passes:
             try:
@@ -200,7 +207,7 @@ def read_records(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-_BITS_ORDER = [None, 8, 6, 5, 4, "auto", "budget"]
+_BITS_ORDER = [None, 8, 6, 5, 4, "auto", "budget", "seed"]
 
 
 def _config_order(options: dict[str, Any] | None) -> tuple:
@@ -270,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=_ints, default=[2048], help="prompt tokens, comma-separated")
     parser.add_argument("--continuation", type=int, default=512, help="teacher-forced tokens (default 512)")
     parser.add_argument("--top-k", type=_ints, default=[512, 1024])
-    parser.add_argument("--bits", type=_bits, default=[None], help="host_kv_bits: none,4,5,6,8,auto")
+    parser.add_argument("--bits", type=_bits, default=[None], help="host_kv_bits: none,4,5,6,8,auto,budget,seed")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--global-tokens", type=int, default=16)
@@ -278,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--selection-block", type=int, default=None,
                         help="tokens per selection block inside each storage block (selection_block_size; "
                              "default: the storage block)")
+    parser.add_argument("--error-budget", type=float, default=None,
+                        help="quant_error_budget of the auto and budget widths (default: the policy's)")
     parser.add_argument("--max-seq-len", type=int, default=8192)
     parser.add_argument("--full-budget", action="store_true",
                         help="also run top_k = max_seq_len without quantization (must equal dense)")

@@ -26,7 +26,7 @@ import torch
 
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
 
-from .quant_policy import BITS, LAYOUT, make_policy, max_bits, quantize_roundtrip
+from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits, quantize_roundtrip
 from .trace import phase
 
 
@@ -78,13 +78,13 @@ def _unpin(ptr: int, size: int) -> None:
 
 class HostPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, pin: bool, host_kv_bits=None, error_budget: float = 0.02) -> None:
+                 dtype: torch.dtype, pin: bool, host_kv_bits=None, error_budget: float | None = None) -> None:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.dtype, self.pin = dtype, pin
         self.policy = make_policy(host_kv_bits, error_budget)
         self.quantized = self.policy is not None
         # one width for every unit: loads need not look the units' bits up
-        self.fixed_bits = int(host_kv_bits) if self.quantized and host_kv_bits not in ("auto", "budget") else None
+        self.fixed_bits = int(host_kv_bits) if self.quantized and host_kv_bits not in ADAPTIVE else None
         self._device_wrote = False  # a GPU kernel wrote pinned rows: sync before the CPU reads them
         self.packed_bytes = packed_width(head_dim, max_bits(host_kv_bits)) if self.quantized else 0
         self.widths = tuple(b for b in BITS if b <= max_bits(host_kv_bits)) if self.quantized else ()

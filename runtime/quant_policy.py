@@ -108,14 +108,19 @@ class SeedBimodalPolicy:
 
 @dataclass(frozen=True)
 class ErrorBudgetPolicy:
-    """The fewest bits (4, 5, 6, 8) whose relative error stays within ``budget``; else 8."""
+    """The fewest bits of ``widths`` whose relative error stays within ``budget``; else the widest.
+
+    Keys and values are measured each in their own layout, so the budget spends bits where the
+    error is: on SmolLM2 a value unit's error is about twice a key unit's at the same width
+    (docs/quality/README.md), and values are where perplexity follows the bits."""
     budget: float = 0.02
+    widths: tuple[int, ...] = BITS
 
     def _one(self, x: torch.Tensor, layout: str) -> torch.Tensor:
         x = x.cpu()
-        chosen = torch.full((x.shape[0],), 8, dtype=torch.int64)
+        chosen = torch.full((x.shape[0],), self.widths[-1], dtype=torch.int64)
         done = torch.zeros(x.shape[0], dtype=torch.bool)
-        for b in BITS[:-1]:
+        for b in self.widths[:-1]:
             err = quantize_roundtrip(x, b, layout)[3]
             ok = (err <= self.budget) & ~done
             chosen[ok] = b
@@ -126,20 +131,33 @@ class ErrorBudgetPolicy:
         return self._one(k, LAYOUT["k"]), self._one(v, LAYOUT["v"])
 
 
-def make_policy(host_kv_bits, budget: float = 0.02):
-    """The policy for a ``HiSparseConfig.host_kv_bits`` value, or None for no quantization."""
+# "auto": the error-budget policy over 4-6 bits (rows sized at 6 bits) with this default budget:
+# on SmolLM2's K/V key units take 5 bits and value units 6 (5.5 bits per value on average; 1.003x
+# the unquantized host's perplexity at top_k 512, where 0.05, 4.8 bits, and the seed rule's 5
+# bits cost 1.011x): docs/BENCHMARKS.md "auto by measured error"
+AUTO_WIDTHS = (4, 5, 6)
+AUTO_ERROR_BUDGET = 0.03
+BUDGET_ERROR_BUDGET = 0.02   # "budget" (4-8 bits)
+ADAPTIVE = ("auto", "budget", "seed")   # host_kv_bits values whose width varies by unit
+
+
+def make_policy(host_kv_bits, budget: float | None = None):
+    """The policy for a ``HiSparseConfig.host_kv_bits`` value, or None for no quantization; budget
+    None takes the policy's default."""
     if host_kv_bits is None:
         return None
     if host_kv_bits == "auto":
-        return SeedBimodalPolicy()
+        return ErrorBudgetPolicy(AUTO_ERROR_BUDGET if budget is None else budget, AUTO_WIDTHS)
     if host_kv_bits == "budget":
-        return ErrorBudgetPolicy(budget)
+        return ErrorBudgetPolicy(BUDGET_ERROR_BUDGET if budget is None else budget)
+    if host_kv_bits == "seed":
+        return SeedBimodalPolicy()
     return FixedBits(int(host_kv_bits))
 
 
 def max_bits(host_kv_bits) -> int:
     """Widest bit width the policy can choose (sizes the packed host rows)."""
-    if host_kv_bits == "auto":
+    if host_kv_bits in ("auto", "seed"):
         return 6
     if host_kv_bits == "budget":
         return 8

@@ -85,6 +85,46 @@ def test_error_budget_policy_picks_fewest_bits_within_budget():
     assert FixedBits(6).choose(blocks, blocks)[0].eq(6).all()
 
 
+def test_auto_picks_by_measured_error_within_four_to_six_bits():
+    """host_kv_bits="auto": per unit the fewest of 4/5/6 bits within the budget (0.03 unless
+    quant_error_budget says otherwise), the widest (6) where none is; "seed" is the bimodal rule."""
+    from hi_sparse.quant_policy import AUTO_ERROR_BUDGET, make_policy, max_bits
+
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(4, 16, 32, generator=g)
+    blocks = torch.cat([base, base + 1.5, base + 8.0, base * 0 + torch.linspace(-1, 1, 32)])
+    pol = make_policy("auto")
+    assert pol == ErrorBudgetPolicy(AUTO_ERROR_BUDGET, (4, 5, 6)) and max_bits("auto") == 6
+    assert AUTO_ERROR_BUDGET == 0.03        # the default docs/runtime.md states
+    kb, vb = pol.choose(blocks, blocks)
+    for chosen, layout in ((kb, LAYOUT["k"]), (vb, LAYOUT["v"])):
+        assert set(chosen.tolist()) <= {4, 5, 6} and len(set(chosen.tolist())) >= 2
+        for b, x in zip(chosen.tolist(), blocks):
+            err = quantize_roundtrip(x[None], b, layout)[3].item()
+            assert err <= AUTO_ERROR_BUDGET or b == 6
+            if b > 4:
+                assert quantize_roundtrip(x[None], b - 1, layout)[3].item() > AUTO_ERROR_BUDGET
+    # a tighter budget than 6 bits can meet stops at 6 (rows are sized for 6), where "budget" goes to 8
+    # (the last four blocks are constant per channel: exact at any width, so 4 bits either way)
+    tight_auto = make_policy("auto", 0.001).choose(blocks, blocks)[0]
+    tight_budget = make_policy("budget", 0.001).choose(blocks, blocks)[0]
+    assert tight_auto[:12].eq(6).all() and tight_budget[:12].eq(8).all()
+    assert tight_auto[12:].eq(4).all() and tight_budget[12:].eq(4).all()
+    assert make_policy("budget") == ErrorBudgetPolicy(0.02)
+    assert isinstance(make_policy("seed"), SeedBimodalPolicy) and max_bits("seed") == 6
+
+
+@pytest.mark.parametrize("value,fix", [(0.0, "in (0, 1)"), (1.5, "in (0, 1)"), ("0.05", "number")])
+def test_a_bad_error_budget_is_refused_naming_the_fix(value, fix):
+    from hi_sparse.config import HiSparseConfig
+
+    with pytest.raises(ValueError, match="quant_error_budget") as err:
+        HiSparseConfig(max_seq_len=256, top_k=64, window_size=32, host_kv_bits="auto",
+                       quant_error_budget=value).validate()
+    assert fix in str(err.value)
+    HiSparseConfig(max_seq_len=256, top_k=64, window_size=32, host_kv_bits="auto").validate()
+
+
 def test_the_widths_the_catalogue_counts_are_the_ones_the_kernels_pack():
     from easymats import catalogue
     from hi_sparse.config import QUANT_BITS
