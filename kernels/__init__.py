@@ -20,6 +20,7 @@ from .quant import (
     PARAM_DTYPES,
     SUPPORTED_BITS,
     dequantize_blocks,
+    fake_quantize_blocks,
     pack_codes,
     packed_width,
     quantize_blocks,
@@ -35,5 +36,5 @@ __all__ = [
     "reference_sparse_decode_attention", "reference_swap_in",
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
-    "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES",
+    "fake_quantize_blocks", "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES",
 ]

@@ -92,9 +92,9 @@ def _expand(p: torch.Tensor, layout: str) -> torch.Tensor:
             "token": lambda: p[:, :, None]}[layout]()
 
 
-def reference_quantize_blocks(x: torch.Tensor, bits: int,
-                              layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (N, T, D) -> packed (N, T, P) uint8, scale and zero (param_shape(layout)) in PARAM_DTYPES[layout]."""
+def _reference_codes(x: torch.Tensor, bits: int,
+                     layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (N, T, D) as fp32 and the layout's scale and zero (stored dtype) of units x."""
     levels = (1 << bits) - 1
     xf = x.float()
     dims = _REDUCE_DIMS[layout]
@@ -102,8 +102,21 @@ def reference_quantize_blocks(x: torch.Tensor, bits: int,
     s, z = _expand(scale, layout), _expand(zero, layout)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.floor((xf - z) / safe + 0.5).clamp(0, levels)
-    q = torch.where(s > 0, q, torch.zeros_like(q))
+    return torch.where(s > 0, q, torch.zeros_like(q)), scale, zero
+
+
+def reference_quantize_blocks(x: torch.Tensor, bits: int,
+                              layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (N, T, D) -> packed (N, T, P) uint8, scale and zero (param_shape(layout)) in PARAM_DTYPES[layout]."""
+    q, scale, zero = _reference_codes(x, bits, layout)
     return pack_codes(q.long(), bits), scale, zero
+
+
+def fake_quantize_blocks(x: torch.Tensor, bits: int, layout: str = "block") -> torch.Tensor:
+    """x (N, T, D) quantized and dequantized to fp32 as reference_quantize_blocks then
+    reference_dequantize_blocks would, without packing: on x's device, for measuring errors."""
+    q, scale, zero = _reference_codes(x, bits, layout)
+    return q * _expand(scale, layout) + _expand(zero, layout)
 
 
 def reference_dequantize_blocks(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,

@@ -2,8 +2,9 @@
 
 A *unit* is one block of one layer and KV head, keys or values: (T, D) values quantized with one
 scale and zero point. Policies see units batched as (N, T, D) on any device and return bits per
-unit; the data-dependent ones decide on the host (the same decisions whatever device the units
-came from).
+unit (on the host). The error-budget ones measure on the units' device with the PyTorch reference
+arithmetic (fake_quantize_blocks: no packing), so a GPU engine measures on the GPU and host and
+device decide alike (only float reduction order differs); the seed rule's histograms run on the host.
 
 Error of asymmetric uniform quantization at b bits on a unit with value range r: the step is
 Delta = r / (2^b - 1); every element is off by at most Delta / 2 (hard bound), and for values
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hi_sparse.kernels import dequantize_blocks, quantize_blocks
+from hi_sparse.kernels import dequantize_blocks, fake_quantize_blocks, quantize_blocks
 
 from .config import QUANT_BITS as BITS  # the widths the catalogue counts blocks by
 
@@ -117,15 +118,14 @@ class ErrorBudgetPolicy:
     widths: tuple[int, ...] = BITS
 
     def _one(self, x: torch.Tensor, layout: str) -> torch.Tensor:
-        x = x.cpu()
-        chosen = torch.full((x.shape[0],), self.widths[-1], dtype=torch.int64)
-        done = torch.zeros(x.shape[0], dtype=torch.bool)
+        chosen = torch.full((x.shape[0],), self.widths[-1], dtype=torch.int64, device=x.device)
+        done = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         for b in self.widths[:-1]:
-            err = quantize_roundtrip(x, b, layout)[3]
+            err = relative_error(x, fake_quantize_blocks(x, b, layout))
             ok = (err <= self.budget) & ~done
             chosen[ok] = b
             done |= ok
-        return chosen
+        return chosen.cpu()
 
     def choose(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._one(k, LAYOUT["k"]), self._one(v, LAYOUT["v"])

@@ -125,6 +125,20 @@ def test_a_bad_error_budget_is_refused_naming_the_fix(value, fix):
     HiSparseConfig(max_seq_len=256, top_k=64, window_size=32, host_kv_bits="auto").validate()
 
 
+@pytest.mark.parametrize("layout", ["block", "channel", "token"])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_the_policy_measures_the_error_the_pool_stores(bits, layout):
+    """The budget policies measure with fake_quantize_blocks (no packing, on the units' device):
+    the same relative error as a quantize / dequantize round trip through the packed rows."""
+    from hi_sparse.kernels import fake_quantize_blocks
+
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(6, 16, 32, generator=g) * torch.linspace(0.2, 9.0, 32) + 0.5
+    x[2] = 1.25                                       # a constant unit (scale 0)
+    stored = quantize_roundtrip(x, bits, layout)[3]
+    assert torch.equal(relative_error(x, fake_quantize_blocks(x, bits, layout)), stored)
+
+
 def test_the_widths_the_catalogue_counts_are_the_ones_the_kernels_pack():
     from easymats import catalogue
     from hi_sparse.config import QUANT_BITS
