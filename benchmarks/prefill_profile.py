@@ -57,7 +57,8 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, args.context), generator=g).cuda()
     warm = ids[:, :4096]
-    bits = {"dense": None, "hisparse": None, "hisparse-int4": 4, "hisparse-int8": 8}
+    bits = {"dense": None, "hisparse": None, "hisparse-int4": 4, "hisparse-int8": 8, "hisparse-auto": "auto",
+            "hisparse-seed": "seed"}
     results: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                      "torch": torch.__version__, "runs": {}}
 
