@@ -26,6 +26,7 @@ _INTS = {"max_seq_len": 1, "cache_block_size": 1, "window_size": 1, "global_toke
 _OPTIONAL_INTS = {"device_buffer_tokens": 1, "host_pool_blocks": 1, "selection_block_size": 1}
 _NUMBERS = ("drift_floor", "threshold_base", "threshold_min", "threshold_max", "recycle_grace_s",
             "publish_interval_s")
+_OPTIONAL_NUMBERS = ("quant_error_budget",)
 
 
 def _int_problem(name: str, value: object, lowest: int) -> str | None:
@@ -146,9 +147,10 @@ class HiSparseConfig:
             if getattr(self, f) is not None:
                 problem = _int_problem(f, getattr(self, f), lowest)
                 need(problem is None, problem or "")
-        for f in _NUMBERS:
-            problem = _number_problem(f, getattr(self, f))
-            need(problem is None, problem or "")
+        for f in _NUMBERS + _OPTIONAL_NUMBERS:
+            if f in _NUMBERS or getattr(self, f) is not None:
+                problem = _number_problem(f, getattr(self, f))
+                need(problem is None, problem or "")
         problem = _name_problem(self.name)
         need(problem is None, problem or "")
         need(self.max_seq_len <= MAX_SEQ_LEN,
@@ -178,11 +180,8 @@ class HiSparseConfig:
              "selected token needs a hot buffer slot (leave it None for 2 * top_k)")
         need(self.host_kv_bits in (None, "auto", "budget", "seed") + QUANT_BITS,
              f"host_kv_bits must be None, 4, 5, 6, 8, 'auto', 'budget' or 'seed', got {self.host_kv_bits!r}")
-        if self.quant_error_budget is not None:
-            problem = _number_problem("quant_error_budget", self.quant_error_budget)
-            need(problem is None, problem or "")
-            need(0 < self.quant_error_budget < 1,
-                 f"quant_error_budget must be in (0, 1) or None (the policy's default), got {self.quant_error_budget}")
+        need(self.quant_error_budget is None or 0 < self.quant_error_budget < 1,
+             f"quant_error_budget must be in (0, 1) or None (the policy's default), got {self.quant_error_budget}")
         need(self.metadata_device in ("cpu", "device"),
              f"metadata_device must be 'cpu' or 'device', got {self.metadata_device!r}")
         need(self.recalibrate_every >= 1, "recalibrate_every must be >= 1 token")

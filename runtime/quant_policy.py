@@ -107,14 +107,24 @@ class SeedBimodalPolicy:
         return kb, vb
 
 
+# "auto": the error-budget policy over 4-6 bits (rows sized at 6 bits) with this default budget:
+# on SmolLM2's K/V key units take 5 bits and value units 6 (5.5 bits per value on average; 1.003x
+# the unquantized host's perplexity at top_k 512, where 0.05, 4.8 bits, and the seed rule's 5
+# bits cost 1.011x): docs/BENCHMARKS.md "auto by measured error"
+AUTO_WIDTHS = (4, 5, 6)
+AUTO_ERROR_BUDGET = 0.03
+BUDGET_ERROR_BUDGET = 0.02   # "budget" (4-8 bits)
+ADAPTIVE = ("auto", "budget", "seed")   # host_kv_bits values whose width varies by unit
+
+
 @dataclass(frozen=True)
 class ErrorBudgetPolicy:
     """The fewest bits of ``widths`` whose relative error stays within ``budget``; else the widest.
 
     Keys and values are measured each in their own layout, so the budget spends bits where the
-    error is: on SmolLM2 a value unit's error is about twice a key unit's at the same width
-    (docs/quality/README.md), and values are where perplexity follows the bits."""
-    budget: float = 0.02
+    error is: on SmolLM2 a value unit's error is about twice a key unit's at the same width, and
+    values are where perplexity follows the bits (docs/BENCHMARKS.md "auto by measured error")."""
+    budget: float = BUDGET_ERROR_BUDGET
     widths: tuple[int, ...] = BITS
 
     def _one(self, x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -129,16 +139,6 @@ class ErrorBudgetPolicy:
 
     def choose(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._one(k, LAYOUT["k"]), self._one(v, LAYOUT["v"])
-
-
-# "auto": the error-budget policy over 4-6 bits (rows sized at 6 bits) with this default budget:
-# on SmolLM2's K/V key units take 5 bits and value units 6 (5.5 bits per value on average; 1.003x
-# the unquantized host's perplexity at top_k 512, where 0.05, 4.8 bits, and the seed rule's 5
-# bits cost 1.011x): docs/BENCHMARKS.md "auto by measured error"
-AUTO_WIDTHS = (4, 5, 6)
-AUTO_ERROR_BUDGET = 0.03
-BUDGET_ERROR_BUDGET = 0.02   # "budget" (4-8 bits)
-ADAPTIVE = ("auto", "budget", "seed")   # host_kv_bits values whose width varies by unit
 
 
 def make_policy(host_kv_bits, budget: float | None = None):
