@@ -269,10 +269,16 @@ def test_two_processes_declaring_one_name_stay_distinct(tmp_path):
     port = free_port()
     agent = start_agent("--pid", f"{a.pid},{b.pid}", "--listen", f"127.0.0.1:{port}", "--quiet")
     try:
-        m = wait_for(lambda: (lambda s: s if len(s.get("easymats_target_up", [])) == 2 else None)(scrape(port)))
+        def both_sampled(s):
+            # both targets attached and sampled (a target still creating its segment reads up 0)
+            up = s.get("easymats_target_up", [])
+            return s if len(up) == 2 and all(v == 1 for _, v in up) and len(s.get("hisparse_sequences", [])) == 2 else None
+
+        m = wait_for(lambda: both_sampled(scrape(port)))
         names = {lab["target"] for lab, _ in m["easymats_target_up"]}
         assert "decode-0" in names and len(names) == 2, names
-        assert len(m["hisparse_sequences"]) == 2  # the scrape parsed: no duplicate series
+        # one series per target: the two processes' samples did not collapse into one name
+        assert {lab["target"] for lab, _ in m["hisparse_sequences"]} == names
     finally:
         agent.send_signal(signal.SIGTERM)
         code, _, err = finish(agent)
