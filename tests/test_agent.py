@@ -272,7 +272,8 @@ def test_two_processes_declaring_one_name_stay_distinct(tmp_path):
         def both_sampled(s):
             # both targets attached and sampled (a target still creating its segment reads up 0)
             up = s.get("easymats_target_up", [])
-            return s if len(up) == 2 and all(v == 1 for _, v in up) and len(s.get("hisparse_sequences", [])) == 2 else None
+            sampled = len(up) == 2 and all(v == 1 for _, v in up)
+            return s if sampled and len(s.get("hisparse_sequences", [])) == 2 else None
 
         m = wait_for(lambda: both_sampled(scrape(port)))
         names = {lab["target"] for lab, _ in m["easymats_target_up"]}
