@@ -299,6 +299,8 @@ def main() -> int:
     ap.add_argument("--split-gpus", type=int, default=1,
                     help="split the model's layers over this many GPUs (hi_sparse.split_layers); HiSparse then "
                          "keeps each layer's hot buffer on its layer's GPU")
+    ap.add_argument("--step-graphs", action="store_true",
+                    help='HiSparse with decode_graphs="step": the whole decode forward in one CUDA graph')
     ap.add_argument("--no-graphs", action="store_true",
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
@@ -447,7 +449,8 @@ def main() -> int:
                                                 selection_block_size=args.selection_block,
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
-                                                decode_graphs=not args.no_graphs)
+                                                decode_graphs=False if args.no_graphs else
+                                                "step" if args.step_graphs else True)
                     cache = None
                     if telemetry_ab:
                         # telemetry off until its phases: the publisher's interval is a public knob
@@ -501,6 +504,8 @@ def main() -> int:
                         st = eng.stats
                         lookups, hits = st.hot_buffer_lookups - before[0], st.hot_buffer_hits - before[1]
                         row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
+                        graphs = hs.step_graph.of(model)
+                        row["decode_steps_by_path"] = dict(graphs.counts) if graphs is not None else None
                         row["two_level_scoring"] = two_level_pays(-(-ctx // eng.cfg.cache_block_size),
                                                                   eng.cfg.bound_group, eng._decoder.n_super)
                     if row is not first_row:

@@ -96,32 +96,46 @@ class GraphRunner:
     def _capture(self, slot: tuple, key: tuple, body, args: tuple):
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # The graphs share one memory pool, which is safe for what lives only during a replay;
-        # outputs outlive it (the caller reads them after later layers' replays), so the graph
-        # copies them into buffers allocated outside the pool.
-        stream = torch.cuda.current_stream()
-        collecting = gc.isenabled()
-        # A collection during the capture would run CUDA calls a capture forbids (unregistering a
-        # dropped pool's pinned pages, destroying an old engine's graphs) and break it; other
-        # threads' CUDA calls (thread_local) may go on.
-        gc.disable()
+
+        def recorded():
+            out = body(*args)
+            # The graphs share one memory pool, which is safe for what lives only during a
+            # replay; outputs outlive it (the caller reads them after later layers' replays), so
+            # the graph copies them into buffers allocated outside the pool.
+            if out is not None:
+                for o, b in zip(out, self.outputs[slot]):
+                    b.copy_(o)
+
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = body(*args)
-                if out is not None:
-                    for o, b in zip(out, self.outputs[slot]):
-                        b.copy_(o)
+            graph, _ = capture(recorded, self.pool)
         except RuntimeError as exc:   # decode on without graphs rather than stop serving
-            _after_failed_capture(stream, self.pool)
             warnings.warn(f"HiSparse: CUDA graph capture of the batched decode step failed ({_cause(exc)}); "
                           "this batch decodes without graphs (set decode_graphs=False to silence this)",
                           RuntimeWarning, stacklevel=3)
             self.no_graphs = True
             return body(*args)
-        finally:
-            if collecting:
-                gc.enable()
         self.graphs[slot] = (key, graph)
         graph.replay()                            # capture records, it does not run
         return self.outputs.get(slot)
+
+
+def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn()`` recorded (not run) in a new CUDA graph allocating from ``pool``: (graph, what fn
+    returned). On a failure the capture is undone (_after_failed_capture) and the error raised."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.current_stream()
+    collecting = gc.isenabled()
+    # A collection during the capture would run CUDA calls a capture forbids (unregistering a
+    # dropped pool's pinned pages, destroying an old engine's graphs) and break it; other
+    # threads' CUDA calls (thread_local) may go on.
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    except RuntimeError:
+        _after_failed_capture(stream, pool)
+        raise
+    finally:
+        if collecting:
+            gc.enable()
+    return graph, out

@@ -17,6 +17,7 @@ Bits = Union[int, str, None]
 # fail at its first step with an allocator error instead of here.
 MAX_SEQ_LEN = 1 << 24
 AUDIT_MEASURES = ("mass", "top_m")
+DECODE_GRAPHS = (True, False, "step")
 NAME_BYTES = 64  # the telemetry segment's name field (easymats/layout.py NAME_FIELD)
 
 # Integer options and their smallest allowed value (optional ones may also be None).
@@ -101,8 +102,10 @@ class HiSparseConfig:
     bound_group: int = 16                # blocks per super-block: at long context selection scores
                                          # super-blocks first, then only the best ones' blocks
                                          # (1 = always score every block)
-    decode_graphs: bool = True           # CUDA: replay each layer's batched decode step from a
-                                         # captured CUDA graph (False: launch its kernels each step)
+    decode_graphs: bool | str = True     # CUDA: replay each layer's batched decode step from a
+                                         # captured CUDA graph (False: launch its kernels each step);
+                                         # "step": the whole decode forward of a transformers model
+                                         # in one graph (step_graph.py), per-layer graphs otherwise
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
@@ -189,6 +192,8 @@ class HiSparseConfig:
         need(self.recalibrate_queries >= 1, "recalibrate_queries must be >= 1")
         need(self.audit_every >= 0, "audit_every must be >= 0 (0 disables the audit)")
         need(self.audit_top_m >= 1, "audit_top_m must be >= 1")
+        need(self.decode_graphs in DECODE_GRAPHS and isinstance(self.decode_graphs, bool | str),
+             f"decode_graphs must be True, False or 'step', got {self.decode_graphs!r}")
         need(self.audit_measure in AUDIT_MEASURES,
              f"audit_measure must be one of {', '.join(map(repr, AUDIT_MEASURES))}, got {self.audit_measure!r}")
         need(0.0 <= self.drift_floor <= 1.0, f"drift_floor must be in [0, 1], got {self.drift_floor}")

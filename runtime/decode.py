@@ -21,6 +21,7 @@ batch, and per-sequence values are device tensors padded to the batch's widths.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,11 +41,21 @@ from .sequences import Sequence, SequenceTable
 from .storage import Storage
 from .trace import phase
 
+APPEND, ATTEND = 0, 1    # the two bodies of a layer's decode step: each reads its own positions and clock
+
+
+def bucket(n: int) -> int:
+    """n rounded up to a multiple of 1/8 of its power of two (at most 12.5 % more): a captured
+    step keyed by a block count changes key ~8 times per doubling of the context, not every block."""
+    q = 1 << max(0, n.bit_length() - 4)
+    return -(-n // q) * q
+
 
 class Batch:
     """Device state of one batch of sequences in consecutive rows, on one device: block tables
     (refreshed in place: a captured graph keeps their addresses), tail units, first positions,
-    per-layer positions and LRU clock, and the batch's graphs."""
+    per-layer positions and LRU clock of each body (APPEND, ATTEND: a whole-step graph holds both
+    bodies of every layer), and the batch's graphs (per layer, and of a whole step: step_graph.py)."""
 
     def __init__(self, seqs: list[Sequence], device: torch.device, shape: KVShape, max_seq_len: int,
                  graphs: bool, host: HostPool) -> None:
@@ -65,20 +76,21 @@ class Batch:
         self.first_of_head = self.first[self.seq_of_head]                                   # (B*H, 1)
         tails = torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64).to(device)
         self.tail_units = host.tail_units(tails)                                            # (B, H)
-        # per layer: each sequence's first new position (append) or token count (attend), once
-        # per KV head (so the step reads per-sequence and per-row views of one tensor), and the
-        # first LRU stamp
-        self.positions = torch.zeros(shape.num_layers, B, H, dtype=torch.int64, device=device)
-        self.clock = torch.zeros(shape.num_layers, dtype=torch.int64, device=device)
+        # per body and layer: each sequence's first new position (append) or token count
+        # (attend), once per KV head (so the step reads per-sequence and per-row views of one
+        # tensor), and the first LRU stamp
+        self.positions = torch.zeros(2, shape.num_layers, B, H, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(2, shape.num_layers, dtype=torch.int64, device=device)
         self.runner = GraphRunner(graphs)
+        self.whole: dict = {}                 # the whole-step graph's state (step_graph.py)
 
-    def starts(self, layer: int) -> torch.Tensor:
-        """This step's position of each sequence at ``layer``: (B,) (a view)."""
-        return self.positions[layer, :, 0]
+    def starts(self, layer: int, body: int) -> torch.Tensor:
+        """This step's position of each sequence at ``layer`` for ``body``: (B,) (a view)."""
+        return self.positions[body, layer, :, 0]
 
-    def head_starts(self, layer: int) -> torch.Tensor:
+    def head_starts(self, layer: int, body: int) -> torch.Tensor:
         """The same per (sequence, KV head) row: (B*H, 1) (a view)."""
-        return self.positions[layer].view(-1, 1)
+        return self.positions[body, layer].view(-1, 1)
 
     def refresh_tables(self, pages: PageTable) -> None:
         """Block tables into the fixed buffer, when a sequence's page list changed."""
@@ -90,13 +102,18 @@ class Batch:
         self.tables[:, :w].copy_(torch.tensor([x + [-1] * (w - len(x)) for x in ids], dtype=torch.int64))
         self.versions = versions
 
-    def set(self, layer: int, positions: list[int], clock: int) -> None:
-        """This step's positions (one per sequence) and first LRU stamp at ``layer``."""
+    def set(self, layer: int, body: int, positions: list[int], clock: int) -> None:
+        """This step's positions (one per sequence) and first LRU stamp of ``body`` at ``layer``."""
         if len(set(positions)) == 1:
-            self.positions[layer].fill_(positions[0])       # a fill launches no host -> device copy
+            self.positions[body, layer].fill_(positions[0])  # a fill launches no host -> device copy
         else:
-            self.positions[layer].copy_(torch.tensor(positions)[:, None].expand(self.positions.shape[1:]))
-        self.clock[layer].fill_(clock)
+            self.positions[body, layer].copy_(torch.tensor(positions)[:, None].expand(self.positions.shape[2:]))
+        self.clock[body, layer].fill_(clock)
+
+    def set_all(self, positions: torch.Tensor, clocks: torch.Tensor) -> None:
+        """Every body's and layer's positions (2, L, B) and clocks (2, L) (host int64) in two copies."""
+        self.positions.copy_(positions[..., None].expand(self.positions.shape))
+        self.clock.copy_(clocks)
 
 
 def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConfig, shape: KVShape,
@@ -105,13 +122,13 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     pool, key bounds widened, made hot, scored as anchors."""
     layer = rows.index
     B, H, T, D = k.shape
-    start = batch.starts(layer)
+    start = batch.starts(layer, APPEND)
     host.backup(layer, batch.tables, batch.tail_units, start, k, v)
     key_bounds.update(rows.bank, batch.rows, start, k, cfg.select_block, cfg.bound_group)
-    pos = batch.head_starts(layer)                                                      # (B*H, T)
+    pos = batch.head_starts(layer, APPEND)                                              # (B*H, T)
     if T > 1:
         pos = pos + torch.arange(T, device=k.device)
-    slots = rows.hot.rows(batch.first_row, B).insert(pos, batch.clock[layer])          # (B*H, T')
+    slots = rows.hot.rows(batch.first_row, B).insert(pos, batch.clock[APPEND, layer])          # (B*H, T')
     # flat (Hkv*S, D) rows + index_copy_: several times cheaper on CPU than a scatter_ with an
     # index expanded over D (slots are unique per head, so the writes agree)
     flat = (batch.head_rows + slots).reshape(-1)
@@ -137,7 +154,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     ps = cfg.select_block                                   # selection block (divides the storage block)
     ns = -(-nb * ps // bs)                                  # storage blocks of the longest sequence
     r = batch.rows
-    n, n_head = batch.starts(layer), batch.head_starts(layer)                          # (B,), (B*H, 1)
+    n, n_head = batch.starts(layer, ATTEND), batch.head_starts(layer, ATTEND)          # (B,), (B*H, 1)
     # the first selection block of each window: ceil((n - window) / ps), at least 0
     window_block = torch.div(n - (cfg.window_size - ps + 1), ps, rounding_mode="floor").clamp(min=0)
     row_blocks = torch.div(n + ps - 1, ps, rounding_mode="floor")[:, None] if mixed_levels else None
@@ -150,7 +167,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                  n_cand, cfg.sink_tokens, store_block=bs)
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
-    clock = batch.clock[layer]
+    clock = batch.clock[ATTEND, layer]
     slots, miss, used, hits, prefetch_used = state.lookup(sel.tokens, clock)         # used: (B*H,)
     loaded, prefetch_slots = state.prefetch(sel.prefetch, S - used, clock + ticks(selected=K))
     # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
@@ -176,6 +193,21 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     return out.to(q.dtype), sel.tokens
 
 
+@dataclass
+class StepPlan:
+    """One decode step of a batch with its host side done for every layer up front (positions,
+    clocks, pages, bound room), so that the whole forward can run as one captured graph: the
+    bodies run (or replay) without their host side, and :meth:`Decoder.finish` does the rest
+    after. key: what a graph of the whole step depends on beyond device tensors."""
+    seqs: list[Sequence]
+    batch: Batch
+    starts: list[list[int]]                   # per layer: each sequence's new position
+    shapes: list[tuple]                       # per layer: attend_body's host shapes
+    key: tuple
+    tokens: list = field(default_factory=list)  # per layer: the selection (attend_body's second output)
+    q: list = field(default_factory=list)       # per layer: the query (the audit reads it after the step)
+
+
 class Decoder:
     """The host side of appends and decode steps, and the device state of each batch."""
 
@@ -188,9 +220,13 @@ class Decoder:
         # graphs on CUDA with decode_graphs, when every layer is on one GPU (graphs per layer and
         # device have not been run on the hardware yet: a split decodes through the same bodies
         # without them)
-        self._graphs = cfg.decode_graphs and len({layer.device for layer in layers}) == 1
+        self._one_device = len({layer.device for layer in layers}) == 1
+        self._graphs = cfg.decode_graphs and self._one_device
         self._batches: dict[tuple, Batch] = {}
         self._pending_errors: list[torch.Tensor] = []       # QuantEvents.pending, until the step ends
+        self.planned: StepPlan | None = None                # the step whose host side ran up front
+        width = cfg.top_k + cfg.global_tokens                # select's token width
+        self._attend_ticks = ticks(selected=width, prefetched=cfg.prefetch_blocks * shape.block_size)
 
     def batch(self, seqs: list[Sequence], device: torch.device) -> Batch:
         """The batch state of these sequences on ``device`` (their rows made consecutive)."""
@@ -219,38 +255,75 @@ class Decoder:
         moved them). None for a batch that runs without graphs (nothing to key)."""
         if batch is not None and batch.runner.no_graphs:
             return None
+        return self.body_key(rows, *shape)
+
+    def body_key(self, rows: LayerRows, *shape) -> tuple:
         buffers = rows.buffers() + self.host.buffers(rows.index)
         return shape + (rows.probe.fitted,) + tuple(t.data_ptr() for t in buffers)
 
-    def append(self, rows: LayerRows, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor) -> None:
-        """New tokens k, v (B, Hkv, T, D), on the layer's device in the KV dtype."""
-        cfg, bs, layer = self.cfg, self.shape.block_size, rows.index
-        T = k.shape[2]
-        starts = [s.lengths[layer] for s in seqs]
+    # -- the host side of the two bodies ------------------------------------------------------
+    def _make_room(self, rows: LayerRows, seqs: list[Sequence], starts: list[int], T: int) -> Batch:
+        """Pages for T new tokens at ``starts``, room in the bounds and hot buffer; the batch."""
         with phase("prefill.extend", T > 1):
             self.storage.extend(seqs, [p + T for p in starts])
         n_max = max(starts) + T
+        with phase("prefill.grow", T > 1):
+            key_bounds.grow(rows.bank, n_max, self.shape.block_size, self.cfg.select_block, self.cfg.bound_group,
+                            self.cfg.max_seq_len)
+            rows.hot.ensure_tokens(n_max)
+        return self.batch(seqs, rows.device)
+
+    def _attend_shapes(self, rows: LayerRows, batch: Batch, seqs: list[Sequence],
+                       lengths: list[int]) -> tuple[int, int, bool, bool]:
+        """attend_body's host shapes for token counts ``lengths``: (selection blocks, candidate
+        blocks, mixed levels, holes). Block counts are rounded up (:func:`bucket`; select masks
+        blocks past a row's tokens) within the bounds' room, so a captured step keeps its key
+        over many blocks."""
+        ps, n_max = self.cfg.select_block, max(lengths)
+        room = rows.bank.size("kmin", 1)
+        nb = min(room, bucket(-(-n_max // ps)))
+        n_cand = min(nb, bucket(candidate_blocks(nb, n_max - self.cfg.window_size, batch.first_lo, ps)))
+        mixed = len({two_level_pays(-(-n // ps), self.cfg.bound_group, self.n_super) for n in lengths}) > 1
+        holes = any(self.storage.has_holes(s) for s in seqs)
+        return nb, n_cand, mixed, holes
+
+    def _after_append(self, rows: LayerRows, seqs: list[Sequence], starts: list[int], T: int) -> None:
+        self.host.note_device_writes(rows.device)
+        self.metrics.backup_bytes.inc(self.host.backup_bytes(starts, T))
+        for s, p in zip(seqs, starts):
+            s.lengths[rows.index] = p + T
+
+    def _after_attend(self, rows: LayerRows, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        H, R = self.shape.num_kv_heads, self.cfg.recalibrate_queries
+        for b, s in enumerate(seqs):
+            s.last_selection[rows.index] = tokens[b * H:(b + 1) * H]
+            s.queries_kept[rows.index] = min(R, s.queries_kept[rows.index] + 1)
+
+    # -- one layer at a time ------------------------------------------------------------------
+    def append(self, rows: LayerRows, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor) -> None:
+        """New tokens k, v (B, Hkv, T, D), on the layer's device in the KV dtype."""
+        plan = self.planned
+        if plan is not None:             # the host side ran up front and the rest comes after
+            append_body(rows, self.host, plan.batch, self.cfg, self.shape, k, v)
+            return
+        cfg, bs, layer = self.cfg, self.shape.block_size, rows.index
+        T = k.shape[2]
+        starts = [s.lengths[layer] for s in seqs]
+        batch = self._make_room(rows, seqs, starts, T)
         if self.host.quantized:          # blocks the tokens complete: quantized on the host first
             for b, (s, p) in enumerate(zip(seqs, starts)):
                 if (p + T) // bs > p // bs:
                     with phase("prefill.seal", T > 1):
                         self._count_write(*self.host.seal(layer, self.storage.block_table(s), s.tail_slot, p,
                                                           k[b], v[b]))
-        with phase("prefill.grow", T > 1):
-            key_bounds.grow(rows.bank, n_max, bs, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
-            rows.hot.ensure_tokens(n_max)
-        batch = self.batch(seqs, rows.device)
-        batch.set(layer, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
+        batch.set(layer, APPEND, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
         body = functools.partial(append_body, rows, self.host, batch, cfg, self.shape)
         if T == 1:
             batch.runner.run((layer, "append"), self.graph_key(rows, batch, T), body, k, v)
         else:                            # prefill: run once per shape, not worth a graph
             with phase("prefill.append"):
                 body(k, v)
-        self.host.note_device_writes(rows.device)
-        self.metrics.backup_bytes.inc(self.host.backup_bytes(starts, T))
-        for s, p in zip(seqs, starts):
-            s.lengths[layer] = p + T
+        self._after_append(rows, seqs, starts, T)
 
     def _count_write(self, nbytes: int, events: QuantEvents) -> None:
         m = self.metrics
@@ -272,22 +345,53 @@ class Decoder:
 
     def attend(self, rows: LayerRows, seqs: list[Sequence], q: torch.Tensor) -> torch.Tensor:
         """The decode step's attention, q (B, Hq, D) on the layer's device -> (B, Hq, D)."""
-        cfg, bs, ps, layer = self.cfg, self.shape.block_size, self.cfg.select_block, rows.index
+        layer, plan = rows.index, self.planned
+        if plan is not None:
+            out, plan.tokens[layer] = attend_body(rows, self.host, plan.batch, self.cfg, self.shape, self.n_super,
+                                                  q, *plan.shapes[layer])
+            return out
         lengths = [s.lengths[layer] for s in seqs]
-        n_max = max(lengths)
-        nb = -(-n_max // ps)                                                # selection blocks
         batch = self.batch(seqs, rows.device)
-        n_cand = candidate_blocks(nb, n_max - cfg.window_size, batch.first_lo, ps)
+        shapes = self._attend_shapes(rows, batch, seqs, lengths)
         self.host.prepare(layer, rows.device)
-        mixed = len({two_level_pays(-(-n // ps), cfg.bound_group, self.n_super) for n in lengths}) > 1
-        holes = any(self.storage.has_holes(s) for s in seqs)
-        width = cfg.top_k + cfg.global_tokens                               # select's token width
-        batch.set(layer, lengths, rows.hot.reserve(ticks(selected=width, prefetched=cfg.prefetch_blocks * bs)))
-        body = functools.partial(attend_body, rows, self.host, batch, cfg, self.shape, self.n_super)
-        key = self.graph_key(rows, batch, nb, n_cand, mixed, holes)
-        out, tokens = batch.runner.run((layer, "attend"), key, body, q, nb, n_cand, mixed, holes)
-        H, R = self.shape.num_kv_heads, cfg.recalibrate_queries
-        for b, s in enumerate(seqs):
-            s.last_selection[layer] = tokens[b * H:(b + 1) * H]
-            s.queries_kept[layer] = min(R, s.queries_kept[layer] + 1)
+        batch.set(layer, ATTEND, lengths, rows.hot.reserve(self._attend_ticks))
+        body = functools.partial(attend_body, rows, self.host, batch, self.cfg, self.shape, self.n_super)
+        key = self.graph_key(rows, batch, *shapes)
+        out, tokens = batch.runner.run((layer, "attend"), key, body, q, *shapes)
+        self._after_attend(rows, seqs, tokens)
         return out
+
+    # -- a whole step at once -----------------------------------------------------------------
+    def plan(self, seqs: list[Sequence]) -> StepPlan | None:
+        """The host side of a one-token decode step of ``seqs`` at every layer, done now; None
+        (nothing done) when the step must run layer by layer: a token that completes a block of a
+        quantized pool is sealed from its own K/V, which the step computes; layers on several
+        devices. Every layer holds the same tokens, so pages, the batch and the bodies' shapes
+        are worked out once; LRU clocks and room per layer."""
+        bs, L, cfg = self.shape.block_size, len(self.layers), self.cfg
+        if not self._one_device:
+            return None
+        starts = [s.lengths[0] for s in seqs]
+        if self.host.quantized and any((p + 1) % bs == 0 for p in starts):
+            return None
+        lengths = [p + 1 for p in starts]
+        self.storage.extend(seqs, lengths)
+        n_max = max(lengths)
+        clocks, buffers = [], []
+        for rows in self.layers:
+            key_bounds.grow(rows.bank, n_max, bs, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
+            rows.hot.ensure_tokens(n_max)
+            self.host.prepare(rows.index, rows.device)
+            clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))
+            buffers.append(rows.probe.fitted)
+            buffers.extend(map(torch.Tensor.data_ptr, rows.buffers() + self.host.buffers(rows.index)))
+        batch = self.batch(seqs, self.layers[0].device)
+        shape = self._attend_shapes(self.layers[0], batch, seqs, lengths)
+        batch.set_all(torch.tensor([[starts] * L, [lengths] * L]), torch.tensor(clocks).T)
+        return StepPlan(seqs, batch, [starts] * L, [shape] * L, (shape, tuple(buffers)), [None] * L, [None] * L)
+
+    def finish(self, plan: StepPlan) -> None:
+        """The host side that follows a planned step's bodies (however they ran)."""
+        for rows in self.layers:
+            self._after_append(rows, plan.seqs, plan.starts[rows.index], 1)
+            self._after_attend(rows, plan.seqs, plan.tokens[rows.index])

@@ -32,7 +32,7 @@ from . import __version__
 from .block_pool import BlockPool
 from .config import HiSparseConfig
 from .control import ControlReader
-from .decode import Decoder
+from .decode import Decoder, StepPlan
 from .host_pool import HostPool
 from .layers import KVShape, LayerRows, devices_per_layer, normalize_device
 from .metrics import DeviceCounters, Gauges, Publisher, RuntimeMetrics, Stats
@@ -203,6 +203,8 @@ class HiSparseEngine:
         k, v = k.to(rows.device, self.shape.dtype), v.to(rows.device, self.shape.dtype)
         with rows.on_device():
             self._decoder.append(rows, seqs, k, v)
+        if self._decoder.planned is not None:
+            return                       # a planned step: its host side is finish_decode's
         self._prefill.keep(layer, seqs, k, v)
         if layer == 0:
             (self.metrics.tokens_prefill if T > 1 else self.metrics.tokens_decode).inc(T * len(seqs))
@@ -223,6 +225,13 @@ class HiSparseEngine:
         rows = self.layers[layer]
         qd = q.to(rows.device)  # a no-op when q is already on the layer's device
         with rows.on_device():
+            plan = self._decoder.planned
+            if plan is not None:
+                if Tq != 1 or len(seqs) != len(plan.seqs):
+                    raise ValueError(f"attend at layer {layer}: a planned decode step takes one token of "
+                                     f"{len(plan.seqs)} sequences, got q of shape {tuple(q.shape)}")
+                plan.q[layer] = qd[:, :, 0]
+                return self._decoder.attend(rows, seqs, qd[:, :, 0])[:, :, None].to(q.device)
             if Tq == 1:
                 out = self._decoder.attend(rows, seqs, qd[:, :, 0])[:, :, None]
                 self._step_decoded = True
@@ -231,6 +240,38 @@ class HiSparseEngine:
             else:
                 out = torch.stack([self._prefill.attend(rows, s, qd[b]) for b, s in enumerate(seqs)])
         return out.to(q.device)
+
+    # -- a decode step planned for all layers at once (one CUDA graph of the whole forward) -----
+    def plan_decode(self, seq_ids: list[int]) -> StepPlan | None:
+        """Do the host side of a one-token decode step of ``seq_ids`` for every layer now, so that
+        the step's appends and attends run (or replay from one graph) without it; None when this
+        step must run layer by layer (decode.Decoder.plan says when). Until :meth:`finish_decode`,
+        append and attend run the planned step's bodies only."""
+        seqs = self._batch_of(0, seq_ids)
+        if any(len(set(s.lengths)) != 1 for s in seqs):
+            return None                  # a forward stopped part-way left the layers uneven
+        plan = self._decoder.plan(seqs)
+        self._decoder.planned = plan
+        return plan
+
+    def finish_decode(self, plan: StepPlan, ran: bool = True) -> None:
+        """After a planned step's forward: the host side of every layer's append and attend, the
+        step's counters and its audit. ``ran`` False: the forward failed, so the plan is dropped
+        (the batch's graphs with it) and the sequences keep their lengths."""
+        self._decoder.planned = None
+        if not ran:
+            self._decoder.forget([s.seq_id for s in plan.seqs])
+            return
+        self._decoder.finish(plan)
+        B = len(plan.seqs)
+        self.metrics.tokens_decode.inc(B)
+        self.recal.on_tokens(B)
+        self._step_decoded = True
+        if self._audit_at is not None:
+            layer = self._audit_at[0]
+            rows = self.layers[layer]
+            with rows.on_device():
+                self._audit(rows, plan.seqs, plan.q[layer])
 
     def _batch_of(self, layer: int, seq_ids: list[int]) -> list:
         if not 0 <= layer < self.num_layers:

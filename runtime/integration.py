@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import hf_attention, hf_cache, hf_compat, hf_generate, hf_options, hf_support
+from . import hf_attention, hf_cache, hf_compat, hf_generate, hf_options, hf_support, step_graph
 from .bindings import BINDINGS as _BINDINGS, Binding, binding_of
 from .hf_options import HiSparseOptionError
 from .hf_support import UnsupportedModelError
@@ -217,6 +217,7 @@ def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Bindin
         binding.close()
         raise
     hooks = _Hooks(binding, base_model)
+    step_graph.install(binding, base_model)   # one-token steps replayed whole (after _Hooks read the signature)
     binding.hooks = [
         base_model.register_forward_pre_hook(hooks.before, with_kwargs=True),
         base_model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True),
@@ -237,6 +238,7 @@ def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
         handle.remove()
     binding.hooks = []
     hf_generate.unguard_generate(model)
+    step_graph.uninstall(getattr(model, "base_model", model))
     if binding.previous_attn and binding.previous_attn != hf_attention.ATTN_IMPLEMENTATION:
         model.set_attn_implementation(binding.previous_attn)
     binding.close()

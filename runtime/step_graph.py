@@ -1,0 +1,207 @@
+"""A whole decode forward in one CUDA graph: every layer's HiSparse step and the model around it.
+
+Eagerly, a decode step of a transformers model launches a few thousand kernels (norms,
+projections, rotary embedding, MLP, and each layer's HiSparse append and attend), so one
+sequence decodes far slower than its bytes allow. Per-layer graphs (batch_step.py) replay only
+the HiSparse bodies. Here the decoder model's whole forward is captured once per batch and key
+and replayed, the way transformers' static cache lets a dense model be captured:
+
+- the engine does the host side of the step for every layer up front (``engine.plan_decode``:
+  pages, positions and LRU clocks into device tensors, the bodies' shapes), so the forward's
+  appends and attends are device work only, whose shapes and buffer addresses make the key;
+- the forward runs eagerly the first time a key is seen (workspaces, compilation), is captured
+  the second time, and replays while the key holds. Shapes are rounded up (decode.bucket), so
+  the key changes a few times per doubling of the context, not every block;
+- afterwards the engine does what follows each body on the host (``engine.finish_decode``:
+  lengths, selections, counters, the audit from the step's saved queries).
+
+A step that cannot be planned runs layer by layer with per-layer graphs, as before: a token that
+completes a block of a quantized host pool (the seal needs the step's own K/V on the host side),
+a forward with more than one token, layers on several devices, gradients on, or arguments the
+graph cannot hold (returned attentions or hidden states). Whole-step graphs are on with
+``decode_graphs="step"`` (per-layer graphs with True, none with False). A capture that fails warns
+once and the model goes on with per-layer graphs.
+
+The wrapper is the decoder model's ``forward`` (an instance attribute, so the forward hooks of
+integration.py still run around it) and is removed with the HiSparse cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from . import hf_attention, hf_compat
+from .batch_step import _cause, capture
+
+# forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
+_TENSORS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
+_FLAGS = ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
+
+
+class WholeStep:
+    """What one batch's whole-step graph holds."""
+
+    def __init__(self, key: tuple, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor],
+                 output: Any, tokens: list, queries: list) -> None:
+        self.key, self.graph, self.inputs, self.output = key, graph, inputs, output
+        self.tokens, self.queries = tokens, queries
+
+
+class StepGraphs:
+    """The decoder model's forward, with one-token decode steps run from whole-step graphs."""
+
+    def __init__(self, binding: Any, base_model: torch.nn.Module) -> None:
+        self.binding = binding
+        # the model weakly (it holds this wrapper), and a wrapper someone else installed, kept
+        self._model = weakref.ref(base_model)
+        self._previous = vars(base_model).get("forward")
+        params = inspect.signature(self.original).parameters
+        self.cache_kwarg = hf_compat.cache_kwarg(self.original)
+        self.takes_cache_position = "cache_position" in params
+        engine = binding.engine
+        devices = {layer.device for layer in engine.layers}
+        self.graphs = (binding.config.decode_graphs == "step" and len(devices) == 1
+                       and next(iter(devices)).type == "cuda")
+        self.plan_on_cpu = False       # tests: plan every step without graphs (the same host side)
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0}
+
+    @property
+    def original(self) -> Any:
+        """The forward this wraps."""
+        if self._previous is not None:
+            return self._previous
+        model = self._model()
+        return type(model).forward.__get__(model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args or not (self.graphs or self.plan_on_cpu) or not self._eligible(kwargs):
+            return self.original(*args, **kwargs)
+        ctx = hf_attention.current()
+        engine = self.binding.engine
+        plan = engine.plan_decode(ctx.sequences.seq_ids)
+        if plan is None:
+            self.counts["layer_by_layer"] += 1
+            return self.original(**kwargs)
+        cache = kwargs[self.cache_kwarg]
+        lengths = [layer.length for layer in cache.layers]
+        ran = False
+        try:
+            out = self._run(plan, self._call_kwargs(kwargs, cache), cache)
+            ran = True
+        finally:
+            engine.finish_decode(plan, ran)
+            for layer, n in zip(cache.layers, lengths):    # what each layer's update counts
+                layer.length = n + 1 if ran else n
+        return out
+
+    def _eligible(self, kwargs: dict) -> bool:
+        ctx = hf_attention.current()
+        if ctx is None or ctx.binding is not self.binding or ctx.sequences is None or torch.is_grad_enabled():
+            return False
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] != 1:
+            return False
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("use_cache") is False:
+            return False
+        known = set(_TENSORS) | set(_FLAGS) | {"attention_mask", self.cache_kwarg}
+        return all(v is None for k, v in kwargs.items() if k not in known)
+
+    def _call_kwargs(self, kwargs: dict, cache: Any) -> dict:
+        """The forward's arguments with every tensor one a graph can hold: the mask dropped (the
+        HiSparse mask function returns none, and the pre-hook has checked it), positions made
+        tensors when missing (the model would make them from the cache's length on the host)."""
+        call = {k: v for k, v in kwargs.items() if k != "attention_mask" and v is not None}
+        x = call.get("input_ids", call.get("inputs_embeds"))
+        if call.get("position_ids") is None and call.get("cache_position") is None:
+            past = cache.get_seq_length()
+            call["position_ids"] = torch.full((1, 1), past, dtype=torch.int64, device=x.device)
+            if self.takes_cache_position:
+                call["cache_position"] = torch.full((1,), past, dtype=torch.int64, device=x.device)
+        return call
+
+    def _run(self, plan: Any, call: dict, cache: Any) -> Any:
+        if not self.graphs:
+            self.counts["eager"] += 1
+            return self.original(**call)
+        tensors = {k: v for k, v in call.items() if k in _TENSORS}
+        key = (plan.key, tuple((k, tuple(t.shape), t.dtype, t.device) for k, t in sorted(tensors.items())),
+               tuple((k, call.get(k)) for k in _FLAGS))
+        whole = plan.batch.whole
+        have: WholeStep | None = whole.get("graph")
+        if have is not None and have.key == key:
+            for k, t in tensors.items():
+                have.inputs[k].copy_(t)
+            have.graph.replay()
+            plan.tokens[:], plan.q[:] = have.tokens, have.queries
+            self.counts["replayed"] += 1
+            return self._result(have, cache)
+        if whole.get("warm") != key:             # first sight: eager (compiles, workspaces)
+            whole.pop("graph", None)
+            whole["warm"] = key
+            self.counts["eager"] += 1
+            return self.original(**call)
+        inputs = {k: t.clone() for k, t in tensors.items()}    # outside the graph's pool: they persist
+        try:
+            graph, output = capture(lambda: self.original(**{**call, **inputs}), torch.cuda.graph_pool_handle())
+        except RuntimeError as exc:
+            warnings.warn(f"HiSparse: CUDA graph capture of the whole decode step failed ({_cause(exc)}); the "
+                          "model decodes layer by layer from now on (set decode_graphs=True to silence this)",
+                          RuntimeWarning, stacklevel=2)
+            self.graphs = False
+            self.counts["eager"] += 1
+            return self.original(**call)
+        # what the capture's bodies returned lives in the graph's pool, written by every replay
+        have = whole["graph"] = WholeStep(key, graph, inputs, output, list(plan.tokens), list(plan.q))
+        graph.replay()                           # capture records, it does not run
+        self.counts["captured"] += 1
+        return self._result(have, cache)
+
+    @staticmethod
+    def _result(have: WholeStep, cache: Any) -> Any:
+        """The captured output with this step's values: the hidden state copied out of the graph's
+        buffer (the next replay overwrites it), the cache the caller passed."""
+        out = type(have.output)(**dict(have.output.items()))
+        out["last_hidden_state"] = have.output["last_hidden_state"].clone()
+        for name in (hf_compat.NEW_NAME, hf_compat.OLD_NAME):
+            if name in out:
+                out[name] = cache
+        return out
+
+
+def install(binding: Any, base_model: torch.nn.Module) -> StepGraphs:
+    """Wrap ``base_model``'s forward (its signature kept: callers inspect it)."""
+    graphs = StepGraphs(binding, base_model)
+
+    @functools.wraps(graphs.original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return graphs(*args, **kwargs)
+
+    forward.step_graphs = graphs
+    base_model.forward = forward
+    return graphs
+
+
+def uninstall(base_model: torch.nn.Module) -> None:
+    """Put back the forward :func:`install` wrapped."""
+    forward = vars(base_model).get("forward")
+    graphs = getattr(forward, "step_graphs", None)
+    if graphs is None:
+        return
+    if graphs._previous is not None:
+        base_model.forward = graphs._previous
+    else:
+        del base_model.forward
+
+
+def of(model: torch.nn.Module) -> StepGraphs | None:
+    """The whole-step graphs of a model with the HiSparse cache (its decoder model's), or None."""
+    base_model = getattr(model, "base_model", model)
+    return getattr(vars(base_model).get("forward"), "step_graphs", None)

@@ -1,0 +1,159 @@
+"""Whole-step decode graphs (step_graph.py): the host side of a step done for every layer up front,
+the forward run (or replayed) without it, the rest done after; the same tokens, logits and counters
+as the layer-by-layer path. On a CPU the planned path runs eagerly (``plan_on_cpu``), which checks
+the host side; on a GPU (gpu-marked) the forward is captured and replayed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_integration import make_pair, prompt
+
+import hi_sparse as hs
+from hi_sparse import step_graph
+from hi_sparse.decode import bucket
+from hi_sparse.integration import binding_of
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+# sparse (top_k below the context), 8-token blocks: steps cross block and bucket boundaries
+SPARSE = dict(max_seq_len=512, block_size=8, window_size=8, global_tokens=2, top_k=24, audit_every=2,
+              recalibrate_every=16)
+
+
+def _run(model, ids, mask, new: int):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def _counters(model) -> dict:
+    """Every scalar counter of the engine (hits, lookups, audits, bytes, tokens, recalibrations)."""
+    stats = binding_of(model).engine.stats
+    out = {}
+    for k, v in vars(stats).items():
+        if k in ("step_duration", "memory"):      # timings; memory is the same by construction
+            continue
+        out[k] = (v.counts, v.sum) if hasattr(v, "counts") else v
+    return out
+
+
+def test_bucket_rounds_up_by_at_most_an_eighth():
+    for n in list(range(1, 300)) + [1000, 2048, 2049, 16383, 131072 // 64 + 1]:
+        b = bucket(n)
+        assert n <= b <= n + max(1, n // 8 + 1), (n, b)
+    # a few keys per doubling, not one per block
+    assert len({bucket(n) for n in range(1025, 2049)}) == 8
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_planned_steps_equal_layer_by_layer_steps(bits):
+    """The planned path (host side up front and after) decodes the same tokens with the same
+    logits and counts the same, audits and recalibrations included; with a 4-bit host a token that
+    completes a block runs layer by layer (its seal needs the step's K/V)."""
+    ref, model = make_pair("llama")
+    for m, name in ((ref, "layers"), (model, "planned")):
+        hs.enable_hisparse_kv_cache(m, name=f"test-step-{name}", host_kv_bits=bits, **SPARSE)
+    graphs = step_graph.of(model)
+    graphs.plan_on_cpu = True
+    assert step_graph.of(ref).counts == graphs.counts            # nothing planned on the reference
+    ids, mask = prompt(2, 45, pads=[0, 6])
+    want, want_logits = _run(ref, ids, mask, 40)
+    got, got_logits = _run(model, ids, mask, 40)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    assert _counters(model) == _counters(ref)
+    assert binding_of(model).engine.stats.recalibrations["schedule"] >= 2
+    counts = graphs.counts
+    assert counts["eager"] >= 30 and counts["captured"] == counts["replayed"] == 0
+    if bits:  # 39 decode steps from position 45: blocks complete at 47, 55, ..., 79
+        assert counts["layer_by_layer"] == 5, counts
+    else:
+        assert counts["layer_by_layer"] == 0, counts
+    assert step_graph.of(ref).counts["eager"] == 0
+
+
+def test_a_forward_that_fails_part_way_leaves_lengths_as_they_were():
+    ref, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, name="test-step-fail", **SPARSE)
+    graphs = step_graph.of(model)
+    graphs.plan_on_cpu = True
+    ids, _ = prompt(1, 20)
+    cache_kw = hs.hf_compat.installed_cache_kwarg()
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = hs.hf_compat.output_cache(out)
+        layer1 = model.model.layers[1].mlp
+        handle = layer1.register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            model(ids[:, :1], **{cache_kw: cache}, use_cache=True)
+        handle.remove()
+        assert cache.get_seq_length() == 20
+        assert [binding_of(model).engine.seq_len(i) for i in cache.layers[0].sequences.seq_ids] == [20]
+        step = model(ids[:, :1], **{cache_kw: cache}, use_cache=True)   # and the next step decodes
+    assert cache.get_seq_length() == 21 and step.logits.shape == (1, 1, 128)
+
+
+def test_decode_graphs_takes_true_false_or_step():
+    _, model = make_pair("llama")
+    with pytest.raises(ValueError, match="decode_graphs must be True, False or 'step', got 'whole'"):
+        hs.enable_hisparse_kv_cache(model, decode_graphs="whole", **SPARSE)
+    hs.enable_hisparse_kv_cache(model, name="test-step-cpu", decode_graphs="step", **SPARSE)
+    graphs = step_graph.of(model)
+    assert not graphs.graphs               # a CPU model: no graphs, every step layer by layer
+    ids, mask = prompt(1, 30)
+    _run(model, ids, mask, 4)
+    assert graphs.counts == {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0}
+
+
+def test_disable_puts_the_forward_back():
+    _, model = make_pair("llama")
+    plain = model.model.forward
+    hs.enable_hisparse_kv_cache(model, name="test-step-disable", **SPARSE)
+    assert step_graph.of(model) is not None
+    hs.disable_hisparse_kv_cache(model)
+    assert step_graph.of(model) is None and "forward" not in vars(model.model)
+    assert model.model.forward == plain
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("bits", [None, 4])
+def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits):
+    """On a GPU (decode_graphs="step") the forward is captured once per key and replayed: the
+    same tokens as the model with decode_graphs=False, logits within float32 noise, the same
+    counters."""
+    ref, model = make_pair("llama")
+    ref, model = ref.cuda(), model.cuda()
+    hs.enable_hisparse_kv_cache(ref, name="test-step-eager", host_kv_bits=bits, decode_graphs=False, **SPARSE)
+    hs.enable_hisparse_kv_cache(model, name="test-step-graph", host_kv_bits=bits, decode_graphs="step", **SPARSE)
+    ids, mask = prompt(2, 45, pads=[0, 6])
+    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), 60)
+    got, got_logits = _run(model, ids.cuda(), mask.cuda(), 60)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert _counters(model) == _counters(ref)
+    counts = step_graph.of(model).counts
+    assert counts["replayed"] >= 30 and counts["captured"] >= 1, counts
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_whole_step_graph_of_a_long_bf16_context_matches_without_graphs():
+    """bf16, 4-bit host, a 3K prompt in 64-token blocks: the replayed step follows the eager one
+    through block boundaries (seals layer by layer) and a bucket change."""
+    ref, model = make_pair("llama", dtype=torch.bfloat16, max_position_embeddings=4096)
+    ref, model = ref.cuda(), model.cuda()
+    kw = dict(max_seq_len=4096, block_size=64, window_size=64, global_tokens=8, top_k=256, host_kv_bits=4)
+    hs.enable_hisparse_kv_cache(ref, name="test-step-long-eager", decode_graphs=False, **kw)
+    hs.enable_hisparse_kv_cache(model, name="test-step-long-graph", decode_graphs="step", **kw)
+    ids, mask = prompt(1, 3000)
+    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), 100)
+    got, got_logits = _run(model, ids.cuda(), mask.cuda(), 100)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=2e-2, atol=2e-2)
+    counts = step_graph.of(model).counts
+    assert counts["replayed"] >= 80 and counts["layer_by_layer"] >= 1, counts
+    assert dataclasses.is_dataclass(binding_of(model).engine.stats)
