@@ -25,7 +25,7 @@ FLOOR_PY    = $(FLOOR_VENV)/bin/python
 # rest of the suite does not touch transformers; the quality bounds run once, in `make test`).
 INTEGRATION_TESTS = tests/test_integration.py tests/test_integration_checks.py \
                     tests/test_runtime_equivalence.py tests/test_runtime_multidevice.py \
-                    tests/test_real_model.py
+                    tests/test_real_model.py tests/test_step_graph.py
 
 .PHONY: venv venv-floor demo test lint test-floor test-gpu system-deps clean
 
