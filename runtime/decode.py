@@ -201,8 +201,8 @@ class StepPlan:
     after. key: what a graph of the whole step depends on beyond device tensors."""
     seqs: list[Sequence]
     batch: Batch
-    starts: list[list[int]]                   # per layer: each sequence's new position
-    shapes: list[tuple]                       # per layer: attend_body's host shapes
+    starts: list[int]                         # each sequence's new position (every layer's)
+    shapes: tuple                             # attend_body's host shapes (every layer's)
     key: tuple
     tokens: list = field(default_factory=list)  # per layer: the selection (attend_body's second output)
     q: list = field(default_factory=list)       # per layer: the query (the audit reads it after the step)
@@ -287,17 +287,24 @@ class Decoder:
         holes = any(self.storage.has_holes(s) for s in seqs)
         return nb, n_cand, mixed, holes
 
-    def _after_append(self, rows: LayerRows, seqs: list[Sequence], starts: list[int], T: int) -> None:
-        self.host.note_device_writes(rows.device)
-        self.metrics.backup_bytes.inc(self.host.backup_bytes(starts, T))
+    def _after_append(self, layers: list[LayerRows], seqs: list[Sequence], starts: list[int], T: int) -> None:
+        """What follows the append body of T tokens at ``starts`` at each of ``layers``."""
+        for device in {rows.device for rows in layers}:
+            self.host.note_device_writes(device)
+        self.metrics.backup_bytes.inc(len(layers) * self.host.backup_bytes(starts, T))
         for s, p in zip(seqs, starts):
-            s.lengths[rows.index] = p + T
+            for rows in layers:
+                s.lengths[rows.index] = p + T
 
-    def _after_attend(self, rows: LayerRows, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+    def _after_attend(self, layers: list[LayerRows], seqs: list[Sequence], tokens: list[torch.Tensor]) -> None:
+        """What follows the attend body at each of ``layers``, tokens: each one's selection."""
         H, R = self.shape.num_kv_heads, self.cfg.recalibrate_queries
-        for b, s in enumerate(seqs):
-            s.last_selection[rows.index] = tokens[b * H:(b + 1) * H]
-            s.queries_kept[rows.index] = min(R, s.queries_kept[rows.index] + 1)
+        for rows, sel in zip(layers, tokens):
+            for b, s in enumerate(seqs):
+                s.last_selection[rows.index] = (sel, b * H, (b + 1) * H)
+        for s in seqs:
+            for rows in layers:
+                s.queries_kept[rows.index] = min(R, s.queries_kept[rows.index] + 1)
 
     # -- one layer at a time ------------------------------------------------------------------
     def append(self, rows: LayerRows, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -323,7 +330,7 @@ class Decoder:
         else:                            # prefill: run once per shape, not worth a graph
             with phase("prefill.append"):
                 body(k, v)
-        self._after_append(rows, seqs, starts, T)
+        self._after_append([rows], seqs, starts, T)
 
     def _count_write(self, nbytes: int, events: QuantEvents) -> None:
         m = self.metrics
@@ -348,7 +355,7 @@ class Decoder:
         layer, plan = rows.index, self.planned
         if plan is not None:
             out, plan.tokens[layer] = attend_body(rows, self.host, plan.batch, self.cfg, self.shape, self.n_super,
-                                                  q, *plan.shapes[layer])
+                                                  q, *plan.shapes)
             return out
         lengths = [s.lengths[layer] for s in seqs]
         batch = self.batch(seqs, rows.device)
@@ -358,7 +365,7 @@ class Decoder:
         body = functools.partial(attend_body, rows, self.host, batch, self.cfg, self.shape, self.n_super)
         key = self.graph_key(rows, batch, *shapes)
         out, tokens = batch.runner.run((layer, "attend"), key, body, q, *shapes)
-        self._after_attend(rows, seqs, tokens)
+        self._after_attend([rows], seqs, [tokens])
         return out
 
     # -- a whole step at once -----------------------------------------------------------------
@@ -388,10 +395,9 @@ class Decoder:
         batch = self.batch(seqs, self.layers[0].device)
         shape = self._attend_shapes(self.layers[0], batch, seqs, lengths)
         batch.set_all(torch.tensor([[starts] * L, [lengths] * L]), torch.tensor(clocks).T)
-        return StepPlan(seqs, batch, [starts] * L, [shape] * L, (shape, tuple(buffers)), [None] * L, [None] * L)
+        return StepPlan(seqs, batch, starts, shape, (shape, tuple(buffers)), [None] * L, [None] * L)
 
     def finish(self, plan: StepPlan) -> None:
         """The host side that follows a planned step's bodies (however they ran)."""
-        for rows in self.layers:
-            self._after_append(rows, plan.seqs, plan.starts[rows.index], 1)
-            self._after_attend(rows, plan.seqs, plan.tokens[rows.index])
+        self._after_append(self.layers, plan.seqs, plan.starts, 1)
+        self._after_attend(self.layers, plan.seqs, plan.tokens)

@@ -283,7 +283,7 @@ class HiSparseEngine:
 
     def selection(self, layer: int, seq_id: int) -> torch.Tensor | None:
         """The token positions (Hkv, K), -1 padded, selected at the last decode step (for tests)."""
-        return self._sequences.get(seq_id).last_selection.get(layer)
+        return self._sequences.get(seq_id).selection(layer)
 
     # -- audit and recalibration ---------------------------------------------------------------
     def _audit(self, rows: LayerRows, seqs: list, q: torch.Tensor) -> None:

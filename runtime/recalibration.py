@@ -240,7 +240,7 @@ class Recalibrator:
             n = s.lengths[layer.index]
             keys, _ = self.reader.read(s, layer, torch.tensor([kv_head]), torch.arange(n))
             out.append(audit_hits(q[b, head], keys, self.reader.visible(s, layer, n),
-                                  s.last_selection[layer.index][kv_head], self.cfg.audit_top_m, self.shape.scale,
+                                  s.selection(layer.index)[kv_head], self.cfg.audit_top_m, self.shape.scale,
                                   self.cfg.audit_measure))
         return out
 

@@ -34,7 +34,8 @@ class Sequence:
     queries_kept: list[int]          # recent decode queries held per layer (recalibration)
     hot: list[HotBufferState]        # per layer: a view of the layer's HotBufferBank row
     banks: list[RowBank]
-    last_selection: dict[int, torch.Tensor] = field(default_factory=dict)
+    # per layer: the last decode step's selection of its batch (B*Hkv, K) and this sequence's rows
+    last_selection: dict[int, tuple[torch.Tensor, int, int]] = field(default_factory=dict)
     saved: list[dict[str, torch.Tensor]] | None = None   # the bank rows of a freed sequence (resume)
     block_table: torch.Tensor | None = None              # cached from the page table at table_version
     table_version: int = -1
@@ -54,6 +55,11 @@ class Sequence:
     def holes(self) -> torch.Tensor:
         """(NB,) bool: the logical blocks streaming mode overwrote."""
         return self.banks[0].t["holes"][self.row]
+
+    def selection(self, layer: int) -> torch.Tensor | None:
+        """The token positions (Hkv, K), -1 padded, selected at ``layer`` by the last decode step."""
+        got = self.last_selection.get(layer)
+        return None if got is None else got[0][got[1]:got[2]]
 
     @property
     def length(self) -> int:

@@ -93,7 +93,7 @@ def test_an_attend_leaves_the_selection_hot_with_the_host_pool_s_values_and_coun
     assert out.shape == (2, HQ, D) and torch.isfinite(out).all()
     selected = swapped = 0
     for b, s in enumerate(seqs):
-        sel, (was_slot, was_k) = s.last_selection[0], before[b]              # sel: (Hkv, K), -1 padded
+        sel, (was_slot, was_k) = s.selection(0), before[b]              # sel: (Hkv, K), -1 padded
         for h in range(HKV):
             toks = sel[h][sel[h] >= 0]
             slots = s.hot[0].token_slot[h, toks]
