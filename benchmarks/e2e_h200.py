@@ -274,7 +274,8 @@ def main() -> int:
     ap.add_argument("--skip-quant", action="store_true")
     ap.add_argument("--variants", default=None,
                     help="comma list of single-sequence variants to run (default: dense,dense-static,hisparse,"
-                         "hisparse-int8,hisparse-int4; dense-static: StaticCache + a CUDA graph per decode step)")
+                         "hisparse-int8,hisparse-int4; dense-static: StaticCache + a CUDA graph per decode step; "
+                         "also hisparse-int4-step: decode_graphs=\"step\", the whole forward in one graph)")
     ap.add_argument("--telemetry-check", action="store_true",
                     help="at the first context also run HiSparse with telemetry on and easymats attached at 10 Hz")
     ap.add_argument("--batch", type=int, default=0, help="aggregate decode of this many sequences (0 = skip)")
@@ -450,7 +451,8 @@ def main() -> int:
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
                                                 decode_graphs=False if args.no_graphs else
-                                                "step" if args.step_graphs else True)
+                                                "step" if args.step_graphs or label.endswith("-step")
+                                                else True)
                     cache = None
                     if telemetry_ab:
                         # telemetry off until its phases: the publisher's interval is a public knob
@@ -612,8 +614,9 @@ def main() -> int:
 
     variants = [("dense", None), ("dense-static", None), ("hisparse", None)]
     variants += [] if args.skip_quant else [("hisparse-int8", 8), ("hisparse-int4", 4)]
+    known_only = [("hisparse-int4-step", 4)]     # by name: whole-step graphs beside the default
     if args.variants:
-        known = dict(variants)
+        known = dict(variants + known_only)
         bad = [v for v in args.variants.split(",") if v not in known]
         if bad:
             raise SystemExit(f"unknown --variants {bad}; choose from {', '.join(known)}")
