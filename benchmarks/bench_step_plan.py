@@ -1,0 +1,83 @@
+"""Host time of a whole-step decode graph's host side (issue 21): ``engine.plan_decode`` (pages,
+room, positions and clocks of every layer, the key) and ``engine.finish_decode`` (lengths,
+selections, counters), per decode step, for a 32-layer model. With whole-step graphs this is the
+host work left around one graph replay, so it bounds the step time from below.
+
+    python benchmarks/bench_step_plan.py --batch 1 --batch 24
+
+Runs the planned path eagerly on the CPU (step_graph's ``plan_on_cpu``): the timed host side is
+the same code a GPU step runs around its replay; the model is tiny so the forward stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import hi_sparse as hs  # noqa: E402
+from hi_sparse import hf_compat, step_graph  # noqa: E402
+from hi_sparse.integration import binding_of  # noqa: E402
+from test_integration import make_pair, prompt  # noqa: E402
+
+
+def measure(batch: int, layers: int, context: int, steps: int) -> dict:
+    _, model = make_pair("llama", num_hidden_layers=layers)
+    hs.enable_hisparse_kv_cache(model, name=f"bench-plan-{batch}", max_seq_len=context + steps + 64, block_size=64,
+                                window_size=64, global_tokens=8, top_k=256, host_kv_bits=4, telemetry=False)
+    step_graph.of(model).plan_on_cpu = True
+    eng = binding_of(model).engine
+    plan_s, finish_s, step_s = [], [], []
+    real_plan, real_finish = eng.plan_decode, eng.finish_decode
+
+    def timed(fn, into):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            into.append(time.perf_counter() - t)
+            return out
+        return call
+
+    ids, mask = prompt(batch, context)
+    kw = hf_compat.installed_cache_kwarg()
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        cache = hf_compat.output_cache(out)
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            model(tok, **{kw: cache}, use_cache=True)
+        eng.plan_decode, eng.finish_decode = timed(real_plan, plan_s), timed(real_finish, finish_s)
+        for _ in range(steps):
+            t = time.perf_counter()
+            model(tok, **{kw: cache}, use_cache=True)
+            step_s.append(time.perf_counter() - t)
+    hs.disable_hisparse_kv_cache(model)
+    return {"batch": batch, "layers": layers, "context": context, "steps": steps,
+            "plan_ms": 1e3 * statistics.median(plan_s), "finish_ms": 1e3 * statistics.median(finish_s),
+            "eager_step_ms": 1e3 * statistics.median(step_s)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, action="append", help="sequences per step (repeatable; default 1 and 24)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    for b in args.batch or [1, 24]:
+        r = measure(b, args.layers, args.context, args.steps)
+        print(f"batch {r['batch']:>3} x {r['layers']} layers: plan {r['plan_ms']:.2f} ms, finish {r['finish_ms']:.2f} ms "
+              f"per step (median of {r['steps']}; the eager CPU step around them {r['eager_step_ms']:.1f} ms)",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
