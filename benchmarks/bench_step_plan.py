@@ -21,10 +21,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from test_integration import make_pair, prompt  # noqa: E402
+
 import hi_sparse as hs  # noqa: E402
 from hi_sparse import hf_compat, step_graph  # noqa: E402
 from hi_sparse.integration import binding_of  # noqa: E402
-from test_integration import make_pair, prompt  # noqa: E402
 
 
 def measure(batch: int, layers: int, context: int, steps: int) -> dict:
@@ -73,9 +74,9 @@ def main() -> int:
     torch.set_num_threads(1)
     for b in args.batch or [1, 24]:
         r = measure(b, args.layers, args.context, args.steps)
-        print(f"batch {r['batch']:>3} x {r['layers']} layers: plan {r['plan_ms']:.2f} ms, finish {r['finish_ms']:.2f} ms "
-              f"per step (median of {r['steps']}; the eager CPU step around them {r['eager_step_ms']:.1f} ms)",
-              flush=True)
+        print(f"batch {r['batch']:>3} x {r['layers']} layers: plan {r['plan_ms']:.2f} ms, "
+              f"finish {r['finish_ms']:.2f} ms per step (median of {r['steps']}; "
+              f"the eager CPU step around them {r['eager_step_ms']:.1f} ms)", flush=True)
     return 0
 
 
