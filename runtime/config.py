@@ -87,6 +87,9 @@ class HiSparseConfig:
     recalibrate_every: int = 32768       # tokens between scheduled recalibrations
     recalibrate_topk: int = 32           # tokens labelled as anchors when the probe is refit
     recalibrate_queries: int = 8         # recent decode queries kept per layer for re-scoring
+    background_recalibration: bool = False   # CUDA: recalibrate on a side stream while steps go on
+                                         # and use the result from the first step after it finished
+                                         # (False: at the end of the step that is due, waiting)
     audit_every: int = 16                # decode steps between audits (0 = never)
     audit_top_m: int = 8                 # true top-m tokens compared against the selection ("top_m")
     # what an audit measures: "mass", the share of the query's exact attention that fell on the

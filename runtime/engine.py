@@ -39,7 +39,7 @@ from .metrics import DeviceCounters, Gauges, Publisher, RuntimeMetrics, Stats
 from .page_table import PageTable
 from .prefill import ContextReader, PrefillAttention
 from .probe import ImportanceProbe
-from .recalibration import REASONS, Audit, RecalibrationController, Recalibrator
+from .recalibration import REASONS, Audit, RecalibrationController, RecalibrationJob, Recalibrator
 from .sequences import SequenceTable
 from .storage import Storage
 
@@ -88,6 +88,8 @@ class HiSparseEngine:
         self._prefill = PrefillAttention(shape, reader)
         self._recalibrator = Recalibrator(cfg, shape, self.layers, reader)
         self.recal = RecalibrationController(cfg.recalibrate_every, cfg.drift_floor, cfg.drift_window)
+        self._recal_job: RecalibrationJob | None = None     # a background recalibration not yet committed
+        self.host.before_grow = self.settle_recalibration
         self._rng = random.Random(cfg.seed)
         self.decode_steps = 0
         self.recent_audits: deque[Audit] = deque(maxlen=256)   # the last audits, for inspection
@@ -156,6 +158,7 @@ class HiSparseEngine:
         batch when they are consecutive too). Returns their ids.
         """
         src = self._sequences.get(seq_id)
+        self.settle_recalibration()        # the copies take the source's anchors as they will be
         if copies < 1:
             raise ValueError(f"copies must be >= 1, got {copies}")
         if self._storage.has_holes(src):
@@ -173,6 +176,7 @@ class HiSparseEngine:
 
     def free_sequences(self, seq_ids: list[int]) -> None:
         """Release sequences; their host blocks stay reclaimable for recycle_grace_s (resume)."""
+        self.settle_recalibration()        # it may still read their blocks
         self._sequences.free(seq_ids)
         self._decoder.forget(seq_ids)
         self._prefill.forget(seq_ids)
@@ -201,6 +205,8 @@ class HiSparseEngine:
             return
         rows = self.layers[layer]
         k, v = k.to(rows.device, self.shape.dtype), v.to(rows.device, self.shape.dtype)
+        if self._decoder.planned is None:
+            self._settle_before_append(seqs, layer, T)
         with rows.on_device():
             self._decoder.append(rows, seqs, k, v)
         if self._decoder.planned is not None:
@@ -250,6 +256,7 @@ class HiSparseEngine:
         seqs = self._batch_of(0, seq_ids)
         if any(len(set(s.lengths)) != 1 for s in seqs):
             return None                  # a forward stopped part-way left the layers uneven
+        self._settle_before_append(seqs, 0, 1)
         plan = self._decoder.plan(seqs)
         self._decoder.planned = plan
         return plan
@@ -328,16 +335,44 @@ class HiSparseEngine:
             self.recal.request("request")
         live = list(self._sequences.live.values())
         ready = any(s.queries_kept[0] and s.lengths[0] - s.first_token > self.cfg.top_k for s in live)
-        reason = self.recal.due(ready)
+        self.settle_recalibration(wait=False)       # a background one the device finished
+        reason = self.recal.due(ready) if self._recal_job is None else None
         if reason is not None:
-            self._recalibrator.recalibrate(live)
-            self.recal.done(reason)
-            self.metrics.recalibrations[reason].inc()
-            if reason == "request":
-                self._control.acknowledge()
+            self.recal.start(reason)
+            job = self._recalibrator.start(live, reason, background=self.cfg.background_recalibration
+                                           and not self.cfg.streaming)
+            if job.background:
+                self._recal_job = job
+            else:
+                job.commit()
+                self._recalibrated(reason)
         self.pool.recycle_expired()
         self._sequences.expire(time.monotonic())
         self.publisher.maybe_publish()
+
+    def settle_recalibration(self, wait: bool = True) -> bool:
+        """Commit a background recalibration (``background_recalibration``): now, waiting for
+        the device if it has not finished (``wait``), or only if it has. True when none is left."""
+        job = self._recal_job
+        if job is not None and (wait or job.ready()):
+            job.commit()
+            self._recal_job = None
+            self._recalibrated(job.reason)
+        return self._recal_job is None
+
+    def _settle_before_append(self, seqs: list, layer: int, T: int) -> None:
+        """A background recalibration still reading the host pool finishes first when this append
+        would overwrite what it reads: a prefill chunk (it may seal and reuse a tail), or a token
+        at or past a sequence's hazard (the float tail it read, reused once the next block starts)."""
+        job = self._recal_job
+        if job is not None and (T > 1 or any(s.lengths[layer] >= job.hazards.get(s.seq_id, 1 << 62) for s in seqs)):
+            self.settle_recalibration()
+
+    def _recalibrated(self, reason: str) -> None:
+        self.recal.done(reason)
+        self.metrics.recalibrations[reason].inc()
+        if reason == "request":
+            self._control.acknowledge()
 
     # -- stats, memory, close -----------------------------------------------------------------
     @property
@@ -352,5 +387,6 @@ class HiSparseEngine:
 
     def close(self) -> None:
         """Publish a last snapshot and remove the segment (if the engine opened it)."""
+        self.settle_recalibration()
         self._control.close()
         self.publisher.close(self._owned_segment)

@@ -81,6 +81,7 @@ class HostPool:
                  dtype: torch.dtype, pin: bool, host_kv_bits=None, error_budget: float | None = None) -> None:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.dtype, self.pin = dtype, pin
+        self.before_grow = None              # called before a resize (the engine settles reads)
         self.policy = make_policy(host_kv_bits, error_budget)
         self.quantized = self.policy is not None
         # one width for every unit: loads need not look the units' bits up
@@ -130,6 +131,8 @@ class HostPool:
 
     def grow(self, blocks: int | None = None, tails: int | None = None) -> None:
         """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept)."""
+        if self.before_grow is not None:     # the old buffers go: whatever the device still reads finishes
+            self.before_grow()
         with phase("host_pool.grow"):
             self._alloc(max(self.num_blocks, blocks or 0), max(self.num_tail, tails or 0))
 

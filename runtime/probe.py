@@ -74,7 +74,9 @@ def fit_probes(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, tor
     CPU that cost, not the arithmetic, is what a fit of a few hundred rows spends). Returns each
     probe's final loss."""
     with one_thread_on_cpu(probes[0].fc1.weight.device):
-        return _fit(probes, data, steps, lr)
+        params, losses = fit_params(probes, data, steps, lr)
+        write_params(probes, params)
+        return losses.tolist()
 
 
 @contextlib.contextmanager
@@ -94,8 +96,12 @@ def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _fit(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
-         lr: float) -> list[float]:
+def fit_params(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
+               lr: float = 0.05) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`fit_probes`' training without touching the probes or waiting for the device: the
+    fitted parameters stacked over the probes ((P, D, hidden), (P, hidden), (P, hidden), (P,)) and
+    each probe's final loss (P,), for :func:`write_params` (a background recalibration computes
+    them on a side stream and writes them at a step boundary)."""
     P, dev = len(probes), probes[0].fc1.weight.device
     n = torch.tensor([len(y) for _, y in data], dtype=torch.float32)                   # (P,)
     n = n.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else n          # no host sync
@@ -136,6 +142,13 @@ def _fit(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Ten
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, m1, denom, value=-lr / (1 - b1 ** t))
     losses = (nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none") * wn).sum(1)
+    return params, losses
+
+
+def write_params(probes: list[ImportanceProbe], params: list[torch.Tensor]) -> None:
+    """Parameters from :func:`fit_params` into the probes (in place: a captured step reads them
+    where they are), which are fitted from then on."""
+    w1, c1, w2, c2 = params
     with torch.no_grad():
         for i, p in enumerate(probes):
             p.fc1.weight.copy_(w1[i].T)
@@ -143,4 +156,3 @@ def _fit(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Ten
             p.fc2.weight[0].copy_(w2[i])
             p.fc2.bias[0].copy_(c2[i])
             p.fitted = True
-    return losses.tolist()

@@ -16,6 +16,7 @@ distillation targets. :class:`Recalibrator` runs both against an engine's layers
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
@@ -24,7 +25,7 @@ import torch
 
 from easymats.catalogue import RECALIBRATION_REASONS
 
-from .probe import fit_probes, one_thread_on_cpu
+from .probe import fit_params, one_thread_on_cpu, write_params
 from .row_bank import RowBank
 from .trace import phase
 
@@ -144,12 +145,18 @@ class RecalibrationController:
             return "schedule"
         return None
 
+    def start(self, reason: str) -> None:
+        """A recalibration for ``reason`` begins: the request it answers is consumed (one made
+        while it runs in the background waits for the next)."""
+        if self.requested == reason:
+            self.requested = None
+
     def done(self, reason: str | None = None) -> None:
+        """A recalibration took effect (its anchors and probes are in use)."""
         if reason == "drift":
             self.backoff = min(self.MAX_BACKOFF, self.backoff * 2)
         self.tokens_since = 0
         self.calibrated = True
-        self.requested = None
         self.history.clear()  # judge drift on audits of the new anchors only
 
 
@@ -245,47 +252,153 @@ class Recalibrator:
         return out
 
     def recalibrate(self, seqs: list[Sequence]) -> None:
+        """Re-score anchors and refit the probes now (:meth:`start` and commit at once)."""
+        self.start(seqs, "schedule", background=False).commit()
+
+    def start(self, seqs: list[Sequence], reason: str, background: bool) -> "RecalibrationJob":
         """Re-score anchors from the attention mass recent queries gave, and refit each probe
-        (the probes of the layers on one device in one batched fit)."""
+        (the probes of the layers on one device in one batched fit), into a job whose
+        :meth:`RecalibrationJob.commit` writes them. ``background``: the job is committed later;
+        on a GPU its work is queued on a side stream after what the device has queued so far,
+        from copies of what later steps change (recent queries, visibility), and the call returns
+        without waiting (on a CPU the work is done now); the job's
+        ``hazards`` says from which position a sequence's next append would overwrite what it
+        reads (the float tail it may still read is reused once the next block starts)."""
+        job = RecalibrationJob(reason, self.cfg.cache_block_size, background)
         if self.cfg.global_tokens == 0:
-            return  # nothing is pinned, so there is nothing to re-score or fit
+            return job  # nothing is pinned, so there is nothing to re-score or fit
         fits: dict[torch.device, list] = {}
         for layer in self.layers:
-            with layer.on_device(), one_thread_on_cpu(layer.device), phase("recalibrate.score"):
-                data = self._layer(layer, seqs)
+            with layer.on_device():
+                inputs = self._inputs(layer, seqs, copy=background)
+            if not inputs:
+                continue
+            job.inputs.append(inputs)          # made on the current stream: kept until the commit
+            stream = job.stream_for(layer.device) if background else None
+            with layer.on_device(), one_thread_on_cpu(layer.device), job.on(stream), phase("recalibrate.score"):
+                data = self._layer(layer, inputs, job)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
         for device_fits in fits.values():
-            with device_fits[0][0].on_device(), phase("recalibrate.fit"):
-                fit_probes([layer.probe for layer, _ in device_fits], [data for _, data in device_fits])
+            device = device_fits[0][0].device
+            stream = job.stream_for(device) if background else None
+            probes = [layer.probe for layer, _ in device_fits]
+            with device_fits[0][0].on_device(), one_thread_on_cpu(device), job.on(stream), phase("recalibrate.fit"):
+                params, _ = fit_params(probes, [data for _, data in device_fits])
+            job.fits.append((probes, params))
+        for s in seqs:
+            job.note(s)
+        job.launched()
+        return job
 
-    def _layer(self, layer: LayerRows, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One layer's anchors re-scored, on its device (keys, queries and anchors live there);
-        returns its probe's training set (keys, targets), or None when it has none."""
+    def _inputs(self, layer: LayerRows, seqs: list[Sequence], copy: bool) -> list[tuple]:
+        """What one layer's scoring reads besides the host pool, per sequence with context and
+        queries: (sequence, queries (nq, Hkv, G, D), visible (n,) bool, n, tokens outside the
+        window or None with holes); ``copy``: copies, so that later steps may change the rows."""
         cfg, shape, i = self.cfg, self.shape, layer.index
-        xs, ys, picks = [], [], []
+        out = []
+        for s in seqs:
+            nq, n = s.queries_kept[i], s.lengths[i]
+            if nq == 0 or n - s.first_token <= cfg.window_size:
+                continue
+            qs = s.queries[i][-nq:].view(nq, shape.num_kv_heads, shape.group_size, shape.head_dim)
+            visible = self.reader.visible(s, layer, n)
+            # without holes every token from the first visible one to the window is outside it
+            n_out = None if self.reader.storage.has_holes(s) else n - cfg.window_size - s.first_token
+            out.append((s, qs.clone() if copy else qs, visible, n, n_out))
+        if out:
+            self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
+        return out
+
+    def _layer(self, layer: LayerRows, inputs: list[tuple], job: "RecalibrationJob"
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One layer's anchors re-scored, on its device, into the job; returns its probe's
+        training set (keys, targets), or None when it has none."""
+        cfg, shape, i = self.cfg, self.shape, layer.index
+        xs, ys = [], []
         # on a GPU the sample is drawn there and nothing waits for the device (a prefill's first
         # recalibration of 32 layers took ~10 host syncs per layer); the CPU keeps its own stream
         # of random numbers
         g = torch.Generator(device=layer.device).manual_seed(cfg.seed + i)
         H = shape.num_kv_heads
-        for s in seqs:
-            nq, n = s.queries_kept[i], s.lengths[i]
-            if nq == 0 or n - s.first_token <= cfg.window_size:
-                continue
+        for s, qs, visible, n, n_out in inputs:
             keys, _ = self.reader.read(s, layer, torch.arange(H)[:, None], torch.arange(n)[None])
-            qs = s.queries[i][-nq:].view(nq, H, shape.group_size, shape.head_dim)
-            mass, target, outside = score_tokens(qs, keys, self.reader.visible(s, layer, n), cfg.window_size,
-                                                 shape.scale)
-            # without holes every token from the first visible one to the window is outside it
-            n_out = None if self.reader.storage.has_holes(s) else n - cfg.window_size - s.first_token
+            mass, target, outside = score_tokens(qs, keys, visible, cfg.window_size, shape.scale)
             if n_out is None and not bool(outside.any()):
                 continue
             x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g,
                                 n_out if layer.device.type == "cuda" else None)
             xs.append(x)
             ys.append(y)
-            picks.append((s, mass, target, outside, n_out))
-        for s, mass, target, outside, n_out in picks:
-            s.anchors[i], s.anchor_p[i] = pick_anchors(mass, target, outside, cfg.global_tokens, n_out)
+            job.anchors.append((s, i, *pick_anchors(mass, target, outside, cfg.global_tokens, n_out)))
         return (torch.cat(xs), torch.cat(ys)) if xs else None
+
+
+class RecalibrationJob:
+    """A recalibration's results (anchors per sequence and layer, fitted probe parameters) until
+    :meth:`commit` writes them, at a step boundary. Computed at once, or queued on a side CUDA
+    stream per device (:meth:`Recalibrator.start` with ``background``): then :meth:`ready` says
+    whether the device finished, and :meth:`commit` makes the current streams wait for it."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, reason: str, block_size: int, background: bool = False) -> None:
+        self.reason, self.block_size = reason, block_size
+        # committed later (at a step boundary, or when something would overwrite what it reads);
+        # on a CPU its work is done at once, so it is ready at the next boundary
+        self.background = background
+        self.anchors: list[tuple] = []                  # (sequence, layer, positions, scores)
+        self.fits: list[tuple[list, list[torch.Tensor]]] = []   # (probes, stacked parameters)
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.events: list = []
+        self.hazards: dict[int, int] = {}               # sequence id -> first position that reuses its tail
+        self.inputs: list = []
+
+    def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream of ``device`` (CUDA), made to wait for what is queued there now."""
+        if device.type != "cuda":
+            return None
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = RecalibrationJob._streams.get(device)
+            if stream is None:
+                stream = RecalibrationJob._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self.streams[device] = stream
+        return stream
+
+    @staticmethod
+    def on(stream: torch.cuda.Stream | None):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def note(self, s: Sequence) -> None:
+        """Sequence s was read up to its current length: a tail block it read is reused once its
+        next block starts (a length at a block boundary leaves nothing in the tail)."""
+        n = s.length
+        if n % self.block_size:
+            self.hazards[s.seq_id] = (n // self.block_size + 1) * self.block_size
+
+    def launched(self) -> None:
+        for device, stream in self.streams.items():
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.events.append(event)
+
+    def ready(self) -> bool:
+        """The device finished the job (always, for one computed at once)."""
+        return all(e.query() for e in self.events)
+
+    def commit(self) -> None:
+        """Write the anchors and probe parameters (after the side streams' work, in the current
+        streams' order: steps after this read them)."""
+        for device, stream in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+        for s, i, positions, scores in self.anchors:
+            s.anchors[i], s.anchor_p[i] = positions, scores
+        for probes, params in self.fits:
+            write_params(probes, params)
+        if self.streams:   # made on the side streams, read on the current ones: not reused before
+            for t in [t for _, _, p, sc in self.anchors for t in (p, sc)] + [t for _, ps in self.fits for t in ps]:
+                if t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
+        self.anchors, self.fits, self.inputs = [], [], []

@@ -1,0 +1,149 @@
+"""Background recalibration (``background_recalibration``): the job computed from the state at the
+step that was due, committed at a later step boundary, or first when something would overwrite
+what it reads (a prefill chunk, a token that reuses the tail it read, a fork, a free, a growing host
+pool). On a CPU the work is done at once and committed at the next boundary, which checks the
+bookkeeping; on a GPU (gpu-marked) it runs on a side stream while steps go on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hi_sparse.config import HiSparseConfig
+from hi_sparse.engine import HiSparseEngine
+from hi_sparse.workloads import run_decode, run_prefill
+
+L, HQ, HKV, D = 2, 4, 2, 16
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def _engines(device: str = "cpu", **kw):
+    base = dict(max_seq_len=1024, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
+                recalibrate_every=10**6, audit_every=0, telemetry=False, host_kv_bits=4) | kw
+    return [HiSparseEngine(HiSparseConfig(**base, background_recalibration=bg), L, HQ, HKV, D, device=device)
+            for bg in (False, True)]
+
+
+def _data(T: int, device: str = "cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(1, HKV, T, D, generator=g).to(device) for _ in range(2))
+    return k, v, torch.randn(1, HQ, T, D, generator=g).to(device)
+
+
+def _state(eng, seq_id):
+    s = eng.seqs[seq_id]
+    anchors = [(s.anchors[i].clone(), s.anchor_p[i].clone()) for i in range(L)]
+    probes = [[p.detach().clone() for p in probe.parameters()] for probe in eng.probes]
+    return anchors, probes, [probe.fitted for probe in eng.probes]
+
+
+def _same(a, b) -> bool:
+    (aa, ap, af), (ba, bp, bf) = a, b
+    return (af == bf and all(torch.equal(x, y) and torch.equal(u, w) for (x, u), (y, w) in zip(aa, ba))
+            and all(torch.equal(x, y) for ps, qs in zip(ap, bp) for x, y in zip(ps, qs)))
+
+
+def test_a_background_recalibration_commits_at_the_next_boundary_with_the_same_result():
+    sync, bg = _engines()
+    k, v, q = _data(203)
+    ids = [e.add_sequences(1) for e in (sync, bg)]
+    before = _state(bg, ids[1][0])
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)                     # the first recalibration is due here
+    assert sync.stats.recalibrations["schedule"] == 1 and all(sync.probes[j].fitted for j in range(L))
+    assert bg.stats.recalibrations["schedule"] == 0 and _same(_state(bg, ids[1][0]), before)
+    assert bg._recal_job is not None
+    kd, vd, qd = _data(1, seed=1)
+    for e, i in zip((sync, bg), ids):
+        run_decode(e, i, qd, kd, vd)                   # its end commits the finished job
+    assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 1
+    assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+    assert not _same(_state(bg, ids[1][0]), before)
+
+
+@pytest.mark.parametrize("what", ["prefill chunk", "tail reuse", "fork", "free", "host pool growth"])
+def test_what_would_overwrite_its_reads_commits_it_first(what):
+    """Each settle point commits the job before the change (a 203-token prompt leaves 11 tokens of
+    its 16-token block in the float tail: position 208 starts reusing it)."""
+    _, bg = _engines()
+    k, v, q = _data(203)
+    sid = bg.add_sequences(1)
+    run_prefill(bg, sid, k, v, q)
+    job = bg._recal_job
+    assert job is not None and job.hazards == {sid[0]: 208}
+    kd, vd, qd = _data(1, seed=1)
+    if what == "prefill chunk":
+        k2, v2, q2 = _data(5, seed=2)
+        bg.begin_step()
+        bg.append(0, sid, k2, v2)
+        assert bg._recal_job is None
+        return
+    if what == "tail reuse":
+        for _ in range(4):                             # positions 203..206: nothing it read is touched
+            bg.begin_step()
+            for layer in range(L):
+                bg.append(layer, sid, kd, vd)
+                bg.attend(layer, sid, qd)
+            assert bg._recal_job is job
+            bg._prefill.end_step()                     # a boundary without the poll that would commit
+            bg._step_decoded = False
+        bg.begin_step()
+        bg.append(0, sid, kd, vd)                      # position 207 completes the block: still its
+        assert bg._recal_job is job
+        bg.attend(0, sid, qd)
+        bg.append(1, sid, kd, vd)
+        bg.attend(1, sid, qd)
+        bg._prefill.end_step()
+        bg.begin_step()
+        bg.append(0, sid, kd, vd)                      # position 208 reuses the tail: committed first
+        assert bg._recal_job is None
+        return
+    if what == "fork":
+        forks = bg.fork_sequences(sid[0], 2)
+        assert bg._recal_job is None
+        src = bg.seqs[sid[0]]
+        assert all(torch.equal(bg.seqs[f].anchors[0], src.anchors[0]) for f in forks)
+        assert int((src.anchors[0] >= 0).sum()) > 0  # the copies took the new anchors
+        return
+    if what == "free":
+        bg.free_sequences(sid)
+        assert bg._recal_job is None
+        return
+    bg.host.grow(blocks=bg.host.num_blocks + 8)
+    assert bg._recal_job is None
+
+
+def test_no_background_job_while_one_is_pending_and_requests_wait_for_it():
+    _, bg = _engines()
+    k, v, q = _data(203)
+    sid = bg.add_sequences(1)
+    run_prefill(bg, sid, k, v, q)
+    job = bg._recal_job
+    bg.request_recalibration("request")
+    bg.begin_step()
+    bg._prefill.end_step()
+    assert bg._recal_job is job or bg._recal_job is None
+    kd, vd, qd = _data(1, seed=1)
+    run_decode(bg, sid, qd, kd, vd)                    # commits the schedule job, starts the request
+    assert bg.stats.recalibrations["schedule"] == 1
+    run_decode(bg, sid, qd, kd, vd)
+    assert bg.stats.recalibrations["request"] == 1
+    assert bg.settle_recalibration() and bg._recal_job is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_a_gpu_the_side_stream_job_equals_the_one_at_once():
+    """CUDA: the job queued on a side stream (while decode steps go on) commits the same anchors
+    and probes as the recalibration done at once."""
+    sync, bg = _engines("cuda")
+    k, v, q = _data(1500, "cuda")
+    ids = [e.add_sequences(1) for e in (sync, bg)]
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)
+    assert bg._recal_job is not None and bg._recal_job.streams
+    kd, vd, qd = _data(1, "cuda", seed=1)
+    bg.settle_recalibration()
+    assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+    for e, i in zip((sync, bg), ids):
+        run_decode(e, i, qd, kd, vd)
