@@ -355,16 +355,15 @@ class RecalibrationJob:
         self.inputs: list = []
 
     def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The side stream of ``device`` (CUDA), made to wait for what is queued there now."""
+        """The side stream of ``device`` (CUDA), made to wait for what the current stream has
+        queued until now (each layer's inputs are copied there just before)."""
         if device.type != "cuda":
             return None
-        stream = self.streams.get(device)
+        stream = RecalibrationJob._streams.get(device)
         if stream is None:
-            stream = RecalibrationJob._streams.get(device)
-            if stream is None:
-                stream = RecalibrationJob._streams[device] = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            self.streams[device] = stream
+            stream = RecalibrationJob._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        self.streams[device] = stream
         return stream
 
     @staticmethod

@@ -75,6 +75,23 @@ def test_planned_steps_equal_layer_by_layer_steps(bits):
     assert step_graph.of(ref).counts["eager"] == 0
 
 
+def test_planned_steps_with_background_recalibration_equal_layer_by_layer_steps():
+    """A recalibration in the background is committed at the same boundaries whichever path the
+    steps take (a planned step settles it first when its token would reuse the tail it read)."""
+    ref, model = make_pair("llama")
+    for m, name in ((ref, "bg-layers"), (model, "bg-planned")):
+        hs.enable_hisparse_kv_cache(m, name=f"test-step-{name}", host_kv_bits=4, background_recalibration=True,
+                                    **SPARSE)
+    step_graph.of(model).plan_on_cpu = True
+    ids, mask = prompt(2, 45, pads=[0, 6])
+    want, want_logits = _run(ref, ids, mask, 40)
+    got, got_logits = _run(model, ids, mask, 40)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    assert _counters(model) == _counters(ref)
+    assert binding_of(model).engine.stats.recalibrations["schedule"] >= 2
+
+
 def test_a_forward_that_fails_part_way_leaves_lengths_as_they_were():
     ref, model = make_pair("llama")
     hs.enable_hisparse_kv_cache(model, name="test-step-fail", **SPARSE)
