@@ -24,7 +24,7 @@ def _run(tmp_path, *args):
 
 def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
     p, res = _run(tmp_path, "--contexts", "256", "--decode-steps", "3",
-                  "--variants", "dense,dense-static,hisparse-int4", "--telemetry-check", "--batch", "2",
+                  "--variants", "dense,dense-static,hisparse-int4,hisparse-int4-step", "--telemetry-check", "--batch", "2",
                   "--batch-context", "128", "--hisparse-batch", "3",
                   "--dense-batch", "3", "--batch-telemetry")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -38,8 +38,11 @@ def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
     assert res["batch_telemetry_overhead_pct"]["3"] == on["telemetry_overhead_pct"]
     dense = [rows.pop(("dense", 3, i)) for i in ("greedy", "repeated token")]
     rows = {(v, b): r for (v, b, _), r in rows.items()}
-    assert set(rows) == {("dense", 1), ("dense-static", 1), ("hisparse-int4", 1), ("hisparse+easymats", 1),
-                         ("dense", 2), ("hisparse", 2)}
+    assert set(rows) == {("dense", 1), ("dense-static", 1), ("hisparse-int4", 1), ("hisparse-int4-step", 1),
+                         ("hisparse+easymats", 1), ("dense", 2), ("hisparse", 2)}
+    # whole-step graphs are a GPU's: on the CPU every step took the layer-by-layer path, unplanned
+    assert rows[("hisparse-int4-step", 1)]["decode_steps_by_path"] == {"eager": 0, "captured": 0, "replayed": 0,
+                                                                       "layer_by_layer": 0}
     assert rows[("dense-static", 1)]["decode_mode"] == "eager"           # a CUDA graph on a GPU
     for r in forked:       # one prefill forked into 3 sequences sharing the prompt's host blocks
         assert "error" not in r and r["hot_buffer_hit_rate"] is not None and r["decode_tokens_per_s"] > 0
