@@ -24,7 +24,8 @@ def _run(tmp_path, *args):
 
 def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
     p, res = _run(tmp_path, "--contexts", "256", "--decode-steps", "3",
-                  "--variants", "dense,dense-static,hisparse-int4,hisparse-int4-step", "--telemetry-check", "--batch", "2",
+                  "--variants", "dense,dense-static,hisparse-int4,hisparse-int4-step", "--telemetry-check",
+                  "--batch", "2",
                   "--batch-context", "128", "--hisparse-batch", "3",
                   "--dense-batch", "3", "--batch-telemetry")
     assert p.returncode == 0, p.stderr[-2000:]
