@@ -318,11 +318,11 @@ class Decoder:
         starts = [s.lengths[layer] for s in seqs]
         batch = self._make_room(rows, seqs, starts, T)
         if self.host.quantized:          # blocks the tokens complete: quantized on the host first
-            for b, (s, p) in enumerate(zip(seqs, starts)):
-                if (p + T) // bs > p // bs:
-                    with phase("prefill.seal", T > 1):
-                        self._count_write(*self.host.seal(layer, self.storage.block_table(s), s.tail_slot, p,
-                                                          k[b], v[b]))
+            items = [(self.storage.block_table(s), s.tail_slot, p, k[b], v[b])
+                     for b, (s, p) in enumerate(zip(seqs, starts)) if (p + T) // bs > p // bs]
+            if items:                    # the batch's sequences together (they fill blocks together)
+                with phase("prefill.seal", T > 1):
+                    self._count_write(*self.host.seal_many(layer, items))
         batch.set(layer, APPEND, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
         body = functools.partial(append_body, rows, self.host, batch, cfg, self.shape)
         if T == 1:

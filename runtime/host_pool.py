@@ -244,27 +244,61 @@ class HostPool:
         """Quantize the blocks that new tokens k, v (Hkv, T, D) at positions [start, start + T)
         complete (the older tokens of the first come from the tail), on the tokens' device;
         the rest of the tokens is :meth:`backup`'s. Returns (bytes written, quantization events)."""
+        return self.seal_many(layer, [(block_table, tail_slot, start, k, v)])
+
+    def seal_many(self, layer: int, items: list[tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]]
+                  ) -> tuple[int, QuantEvents]:
+        """:meth:`seal` for several sequences at once, items (block_table, tail_slot, start, k, v):
+        their tails read in one gather and their units quantized together (one width choice and
+        one quantization per width), so a batch whose sequences fill their blocks on the same
+        decode step seals once per layer, not once per sequence. Units are independent: the
+        same result as one seal per item."""
         H, D, bs = self.num_kv_heads, self.head_dim, self.block_size
         events = QuantEvents()
-        b0 = start - start % bs
-        n_full = (start + k.shape[1]) // bs - b0 // bs
-        if not self.quantized or n_full == 0:
+        if not self.quantized:
             return 0, events
+        parts = []   # (units (F*H,), new k, new v (H, new, D), tail slot, first block start, start)
+        for block_table, tail_slot, start, k, v in items:
+            b0 = start - start % bs
+            n_full = (start + k.shape[1]) // bs - b0 // bs
+            if n_full == 0:
+                continue
+            new = b0 + n_full * bs - start                      # new tokens in the completed blocks
+            blocks = block_table[torch.arange(b0 // bs, b0 // bs + n_full)]                  # (F,)
+            units = (blocks[:, None] * H + torch.arange(H)[None]).reshape(-1)                # (F*H,)
+            parts.append((units, k[:, :new].to(dtype=self.dtype), v[:, :new].to(dtype=self.dtype), tail_slot, b0,
+                          start))
+        if not parts:
+            return 0, events
+        dev = parts[0][1].device
         # on a GPU with a pinned pool the units are quantized and written there, in stream order
         # (the row-copy kernel writes the pinned rows over UVA): no host sync
-        gpu = k.is_cuda and self.pin
-        if not gpu:
+        if not (dev.type == "cuda" and self.pin):
             self._host_visible()
-        new = b0 + n_full * bs - start                          # new tokens in the completed blocks
-        k, v = k[:, :new].to(dtype=self.dtype), v[:, :new].to(dtype=self.dtype)
-        if start > b0:               # the block's older tokens, from its tail (read where k is)
-            ko, vo = self.read(layer, block_table, tail_slot, b0 // bs, torch.arange(H)[:, None],
-                               torch.arange(b0, start)[None], self.dtype, k.device)
-            k, v = torch.cat([ko, k], 1), torch.cat([vo, v], 1)
-        blocks = block_table[torch.arange(b0 // bs, b0 // bs + n_full)]                  # (F,)
-        units = (blocks[:, None] * H + torch.arange(H)[None]).reshape(-1)                 # (F*H,)
-        ku = k.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D)
-        vu = v.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D)
+        # the first blocks' older tokens, from the tails, in one gather where the new ones are
+        old = [torch.arange(b0, start) for *_, b0, start in parts]
+        tail_rows = torch.cat([self.tail_rows(slot, torch.arange(H)[:, None], pos[None]).reshape(-1)
+                               for (_, _, _, slot, _, _), pos in zip(parts, old)])
+        ko = vo = None
+        if tail_rows.numel():
+            M = tail_rows.numel()
+            ko = torch.empty(M, D, dtype=self.dtype, device=dev)
+            vo = torch.empty(M, D, dtype=self.dtype, device=dev)
+            tail_d = _to_device(tail_rows, dev)
+            self.prepare(layer, dev)
+            self.load(layer, torch.full_like(tail_d, -1), tail_d, ko, vo, torch.arange(M, device=dev))
+        ku, vu, at = [], [], 0
+        for (units, k, v, *_), pos in zip(parts, old):
+            n_old = H * pos.numel()
+            if n_old:
+                k = torch.cat([ko[at:at + n_old].view(H, -1, D), k], 1)
+                v = torch.cat([vo[at:at + n_old].view(H, -1, D), v], 1)
+                at += n_old
+            n_full = units.numel() // H
+            ku.append(k.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D))
+            vu.append(v.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D))
+        units = torch.cat([p[0] for p in parts])
+        ku, vu = (torch.cat(x) if len(x) > 1 else x[0] for x in (ku, vu))
         kb, vb = self.policy.choose(ku, vu)
         written = 0
         for x, bits, prefix in ((ku, kb, "k"), (vu, vb, "v")):

@@ -149,3 +149,29 @@ def test_sealing_on_the_gpu_writes_what_sealing_on_the_host_writes(bits):
         assert (w - x.cpu()).abs().max() <= step * (k.abs().max() + v.abs().max())
         assert torch.equal(w[:, 16:], x.cpu()[:, 16:])            # the tail is exact on both
     assert len(errors["gpu"]) == len(errors["host"]) > 0
+
+
+@pytest.mark.parametrize("bits", [4, "auto"])
+def test_sealing_a_batch_at_once_writes_what_sealing_each_sequence_writes(bits):
+    """seal_many (a decode step whose sequences fill their blocks together): the same pool, the
+    same widths and the same errors as one seal per sequence, tails read in one gather."""
+    g = torch.Generator().manual_seed(5)
+    one, many = _pool(bits, blocks=16, tails=4), _pool(bits, blocks=16, tails=4)
+    tables = [torch.tensor([5, 2, 7]), torch.tensor([1, 9, 3]), torch.tensor([11, 4, 6])]
+    k, v = torch.randn(3, H, 11, D, generator=g), torch.randn(3, H, 11, D, generator=g)
+    starts = [(0, 3), (0, 7), (0, 2)]       # different tail fills: 3, 3 and 2 old tokens below
+    for hp in (one, many):
+        for b, (table, (lo, hi)) in enumerate(zip(tables, starts)):
+            hp.backup(0, table[None], hp.tail_units(torch.tensor([b])), torch.tensor([lo]), k[None, b, :, lo:hi],
+                      v[None, b, :, lo:hi])
+    ends = [4, 8, 9]                         # each appends up to and past its block's end
+    items = [(tables[b], b, hi, k[b, :, hi:end], v[b, :, hi:end]) for b, ((_, hi), end) in
+             enumerate(zip(starts, ends))]
+    errors = []
+    for item in items:
+        _, ev = one.seal(0, *item)
+        errors += ev.errors
+    _, ev = many.seal_many(0, items)
+    assert sorted(ev.errors) == pytest.approx(sorted(errors)) and len(errors) == 2 * H * 4
+    for name, t in one.layers[0].items():
+        assert torch.equal(t, many.layers[0][name]), name
