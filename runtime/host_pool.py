@@ -246,13 +246,14 @@ class HostPool:
         the rest of the tokens is :meth:`backup`'s. Returns (bytes written, quantization events)."""
         return self.seal_many(layer, [(block_table, tail_slot, start, k, v)])
 
-    def seal_many(self, layer: int, items: list[tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]]
-                  ) -> tuple[int, QuantEvents]:
+    def seal_many(self, layer: int, items: list[tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]],
+                  together: bool | None = None) -> tuple[int, QuantEvents]:
         """:meth:`seal` for several sequences at once, items (block_table, tail_slot, start, k, v):
-        their tails read in one gather and their units quantized together (one width choice and
-        one quantization per width), so a batch whose sequences fill their blocks on the same
-        decode step seals once per layer, not once per sequence. Units are independent: the
-        same result as one seal per item."""
+        their tails read in one gather and, on a GPU, their units quantized together (one width
+        choice and one quantization per width), so a batch whose sequences fill their blocks on
+        the same decode step seals once per layer, not once per sequence. Units are independent:
+        the same result as one seal per item. ``together``: quantize all units in one go (default:
+        on a GPU)."""
         H, D, bs = self.num_kv_heads, self.head_dim, self.block_size
         events = QuantEvents()
         if not self.quantized:
@@ -297,12 +298,17 @@ class HostPool:
             n_full = units.numel() // H
             ku.append(k.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D))
             vu.append(v.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D))
-        units = torch.cat([p[0] for p in parts])
-        ku, vu = (torch.cat(x) if len(x) > 1 else x[0] for x in (ku, vu))
-        kb, vb = self.policy.choose(ku, vu)
+        # a GPU quantizes every unit in one go (fewer launches); the CPU's reference arithmetic
+        # sequence by sequence (its temporaries over a whole batch leave the caches: 2x slower)
+        together = dev.type == "cuda" if together is None else together
+        groups = [range(len(parts))] if together else [[i] for i in range(len(parts))]
         written = 0
-        for x, bits, prefix in ((ku, kb, "k"), (vu, vb, "v")):
-            written += self._store_units(layer, prefix, units, x, bits, events)
+        for group in groups:
+            units = torch.cat([parts[i][0] for i in group])
+            k, v = (torch.cat([x[i] for i in group]) if len(group) > 1 else x[group[0]] for x in (ku, vu))
+            kb, vb = self.policy.choose(k, v)
+            for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
+                written += self._store_units(layer, prefix, units, x, bits, events)
         return written, events
 
     def _store_units(self, layer: int, prefix: str, units: torch.Tensor, x: torch.Tensor,

@@ -151,8 +151,9 @@ def test_sealing_on_the_gpu_writes_what_sealing_on_the_host_writes(bits):
     assert len(errors["gpu"]) == len(errors["host"]) > 0
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["cpu-grouping", "all-units-at-once"])
 @pytest.mark.parametrize("bits", [4, "auto"])
-def test_sealing_a_batch_at_once_writes_what_sealing_each_sequence_writes(bits):
+def test_sealing_a_batch_at_once_writes_what_sealing_each_sequence_writes(bits, together):
     """seal_many (a decode step whose sequences fill their blocks together): the same pool, the
     same widths and the same errors as one seal per sequence, tails read in one gather."""
     g = torch.Generator().manual_seed(5)
@@ -171,7 +172,38 @@ def test_sealing_a_batch_at_once_writes_what_sealing_each_sequence_writes(bits):
     for item in items:
         _, ev = one.seal(0, *item)
         errors += ev.errors
-    _, ev = many.seal_many(0, items)
+    _, ev = many.seal_many(0, items, together=together)
     assert sorted(ev.errors) == pytest.approx(sorted(errors)) and len(errors) == 2 * H * 4
     for name, t in one.layers[0].items():
         assert torch.equal(t, many.layers[0][name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("bits", [4, "auto"])
+def test_sealing_a_batch_on_the_gpu_writes_what_the_host_writes(bits):
+    """On a GPU the batch's units are quantized in one go: the same widths as the host's, values
+    within a code step."""
+    g = torch.Generator().manual_seed(7)
+    host, pinned = _pool(bits, blocks=16, tails=4), HostPool(1, H, D, BS, torch.float32, pin=True, host_kv_bits=bits)
+    pinned.grow(blocks=16, tails=4)
+    tables = [torch.tensor([5, 2, 7]), torch.tensor([1, 9, 3]), torch.tensor([11, 4, 6])]
+    k, v = torch.randn(3, H, 9, D, generator=g), torch.randn(3, H, 9, D, generator=g)
+    for b, table in enumerate(tables):
+        host.backup(0, table[None], host.tail_units(torch.tensor([b])), torch.tensor([0]), k[None, b, :, :3],
+                    v[None, b, :, :3])
+        pinned.backup(0, table[None].cuda(), pinned.tail_units(torch.tensor([b])).cuda(), torch.tensor([0]).cuda(),
+                      k[None, b, :, :3].cuda(), v[None, b, :, :3].cuda())
+    pinned.note_device_writes(torch.device("cuda"))
+    host.seal_many(0, [(t, b, 3, k[b, :, 3:9], v[b, :, 3:9]) for b, t in enumerate(tables)])
+    pinned.seal_many(0, [(t, b, 3, k[b, :, 3:9].cuda(), v[b, :, 3:9].cuda()) for b, t in enumerate(tables)])
+    pinned.note_device_writes(torch.device("cuda"))
+    torch.cuda.synchronize()
+    for prefix in ("k", "v"):
+        assert torch.equal(pinned.layers[0][f"{prefix}_bits"], host.layers[0][f"{prefix}_bits"]), prefix
+    step = {4: 0.5, "auto": 0.3}[bits]
+    for b, table in enumerate(tables):
+        want = host.read(0, table, b, 2, torch.arange(H)[:, None], torch.arange(8)[None])
+        got = pinned.read(0, table, b, 2, torch.arange(H)[:, None], torch.arange(8)[None], device="cuda")
+        for w, x in zip(want, got):
+            assert (w - x.cpu()).abs().max() <= step * (k.abs().max() + v.abs().max())
