@@ -20,23 +20,16 @@ backup of new tokens writes it, over UVA, in stream order and without a host syn
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
 
-from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits, quantize_roundtrip
+from .host_seal import QuantEvents, seal_many, to_device as _to_device
+from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits
 from .trace import phase
 
-
-@dataclass
-class QuantEvents:
-    """What one write quantized: unit counts by bits and each unit's relative error (floats, or
-    device tensors of them when quantized on a GPU: read back later, not waited for here)."""
-    counts: dict[int, int] = field(default_factory=dict)
-    errors: list[float] = field(default_factory=list)
-    pending: list[torch.Tensor] = field(default_factory=list)
+__all__ = ["HostPool", "QuantEvents"]
 
 
 def _pin(t: torch.Tensor) -> None:
@@ -56,12 +49,6 @@ def _pin(t: torch.Tensor) -> None:
                            f"(cudaHostRegister error {int(err)}): lower host_pool_blocks or host_kv_bits, "
                            "or raise the locked-memory limit (ulimit -l)")
     weakref.finalize(t, _unpin, ptr, size)   # the pool holds the base tensor until it grows
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on a GPU through a pinned staging copy: a copy from pageable memory would wait
-    for everything queued on the stream first (a host sync); this one is queued behind it."""
-    return t if t.device == device else t.pin_memory().to(device, non_blocking=True)
 
 
 def _unpin(ptr: int, size: int) -> None:
@@ -248,121 +235,8 @@ class HostPool:
 
     def seal_many(self, layer: int, items: list[tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]],
                   together: bool | None = None) -> tuple[int, QuantEvents]:
-        """:meth:`seal` for several sequences at once, items (block_table, tail_slot, start, k, v):
-        their tails read in one gather and, on a GPU, their units quantized together (one width
-        choice and one quantization per width), so a batch whose sequences fill their blocks on
-        the same decode step seals once per layer, not once per sequence. Units are independent:
-        the same result as one seal per item. ``together``: quantize all units in one go (default:
-        on a GPU)."""
-        H, D, bs = self.num_kv_heads, self.head_dim, self.block_size
-        events = QuantEvents()
-        if not self.quantized:
-            return 0, events
-        parts = []   # (units (F*H,), new k, new v (H, new, D), tail slot, first block start, start)
-        for block_table, tail_slot, start, k, v in items:
-            b0 = start - start % bs
-            n_full = (start + k.shape[1]) // bs - b0 // bs
-            if n_full == 0:
-                continue
-            new = b0 + n_full * bs - start                      # new tokens in the completed blocks
-            blocks = block_table[torch.arange(b0 // bs, b0 // bs + n_full)]                  # (F,)
-            units = (blocks[:, None] * H + torch.arange(H)[None]).reshape(-1)                # (F*H,)
-            parts.append((units, k[:, :new].to(dtype=self.dtype), v[:, :new].to(dtype=self.dtype), tail_slot, b0,
-                          start))
-        if not parts:
-            return 0, events
-        dev = parts[0][1].device
-        # on a GPU with a pinned pool the units are quantized and written there, in stream order
-        # (the row-copy kernel writes the pinned rows over UVA): no host sync
-        if not (dev.type == "cuda" and self.pin):
-            self._host_visible()
-        # the first blocks' older tokens, from the tails, in one gather where the new ones are
-        old = [torch.arange(b0, start) for *_, b0, start in parts]
-        tail_rows = torch.cat([self.tail_rows(slot, torch.arange(H)[:, None], pos[None]).reshape(-1)
-                               for (_, _, _, slot, _, _), pos in zip(parts, old)])
-        ko = vo = None
-        if tail_rows.numel():
-            M = tail_rows.numel()
-            ko = torch.empty(M, D, dtype=self.dtype, device=dev)
-            vo = torch.empty(M, D, dtype=self.dtype, device=dev)
-            tail_d = _to_device(tail_rows, dev)
-            self.prepare(layer, dev)
-            self.load(layer, torch.full_like(tail_d, -1), tail_d, ko, vo, torch.arange(M, device=dev))
-        ku, vu, at = [], [], 0
-        for (units, k, v, *_), pos in zip(parts, old):
-            n_old = H * pos.numel()
-            if n_old:
-                k = torch.cat([ko[at:at + n_old].view(H, -1, D), k], 1)
-                v = torch.cat([vo[at:at + n_old].view(H, -1, D), v], 1)
-                at += n_old
-            n_full = units.numel() // H
-            ku.append(k.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D))
-            vu.append(v.reshape(H, n_full, bs, D).transpose(0, 1).reshape(-1, bs, D))
-        # a GPU quantizes every unit in one go (fewer launches); the CPU's reference arithmetic
-        # sequence by sequence (its temporaries over a whole batch leave the caches: 2x slower)
-        together = dev.type == "cuda" if together is None else together
-        groups = [range(len(parts))] if together else [[i] for i in range(len(parts))]
-        written = 0
-        for group in groups:
-            units = torch.cat([parts[i][0] for i in group])
-            k, v = (torch.cat([x[i] for i in group]) if len(group) > 1 else x[group[0]] for x in (ku, vu))
-            kb, vb = self.policy.choose(k, v)
-            for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
-                written += self._store_units(layer, prefix, units, x, bits, events)
-        return written, events
-
-    def _store_units(self, layer: int, prefix: str, units: torch.Tensor, x: torch.Tensor,
-                     bits: torch.Tensor, events: QuantEvents) -> int:
-        """Quantize units x (N, bs, D), on any device, at their chosen bits (N,) into the pool."""
-        store = self.layers[layer]
-        written = 0
-        offs = torch.arange(self.block_size)
-        gpu = x.is_cuda and self.pin
-        bits = bits.cpu()
-        for b in sorted(set(bits.tolist())):
-            sel = (bits == b).nonzero().squeeze(1)
-            every = len(sel) == len(bits)
-            out = quantize_roundtrip(x if every else x[_to_device(sel, x.device)], b, LAYOUT[prefix])
-            u = units[sel]
-            rows = (u[:, None] * self.block_size + offs[None]).reshape(-1)
-            # channel pairs (N, D) go to the units' entries, token pairs (N, T) to the rows'
-            at = rows if LAYOUT[prefix] == "token" else u
-            if gpu:
-                self._write_units(layer, prefix, u, rows, at, b, *out[:3])
-                events.pending.append(out[3])
-            else:
-                packed, scale, zero, err = (t.cpu() for t in out)
-                P = packed.shape[-1]
-                store[f"{prefix}_packed"][rows, :P] = packed.reshape(-1, P)
-                store[f"{prefix}_scale"][at] = scale.flatten(0, 1) if LAYOUT[prefix] == "token" else scale
-                store[f"{prefix}_zero"][at] = zero.flatten(0, 1) if LAYOUT[prefix] == "token" else zero
-                store[f"{prefix}_bits"][u] = b
-                mirror = self._bits_on.get((layer, prefix))
-                if mirror is not None:
-                    mirror[u.to(mirror.device)] = b
-                events.errors.extend(err.tolist())
-            events.counts[b] = events.counts.get(b, 0) + len(u)
-            packed, scale = out[0], out[1]
-            written += packed.numel() + 2 * scale.numel() * scale.element_size()
-        return written
-
-    def _write_units(self, layer: int, prefix: str, u: torch.Tensor, rows: torch.Tensor, at: torch.Tensor,
-                     b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
-        with the row-copy kernel, in stream order: nothing waits for the device."""
-        store, dev, P = self.layers[layer], packed.device, packed.shape[-1]
-        rows_d, at_d, u_d = (_to_device(t, dev) for t in (rows, at, u))
-
-        def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
-            src2 = src.to(dst.dtype).reshape(where.numel(), -1)
-            swap_in(src2, torch.arange(where.numel(), device=dev), dst.view(dst.shape[0], -1), where)
-
-        for src, name, where in ((packed, "packed", rows_d), (scale, "scale", at_d), (zero, "zero", at_d),
-                                 (torch.full((u.numel(), 1), b, dtype=torch.uint8, device=dev), "bits", u_d)):
-            put(src, store[f"{prefix}_{name}"][:, :P] if name == "packed" else store[f"{prefix}_{name}"], where)
-        mirror = self._bits_on.get((layer, prefix))
-        if mirror is not None:
-            mirror[u_d] = b
+        """:meth:`seal` for several sequences at once (host_seal.seal_many)."""
+        return seal_many(self, layer, items, together)
 
     @staticmethod
     def _per_unit(name: str) -> bool:
