@@ -384,18 +384,17 @@ class Decoder:
         lengths = [p + 1 for p in starts]
         self.storage.extend(seqs, lengths)
         n_max = max(lengths)
-        clocks, buffers = [], []
+        clocks, keys = [], []
         for rows in self.layers:
             key_bounds.grow(rows.bank, n_max, bs, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
             rows.hot.ensure_tokens(n_max)
             self.host.prepare(rows.index, rows.device)
             clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))
-            buffers.append(rows.probe.fitted)
-            buffers.extend(map(torch.Tensor.data_ptr, rows.buffers() + self.host.buffers(rows.index)))
+            keys.append(self.body_key(rows))
         batch = self.batch(seqs, self.layers[0].device)
         shape = self._attend_shapes(self.layers[0], batch, seqs, lengths)
         batch.set_all(torch.tensor([[starts] * L, [lengths] * L]), torch.tensor(clocks).T)
-        return StepPlan(seqs, batch, starts, shape, (shape, tuple(buffers)), [None] * L, [None] * L)
+        return StepPlan(seqs, batch, starts, shape, (shape, tuple(keys)), [None] * L, [None] * L)
 
     def finish(self, plan: StepPlan) -> None:
         """The host side that follows a planned step's bodies (however they ran)."""

@@ -251,10 +251,6 @@ class Recalibrator:
                                   self.cfg.audit_measure))
         return out
 
-    def recalibrate(self, seqs: list[Sequence]) -> None:
-        """Re-score anchors and refit the probes now (:meth:`start` and commit at once)."""
-        self.start(seqs, "schedule", background=False).commit()
-
     def start(self, seqs: list[Sequence], reason: str, background: bool) -> "RecalibrationJob":
         """Re-score anchors from the attention mass recent queries gave, and refit each probe
         (the probes of the layers on one device in one batched fit), into a job whose

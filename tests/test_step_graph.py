@@ -48,40 +48,13 @@ def test_bucket_rounds_up_by_at_most_an_eighth():
     assert len({bucket(n) for n in range(1025, 2049)}) == 8
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_planned_steps_equal_layer_by_layer_steps(bits):
-    """The planned path (host side up front and after) decodes the same tokens with the same
-    logits and counts the same, audits and recalibrations included; with a 4-bit host a token that
-    completes a block runs layer by layer (its seal needs the step's K/V)."""
+def _planned_against_layers(label: str, **options):
+    """The same model twice with ``options``, one through the planned path (eagerly, on the CPU):
+    both decode 40 tokens of a left-padded batch with equal tokens, logits (bit for bit) and
+    counters. Returns (reference, planned model)."""
     ref, model = make_pair("llama")
     for m, name in ((ref, "layers"), (model, "planned")):
-        hs.enable_hisparse_kv_cache(m, name=f"test-step-{name}", host_kv_bits=bits, **SPARSE)
-    graphs = step_graph.of(model)
-    graphs.plan_on_cpu = True
-    assert step_graph.of(ref).counts == graphs.counts            # nothing planned on the reference
-    ids, mask = prompt(2, 45, pads=[0, 6])
-    want, want_logits = _run(ref, ids, mask, 40)
-    got, got_logits = _run(model, ids, mask, 40)
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
-    assert _counters(model) == _counters(ref)
-    assert binding_of(model).engine.stats.recalibrations["schedule"] >= 2
-    counts = graphs.counts
-    assert counts["eager"] >= 30 and counts["captured"] == counts["replayed"] == 0
-    if bits:  # 39 decode steps from position 45: blocks complete at 47, 55, ..., 79
-        assert counts["layer_by_layer"] == 5, counts
-    else:
-        assert counts["layer_by_layer"] == 0, counts
-    assert step_graph.of(ref).counts["eager"] == 0
-
-
-def test_planned_steps_with_background_recalibration_equal_layer_by_layer_steps():
-    """A recalibration in the background is committed at the same boundaries whichever path the
-    steps take (a planned step settles it first when its token would reuse the tail it read)."""
-    ref, model = make_pair("llama")
-    for m, name in ((ref, "bg-layers"), (model, "bg-planned")):
-        hs.enable_hisparse_kv_cache(m, name=f"test-step-{name}", host_kv_bits=4, background_recalibration=True,
-                                    **SPARSE)
+        hs.enable_hisparse_kv_cache(m, name=f"test-step-{label}-{name}", **options, **SPARSE)
     step_graph.of(model).plan_on_cpu = True
     ids, mask = prompt(2, 45, pads=[0, 6])
     want, want_logits = _run(ref, ids, mask, 40)
@@ -90,6 +63,28 @@ def test_planned_steps_with_background_recalibration_equal_layer_by_layer_steps(
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
     assert _counters(model) == _counters(ref)
     assert binding_of(model).engine.stats.recalibrations["schedule"] >= 2
+    return ref, model
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_planned_steps_equal_layer_by_layer_steps(bits):
+    """The planned path (host side up front and after) decodes the same tokens with the same
+    logits and counts the same, audits and recalibrations included; with a 4-bit host a token that
+    completes a block runs layer by layer (its seal needs the step's K/V)."""
+    ref, model = _planned_against_layers(f"bits{bits}", host_kv_bits=bits)
+    counts = step_graph.of(model).counts
+    assert counts["eager"] >= 30 and counts["captured"] == counts["replayed"] == 0
+    if bits:  # 39 decode steps from position 45: blocks complete at 47, 55, ..., 79
+        assert counts["layer_by_layer"] == 5, counts
+    else:
+        assert counts["layer_by_layer"] == 0, counts
+    assert step_graph.of(ref).counts["eager"] == 0         # nothing planned on the reference
+
+
+def test_planned_steps_with_background_recalibration_equal_layer_by_layer_steps():
+    """A recalibration in the background is committed at the same boundaries whichever path the
+    steps take (a planned step settles it first when its token would reuse the tail it read)."""
+    _planned_against_layers("bg", host_kv_bits=4, background_recalibration=True)
 
 
 def test_a_forward_that_fails_part_way_leaves_lengths_as_they_were():
