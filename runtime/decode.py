@@ -266,12 +266,15 @@ class Decoder:
         """Pages for T new tokens at ``starts``, room in the bounds and hot buffer; the batch."""
         with phase("prefill.extend", T > 1):
             self.storage.extend(seqs, [p + T for p in starts])
-        n_max = max(starts) + T
         with phase("prefill.grow", T > 1):
-            key_bounds.grow(rows.bank, n_max, self.shape.block_size, self.cfg.select_block, self.cfg.bound_group,
-                            self.cfg.max_seq_len)
-            rows.hot.ensure_tokens(n_max)
+            self._grow(rows, max(starts) + T)
         return self.batch(seqs, rows.device)
+
+    def _grow(self, rows: LayerRows, n_max: int) -> None:
+        """Room for n_max tokens in the layer's bounds and hot buffer."""
+        cfg = self.cfg
+        key_bounds.grow(rows.bank, n_max, self.shape.block_size, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
+        rows.hot.ensure_tokens(n_max)
 
     def _attend_shapes(self, rows: LayerRows, batch: Batch, seqs: list[Sequence],
                        lengths: list[int]) -> tuple[int, int, bool, bool]:
@@ -375,7 +378,7 @@ class Decoder:
         quantized pool is sealed from its own K/V, which the step computes; layers on several
         devices. Every layer holds the same tokens, so pages, the batch and the bodies' shapes
         are worked out once; LRU clocks and room per layer."""
-        bs, L, cfg = self.shape.block_size, len(self.layers), self.cfg
+        bs, L = self.shape.block_size, len(self.layers)
         if not self._one_device:
             return None
         starts = [s.lengths[0] for s in seqs]
@@ -386,8 +389,7 @@ class Decoder:
         n_max = max(lengths)
         clocks, keys = [], []
         for rows in self.layers:
-            key_bounds.grow(rows.bank, n_max, bs, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
-            rows.hot.ensure_tokens(n_max)
+            self._grow(rows, n_max)
             self.host.prepare(rows.index, rows.device)
             clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))
             keys.append(self.body_key(rows))
