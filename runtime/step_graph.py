@@ -49,8 +49,13 @@ class WholeStep:
 
     def __init__(self, key: tuple, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor],
                  output: Any, tokens: list, queries: list) -> None:
-        self.key, self.graph, self.inputs, self.output = key, graph, inputs, output
+        self.key, self.graph, self.inputs = key, graph, inputs
         self.tokens, self.queries = tokens, queries
+        # the output without the cache the capture's caller passed: holding it would keep that
+        # generate()'s sequences (host blocks, hot slots) alive after it returned
+        # (the output's own keys: `in` on a 5.24+ output also finds the deprecated alias)
+        self.cache_fields = [n for n in (hf_compat.NEW_NAME, hf_compat.OLD_NAME) if n in output.keys()]
+        self.output = type(output)(**{k: v for k, v in output.items() if k not in self.cache_fields})
 
 
 class StepGraphs:
@@ -168,11 +173,11 @@ class StepGraphs:
     def _result(have: WholeStep, cache: Any) -> Any:
         """The captured output with this step's values: the hidden state copied out of the graph's
         buffer (the next replay overwrites it), the cache the caller passed."""
-        out = type(have.output)(**dict(have.output.items()))
-        out["last_hidden_state"] = have.output["last_hidden_state"].clone()
-        for name in (hf_compat.NEW_NAME, hf_compat.OLD_NAME):
-            if name in out:
-                out[name] = cache
+        fields = dict(have.output.items())
+        fields["last_hidden_state"] = fields["last_hidden_state"].clone()
+        out = type(have.output)(**fields)
+        for name in have.cache_fields:
+            out[name] = cache
         return out
 
 

@@ -58,7 +58,7 @@ def test_a_failed_capture_warns_with_its_cause_and_restores_the_stream():
     before = torch.cuda.current_stream()
     first = runner.run((0, "attend"), ("k",), body, x)                 # first sight: eager
     with pytest.warns(RuntimeWarning, match=r"capture .* failed \(\w*Error: [^\n]*capturing at batch_step\.py:"
-                                            r"\d+ \(_capture\); then ending the capture: [^\n]*\); this batch"):
+                                            r"\d+ \(\w+\); then ending the capture: [^\n]*\); this batch"):
         second = runner.run((0, "attend"), ("k",), body, x)            # capture fails, eager again
     assert torch.cuda.current_stream() == before
     assert runner.no_graphs and not runner.graphs

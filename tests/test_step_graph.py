@@ -130,6 +130,35 @@ def test_disable_puts_the_forward_back():
     assert model.model.forward == plain
 
 
+def test_a_kept_graph_output_holds_no_cache_and_each_step_returns_the_callers():
+    """What a whole-step graph keeps of its captured output must not hold that step's cache (it
+    would keep a finished generate()'s sequences alive); each replay returns the cache passed in."""
+    import gc
+    import weakref
+
+    from transformers import DynamicCache
+
+    from hi_sparse.hf_compat import output_cache
+
+    ref, _ = make_pair("llama")
+    ids, _mask = prompt(1, 5)
+    cache = DynamicCache()
+    with torch.no_grad():
+        output = ref.model(input_ids=ids, **{step_graph.hf_compat.cache_kwarg(ref.model.forward): cache},
+                           use_cache=True)
+    assert output_cache(output) is cache
+    have = step_graph.WholeStep(("key",), None, {}, output, [], [])
+    gone = weakref.ref(cache)
+    del output, cache
+    gc.collect()
+    assert gone() is None
+    again = DynamicCache()
+    result = step_graph.StepGraphs._result(have, again)
+    assert output_cache(result) is again
+    assert torch.equal(result.last_hidden_state, have.output.last_hidden_state)
+    assert result.last_hidden_state.data_ptr() != have.output.last_hidden_state.data_ptr()
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("bits", [None, 4])
