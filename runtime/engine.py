@@ -89,6 +89,7 @@ class HiSparseEngine:
         self._recalibrator = Recalibrator(cfg, shape, self.layers, reader)
         self.recal = RecalibrationController(cfg.recalibrate_every, cfg.drift_floor, cfg.drift_window)
         self._recal_job: RecalibrationJob | None = None     # a background recalibration not yet committed
+        self._recal_deferred: str | None = None  # the reason of one due at a prefill's end, not yet launched
         self.host.before_grow = self.settle_recalibration
         self._rng = random.Random(cfg.seed)
         self.decode_steps = 0
@@ -315,6 +316,7 @@ class HiSparseEngine:
         """Mark the start of one forward pass over all layers."""
         self._step_t0 = time.perf_counter()
         self._step_decoded = False
+        self._launch_deferred()
         every = self.cfg.audit_every
         if every and (self.decode_steps + 1) % every == 0:
             self._audit_at = (self._rng.randrange(self.num_layers), self._rng.randrange(self.shape.num_q_heads))
@@ -336,34 +338,54 @@ class HiSparseEngine:
         live = list(self._sequences.live.values())
         ready = any(s.queries_kept[0] and s.lengths[0] - s.first_token > self.cfg.top_k for s in live)
         self.settle_recalibration(wait=False)       # a background one the device finished
-        reason = self.recal.due(ready) if self._recal_job is None else None
+        reason = self.recal.due(ready) if self._recal_job is None and self._recal_deferred is None else None
         if reason is not None:
             self.recal.start(reason)
-            job = self._recalibrator.start(live, reason, background=self.cfg.background_recalibration
-                                           and not self.cfg.streaming)
-            if job.background:
-                self._recal_job = job
+            background = self.cfg.background_recalibration and not self.cfg.streaming
+            if background and not self._step_decoded:
+                # due at a prefill's end: launched when the next step begins, after the first
+                # token's logits (the prefill's last work, which it would compete with)
+                self._recal_deferred = reason
             else:
-                job.commit()
-                self._recalibrated(reason)
+                self._launch(live, reason, background)
         self.pool.recycle_expired()
         self._sequences.expire(time.monotonic())
         self.publisher.maybe_publish()
 
+    def _launch(self, live: list, reason: str, background: bool) -> None:
+        job = self._recalibrator.start(live, reason, background=background)
+        if job.background:
+            self._recal_job = job
+        else:
+            job.commit()
+            self._recalibrated(reason)
+
+    def _launch_deferred(self) -> None:
+        """Launch the background recalibration that came due at a prefill's end (from the state
+        the prefill left: nothing has changed it since)."""
+        reason, self._recal_deferred = self._recal_deferred, None
+        if reason is not None:
+            self._launch(list(self._sequences.live.values()), reason, background=True)
+
     def settle_recalibration(self, wait: bool = True) -> bool:
         """Commit a background recalibration (``background_recalibration``): now, waiting for
-        the device if it has not finished (``wait``), or only if it has. True when none is left."""
+        the device if it has not finished (``wait``: one still deferred is launched first), or
+        only if it has. True when none is left."""
+        if wait:
+            self._launch_deferred()
         job = self._recal_job
         if job is not None and (wait or job.ready()):
             job.commit()
             self._recal_job = None
             self._recalibrated(job.reason)
-        return self._recal_job is None
+        return self._recal_job is None and self._recal_deferred is None
 
     def _settle_before_append(self, seqs: list, layer: int, T: int) -> None:
         """A background recalibration still reading the host pool finishes first when this append
         would overwrite what it reads: a prefill chunk (it may seal and reuse a tail), or a token
-        at or past a sequence's hazard (the float tail it read, reused once the next block starts)."""
+        at or past a sequence's hazard (the float tail it read, reused once the next block starts).
+        One still deferred (an append without begin_step) is launched first, from the state before it."""
+        self._launch_deferred()
         job = self._recal_job
         if job is not None and (T > 1 or any(s.lengths[layer] >= job.hazards.get(s.seq_id, 1 << 62) for s in seqs)):
             self.settle_recalibration()
@@ -387,6 +409,7 @@ class HiSparseEngine:
 
     def close(self) -> None:
         """Publish a last snapshot and remove the segment (if the engine opened it)."""
+        self._recal_deferred = None        # not launched: nothing will read it
         self.settle_recalibration()
         self._control.close()
         self.publisher.close(self._owned_segment)

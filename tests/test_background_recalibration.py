@@ -52,13 +52,57 @@ def test_a_background_recalibration_commits_at_the_next_boundary_with_the_same_r
         run_prefill(e, i, k, v, q)                     # the first recalibration is due here
     assert sync.stats.recalibrations["schedule"] == 1 and all(sync.probes[j].fitted for j in range(L))
     assert bg.stats.recalibrations["schedule"] == 0 and _same(_state(bg, ids[1][0]), before)
-    assert bg._recal_job is not None
+    # due at the prefill's end, launched when the next step begins (not before the first token)
+    assert bg._recal_deferred == "schedule" and bg._recal_job is None
     kd, vd, qd = _data(1, seed=1)
     for e, i in zip((sync, bg), ids):
-        run_decode(e, i, qd, kd, vd)                   # its end commits the finished job
+        run_decode(e, i, qd, kd, vd)                   # its start launches the job, its end commits it
     assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 1
     assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
     assert not _same(_state(bg, ids[1][0]), before)
+
+
+@pytest.mark.parametrize("what", ["prefill chunk", "tail reuse", "fork", "free", "host pool growth"])
+def _prefilled(bg, T: int = 203):
+    """A prefill of T tokens with its recalibration launched (as the next step's start does)."""
+    k, v, q = _data(T)
+    sid = bg.add_sequences(1)
+    run_prefill(bg, sid, k, v, q)
+    bg._launch_deferred()
+    return sid
+
+
+@pytest.mark.parametrize("what", ["fork", "free", "append without a step", "settle", "close"])
+def test_a_deferred_recalibration_launches_at_whatever_comes_first(what):
+    """A recalibration due at a prefill's end waits for the next step's start, unless something
+    that would change what it reads comes first: then it is launched (and committed) before it;
+    close drops it."""
+    sync, bg = _engines()
+    k, v, q = _data(203)
+    ids = [e.add_sequences(1) for e in (sync, bg)]
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)
+    sid = ids[1]
+    assert bg._recal_deferred == "schedule" and bg._recal_job is None
+    if what == "close":
+        bg.close()
+        assert bg._recal_deferred is None and bg.stats.recalibrations["schedule"] == 0
+        return
+    if what == "fork":
+        bg.fork_sequences(sid[0], 1)
+    elif what == "free":
+        bg.free_sequences(sid)
+    elif what == "append without a step":
+        kd, vd, _ = _data(1, seed=1)
+        bg.append(0, sid, kd, vd)
+        bg.settle_recalibration()
+    else:
+        assert not bg.settle_recalibration(wait=False)  # not launched: nothing to poll yet
+        assert bg.settle_recalibration()
+    assert bg._recal_deferred is None and bg._recal_job is None
+    assert bg.stats.recalibrations["schedule"] == 1
+    if what != "free":                                 # the result of the state the prefill left
+        assert _same(_state(bg, sid[0]), _state(sync, ids[0][0]))
 
 
 @pytest.mark.parametrize("what", ["prefill chunk", "tail reuse", "fork", "free", "host pool growth"])
@@ -66,9 +110,7 @@ def test_what_would_overwrite_its_reads_commits_it_first(what):
     """Each settle point commits the job before the change (a 203-token prompt leaves 11 tokens of
     its 16-token block in the float tail: position 208 starts reusing it)."""
     _, bg = _engines()
-    k, v, q = _data(203)
-    sid = bg.add_sequences(1)
-    run_prefill(bg, sid, k, v, q)
+    sid = _prefilled(bg)
     job = bg._recal_job
     assert job is not None and job.hazards == {sid[0]: 208}
     kd, vd, qd = _data(1, seed=1)
@@ -115,9 +157,7 @@ def test_what_would_overwrite_its_reads_commits_it_first(what):
 
 def test_no_background_job_while_one_is_pending_and_requests_wait_for_it():
     _, bg = _engines()
-    k, v, q = _data(203)
-    sid = bg.add_sequences(1)
-    run_prefill(bg, sid, k, v, q)
+    sid = _prefilled(bg)
     job = bg._recal_job
     bg.request_recalibration("request")
     bg.begin_step()
@@ -136,14 +176,16 @@ def test_no_background_job_while_one_is_pending_and_requests_wait_for_it():
 def test_on_a_gpu_the_side_stream_job_equals_the_one_at_once():
     """CUDA: the job queued on a side stream (while decode steps go on) commits the same anchors
     and probes as the recalibration done at once."""
-    sync, bg = _engines("cuda")
+    sync, bg = _engines("cuda", max_seq_len=2048)
     k, v, q = _data(1500, "cuda")
     ids = [e.add_sequences(1) for e in (sync, bg)]
     for e, i in zip((sync, bg), ids):
         run_prefill(e, i, k, v, q)
+    assert bg._recal_deferred == "schedule"
+    bg._launch_deferred()                    # what the next step's start does
     assert bg._recal_job is not None and bg._recal_job.streams
     kd, vd, qd = _data(1, "cuda", seed=1)
+    run_decode(bg, ids[1], qd, kd, vd)       # the job committed at this step's boundary or still pending
     bg.settle_recalibration()
+    assert bg._recal_job is None
     assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
-    for e, i in zip((sync, bg), ids):
-        run_decode(e, i, qd, kd, vd)
