@@ -105,10 +105,10 @@ class HiSparseConfig:
     bound_group: int = 16                # blocks per super-block: at long context selection scores
                                          # super-blocks first, then only the best ones' blocks
                                          # (1 = always score every block)
-    decode_graphs: bool | str = True     # CUDA: replay each layer's batched decode step from a
-                                         # captured CUDA graph (False: launch its kernels each step);
-                                         # "step": the whole decode forward of a transformers model
-                                         # in one graph (step_graph.py), per-layer graphs otherwise
+    decode_graphs: bool | str = "step"   # CUDA: "step", the whole decode forward of a transformers
+                                         # model in one graph (step_graph.py), per-layer graphs where
+                                         # a step cannot be planned or with the engine alone; True:
+                                         # per-layer graphs only; False: launch the kernels each step
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
