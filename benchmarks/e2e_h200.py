@@ -158,7 +158,7 @@ def static_dense(model, ids: torch.Tensor, steps: int, chunk: int, device: str) 
     t0 = time.perf_counter()
     for start in range(0, ctx, chunk):
         end = min(ctx, start + chunk)
-        out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+        out = model(input_ids=ids[:, start:end], **{CACHE: cache}, use_cache=True, logits_to_keep=1,
                     cache_position=torch.arange(start, end, device=ids.device))
     sync(device)
     prefill_s = time.perf_counter() - t0
@@ -166,7 +166,7 @@ def static_dense(model, ids: torch.Tensor, steps: int, chunk: int, device: str) 
     pos = torch.tensor([ctx], device=ids.device)
 
     def step() -> torch.Tensor:
-        return model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos).logits[:, -1]
+        return model(input_ids=tok, **{CACHE: cache}, use_cache=True, cache_position=pos).logits[:, -1]
 
     graph, how = None, "eager"
     if device == "cuda":
