@@ -27,7 +27,7 @@ INTEGRATION_TESTS = tests/test_integration.py tests/test_integration_checks.py \
                     tests/test_runtime_equivalence.py tests/test_runtime_multidevice.py \
                     tests/test_real_model.py tests/test_step_graph.py
 
-.PHONY: venv venv-floor demo test lint test-floor test-gpu system-deps clean
+.PHONY: venv venv-floor demo test lint test-floor test-gpu system-deps device-wheels clean
 
 # The alerting tests run the real Prometheus, promtool and Alertmanager from Debian's packages;
 # the Kubernetes tests render deploy/kubernetes with `kubectl kustomize` (Debian's kubernetes-client);
@@ -103,6 +103,14 @@ test-gpu:
 	@if [ -z "$(HAS_GPU)" ]; then \
 	  echo "make test-gpu: skipped, no NVIDIA GPU here (nvidia-smi lists none); run it on a machine with one"; \
 	else $(MAKE) --no-print-directory venv && $(PY) -m pytest -q -m gpu; fi
+
+# Wheels the device machine's image lacks (benchmarks/gpu_env.sh installs .whl/*.whl there): the
+# pinned transformers and what it needs newer than that image has, for CPython 3.12 on x86_64.
+DEVICE_WHEELS = '$(TRANSFORMERS_PIN)' huggingface_hub==2.4.0 tokenizers==0.23.3 httpx2 httpcore2 truststore
+device-wheels: venv
+	mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux2014_x86_64 -d .whl $(DEVICE_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

@@ -1,6 +1,7 @@
 # Sourced by the benchmarks/gpu_*.sh device scripts: $OUT, unbuffered Python, carried wheels, and
 # the package layout of pyproject's package-dir (hi_sparse -> runtime/, hi_sparse.kernels ->
 # kernels/) built from links, since an install would need the network for its build backend.
+# Make the wheels here with `make device-wheels` and carry .whl.
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call for issue 21's opt-in pieces, results in $OUT: whole-step decode graphs
-# (decode_graphs="step") and background recalibration (background_recalibration=True). Their gpu
+# Device calls for issue 21's whole-step decode graphs (decode_graphs="step", the default) and
+# background recalibration (background_recalibration=True), results in $OUT. Their gpu
 # tests and the per-layer graphs' (whose keys are now bucketed); the 32K prefill to the first token
 # with the recalibration in the step and in the background; one sequence at 32K and 128K with
 # per-layer and whole-step graphs side by side (and the fair dense baseline); 24 x 128K with
-# whole-step graphs. Carry the transformers wheel (.whl, gpu_env.sh). More than one call's 10
+# whole-step graphs. Carry .whl (`make device-wheels`, gpu_env.sh). More than one call's 10
 # minutes: `bash benchmarks/gpu_step_graphs.sh tests` (tests and prefill), then `... decode`.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"

@@ -88,7 +88,8 @@ class HiSparseConfig:
     recalibrate_topk: int = 32           # tokens labelled as anchors when the probe is refit
     recalibrate_queries: int = 8         # recent decode queries kept per layer for re-scoring
     background_recalibration: bool = False   # CUDA: recalibrate on a side stream while steps go on
-                                         # and use the result from the first step after it finished
+                                         # and use the result from the first step after it finished;
+                                         # one due at a prefill's end starts with the next step
                                          # (False: at the end of the step that is due, waiting)
     audit_every: int = 16                # decode steps between audits (0 = never)
     audit_top_m: int = 8                 # true top-m tokens compared against the selection ("top_m")
