@@ -168,7 +168,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[ATTEND, layer]
-    slots, miss, used, hits, prefetch_used = state.lookup(sel.tokens, clock)         # used: (B*H,)
+    slots, miss, used, hits, prefetch_used = state.lookup(sel.tokens, clock, sel.prefetch.shape[1])  # used: (B*H,)
     loaded, prefetch_slots = state.prefetch(sel.prefetch, S - used, clock + ticks(selected=K))
     # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
     tokens = sel.both.clamp(min=0)                                  # the selection, then the prefetch

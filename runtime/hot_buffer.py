@@ -142,6 +142,7 @@ class HotBufferState:
     def __init__(self, bank: HotBufferBank, head0: int, num_heads: int) -> None:
         self._bank, self._h0 = bank, head0
         self.num_heads, self.num_slots, self.device = num_heads, bank.num_slots, bank.device
+        self._after_lookup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         return t[self._h0:self._h0 + self.num_heads]
@@ -168,6 +169,8 @@ class HotBufferState:
     def _lru(stamp: torch.Tensor, k: int) -> torch.Tensor:
         """Slots of the k smallest stamps per head, oldest first: (H, k)."""
         k = max(0, min(k, stamp.shape[1]))
+        if k == 1:       # one token appended: a min reduction (a radix select on a GPU costs ~50 us)
+            return stamp.argmin(dim=1, keepdim=True)
         return stamp.topk(k, dim=1, largest=False, sorted=True).indices
 
     def insert(self, positions: torch.Tensor, clock: int | torch.Tensor) -> torch.Tensor:
@@ -207,12 +210,17 @@ class HotBufferState:
         else:
             self.prefetched_s.scatter_(1, at, prefetched)
 
-    def lookup(self, sel: torch.Tensor, clock: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def lookup(self, sel: torch.Tensor, clock: int | torch.Tensor, prefetch: int = 0) -> tuple[torch.Tensor, ...]:
         """Hit detection and miss assignment for selected tokens sel (H, K), -1 padded, unique per
         row, stamped from ``clock`` on (``ticks(selected=K)`` stamps). Misses stay in place as a
         mask over sel. Returns (slots (H, K) of every selected token (-1 for padding), miss (H, K)
         bool, selected (H,) tokens per head, hits, prefetch_used (0-dim counts)): a miss's token
         is sel, its new slot is slots, and the caller copies it in.
+
+        ``prefetch``: the width P of a :meth:`prefetch` that follows at once. One ranking of the
+        K + P least recent slots then serves both: after the install the least recent slots are
+        the ranking's, past the misses' victims, in the same order (the victims and hits are
+        stamped above every older stamp), so the prefetch needs no second one.
         """
         S = self.num_slots
         K = sel.shape[1]
@@ -227,9 +235,13 @@ class HotBufferState:
         # hits become the most recent first (stamps past every miss's); then the misses' victims,
         # the least recent slots, are never hits: misses + hits <= K <= S
         self.slot_stamp_s.scatter_(1, hit_at, stamps + K)
-        victims = self._lru(self.slot_stamp, K).gather(1, self._rank(miss, K))
+        order = self._lru(self.slot_stamp, K + prefetch)
+        victims = order.gather(1, self._rank(miss, K))
         self._install(miss, sel, victims, stamps, prefetched=False)
-        return torch.where(miss, victims, slot), miss, valid.sum(1), hit.sum(), prefetch_used
+        used = valid.sum(1)
+        if prefetch:
+            self._after_lookup = (order, miss.sum(1, keepdim=True), S - used)
+        return torch.where(miss, victims, slot), miss, used, hit.sum(), prefetch_used
 
     def _rank(self, mask: torch.Tensor, width: int) -> torch.Tensor:
         """Each entry's count of masked entries before it in its row (H, M): a masked entry's
@@ -243,12 +255,19 @@ class HotBufferState:
         """Load tokens (H, P), -1 padded, ahead of need: at most ``limit`` (H,) per head, stamped
         from ``clock`` on (``ticks(prefetched=P)`` stamps). Already resident tokens are skipped;
         loaded slots become MRU with the prefetch flag. Returns (loaded (H, P) bool, slots (H, P)):
-        the caller fills the loaded ones."""
+        the caller fills the loaded ones. Right after a ``lookup(..., prefetch=P)`` it takes its
+        victims from that lookup's ranking, and at most the slots the lookup left unselected."""
         P = tokens.shape[1]
         cand = (tokens >= 0) & (self.token_slot_s.gather(1, tokens + 1) < 0)
         rank = self._rank(cand, P)
-        cand &= rank < limit[:, None]
-        victims = self._lru(self.slot_stamp, P).gather(1, rank)
+        after, self._after_lookup = self._after_lookup, None
+        if after is None:
+            cand &= rank < limit[:, None]
+            victims = self._lru(self.slot_stamp, P).gather(1, rank)
+        else:
+            order, skip, room = after
+            cand &= rank < torch.minimum(limit, room)[:, None]
+            victims = order.gather(1, (skip + rank).clamp(max=order.shape[1] - 1))
         stamps = clock + torch.arange(P, device=self.device).expand(self.num_heads, -1)
         self._install(cand, tokens, victims, stamps, prefetched=True)
         return cand, victims

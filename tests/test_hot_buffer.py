@@ -87,7 +87,10 @@ def test_lru_matches_naive_oracle(seed, S, H):
             rows = [rng.sample(range(n), K) for _ in range(H)]
             pad = rng.randint(0, 2)
             sel = torch.tensor([r + [-1] * pad for r in rows])
-            slots, miss, n_look, n_hit, n_used = hb.lookup(sel, bank.reserve(ticks(selected=sel.shape[1])))
+            P = rng.randint(1, 4) if rng.random() < 0.5 else 0      # a prefetch follows
+            shared = P and rng.random() < 0.5    # its victims from the lookup's ranking (decode's way)
+            slots, miss, n_look, n_hit, n_used = hb.lookup(sel, bank.reserve(ticks(selected=sel.shape[1])),
+                                                           P if shared else 0)
             assert n_look.tolist() == [K] * H                # selected tokens per head
             lookups += int(n_look.sum())
             hits += int(n_hit)
@@ -97,8 +100,7 @@ def test_lru_matches_naive_oracle(seed, S, H):
                 assert (slots[h, K:] == -1).all()
             # the misses the caller copies in are exactly the selected tokens that were absent
             assert int(miss.sum()) == int(n_look.sum() - n_hit)
-            if rng.random() < 0.5:
-                P = rng.randint(1, 4)
+            if P:
                 cand = torch.tensor([rng.sample(range(n), min(P, n)) for _ in range(H)])
                 limit = torch.tensor([S - K] * H)
                 loaded, ps = hb.prefetch(cand, limit, bank.reserve(ticks(prefetched=cand.shape[1])))
