@@ -15,6 +15,7 @@ from .bounds import (
     two_level_candidates,
     two_level_pays,
 )
+from .lru import install_slots, reference_install_slots
 from .quant import (
     LAYOUTS,
     PARAM_DTYPES,
@@ -36,5 +37,6 @@ __all__ = [
     "reference_sparse_decode_attention", "reference_swap_in",
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
-    "fake_quantize_blocks", "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES",
+    "fake_quantize_blocks", "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES", "install_slots",
+    "reference_install_slots",
 ]

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from hi_sparse.kernels._dispatch import use_triton
+from hi_sparse.kernels.lru import install_slots, lookup_triton, prefetch_triton
+
 _NEVER = torch.iinfo(torch.int64).max
 
 
@@ -194,21 +197,8 @@ class HotBufferState:
         into them with ``stamps``. Masked-out entries write to the spill columns (their slots and
         tokens may be anything); masked-in slots are distinct per head, and no token is both
         evicted and installed (installed tokens are not resident)."""
-        at = slots if mask is None else torch.where(mask, slots, self.num_slots)
-        ts = self.token_slot_s
-        # the evicted tokens leave the map (an empty slot's -1, and the spill's, go to column 0)
-        ts.scatter_(1, self.slot_token_s.gather(1, at) + 1, -1)
-        if mask is None:
-            ts.scatter_(1, tokens + 1, slots)
-            self.slot_token_s.scatter_(1, at, tokens)
-        else:
-            ts.scatter_(1, torch.where(mask, tokens + 1, 0), slots)
-            self.slot_token_s.scatter_(1, at, torch.where(mask, tokens, -1))    # the spill stays -1
-        self.slot_stamp_s.scatter_(1, at, stamps)
-        if prefetched and mask is not None:
-            self.prefetched_s.scatter_(1, at, mask)                             # the spill stays False
-        else:
-            self.prefetched_s.scatter_(1, at, prefetched)
+        install_slots(self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s, mask, tokens,
+                      slots, stamps, prefetched)
 
     def lookup(self, sel: torch.Tensor, clock: int | torch.Tensor, prefetch: int = 0) -> tuple[torch.Tensor, ...]:
         """Hit detection and miss assignment for selected tokens sel (H, K), -1 padded, unique per
@@ -224,6 +214,14 @@ class HotBufferState:
         """
         S = self.num_slots
         K = sel.shape[1]
+        if use_triton(self.slot_stamp_s, sel):     # the same steps in two kernels around the ranking
+            slot, miss, counts, n_miss, order = lookup_triton(
+                sel, self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s,
+                self._clock(clock), lambda: self._lru(self.slot_stamp, K + prefetch))
+            used, totals = counts[:, 0], counts.sum(0)
+            if prefetch:
+                self._after_lookup = (order, n_miss[:, None], S - used)
+            return slot, miss, used, totals[1], totals[2]
         valid = sel >= 0
         slot = torch.where(valid, self.token_slot_s.gather(1, sel + 1), -1)
         hit = slot >= 0
@@ -243,6 +241,10 @@ class HotBufferState:
             self._after_lookup = (order, miss.sum(1, keepdim=True), S - used)
         return torch.where(miss, victims, slot), miss, used, hit.sum(), prefetch_used
 
+    def _clock(self, clock: int | torch.Tensor) -> torch.Tensor:
+        """The clock as a device tensor a kernel reads (a decode step's already is one)."""
+        return clock if isinstance(clock, torch.Tensor) else torch.tensor(clock, device=self.device)
+
     def _rank(self, mask: torch.Tensor, width: int) -> torch.Tensor:
         """Each entry's count of masked entries before it in its row (H, M): a masked entry's
         0-based rank among them, and for the others an index that is in range for the ``width``
@@ -257,10 +259,14 @@ class HotBufferState:
         loaded slots become MRU with the prefetch flag. Returns (loaded (H, P) bool, slots (H, P)):
         the caller fills the loaded ones. Right after a ``lookup(..., prefetch=P)`` it takes its
         victims from that lookup's ranking, and at most the slots the lookup left unselected."""
+        after, self._after_lookup = self._after_lookup, None
+        if after is not None and use_triton(self.slot_stamp_s, tokens):
+            order, skip, room = after
+            return prefetch_triton(tokens, limit, room, skip, order, self.token_slot_s, self.slot_token_s,
+                                   self.slot_stamp_s, self.prefetched_s, self._clock(clock))
         P = tokens.shape[1]
         cand = (tokens >= 0) & (self.token_slot_s.gather(1, tokens + 1) < 0)
         rank = self._rank(cand, P)
-        after, self._after_lookup = self._after_lookup, None
         if after is None:
             cand &= rank < limit[:, None]
             victims = self._lru(self.slot_stamp, P).gather(1, rank)

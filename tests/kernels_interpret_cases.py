@@ -293,6 +293,79 @@ def _scores() -> None:
     _need(s.shape == (2, 2, 40) and err < 1e-5, f"scores differ: {err:.2e}")
 
 
+def _install(masked: bool, flag: bool, broadcast: bool) -> None:
+    """install_slots on a consistent random state (tokens resident in some slots, the map its
+    inverse): the kernel writes what the reference does to every state column (not the spill
+    columns or column 0 of the map, which hold no state)."""
+    g = torch.Generator().manual_seed(int(masked) * 4 + int(flag) * 2 + int(broadcast))
+    H, S, T, M = 3, 40, 120, 17
+    slot_token = torch.full((H, S + 1), -1, dtype=torch.int64)
+    token_slot = torch.full((H, 1 + T), -1, dtype=torch.int64)
+    for h in range(H):
+        toks = torch.randperm(T, generator=g)[:30]
+        slots = torch.randperm(S, generator=g)[:30]
+        slot_token[h, slots] = toks
+        token_slot[h, toks + 1] = slots
+    stamp = torch.randint(0, 1 << 40, (H, S + 1), generator=g)
+    pf = torch.rand(H, S + 1, generator=g) < 0.3
+    pf[:, S] = False
+    slots = torch.stack([torch.randperm(S, generator=g)[:M] for _ in range(H)])
+    if broadcast:                               # one token list and stamp run for every head
+        free = [t for t in range(T) if all(int(token_slot[h, t + 1]) < 0 for h in range(H))]
+        tokens = torch.tensor(free[:M])[None].expand(H, -1)
+        stamps = (1000 + torch.arange(M))[None].expand(H, -1)
+    else:
+        tokens = torch.stack([torch.tensor([t for t in torch.randperm(T, generator=g).tolist()
+                                            if int(token_slot[h, t + 1]) < 0][:M]) for h in range(H)])
+        stamps = torch.randint(1 << 41, 1 << 42, (H, M), generator=g)
+    mask = torch.rand(H, M, generator=g) < 0.6 if masked else None
+    got = [t.clone() for t in (token_slot, slot_token, stamp, pf)]
+    want = [t.clone() for t in (token_slot, slot_token, stamp, pf)]
+    K.install_slots(*got, mask, tokens, slots, stamps, flag)
+    K.reference_install_slots(*want, mask, tokens, slots, stamps, flag)
+    for name, a, b in zip(("token_slot", "slot_token", "slot_stamp", "prefetched"), got, want):
+        a, b = (a[:, 1:], b[:, 1:]) if name == "token_slot" else (a[:, :S], b[:, :S])
+        _need(torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[:5].tolist()}")
+
+
+def _hot_buffer_oracle() -> None:
+    """The hot buffer's LRU oracle test (tests/test_hot_buffer.py) with every install a kernel."""
+    from test_hot_buffer import test_lru_matches_naive_oracle as oracle
+    for seed, S, H in ((1, 6, 2), (7, 17, 3), (42, 24, 1), (99, 9, 3)):
+        oracle.hypothesis.inner_test(seed=seed, S=S, H=H)
+
+
+def _engine_hot_buffer() -> None:
+    """Decode steps of an engine whose hot buffer runs the Triton lookup, prefetch and install
+    leave the same LRU state and outputs as one whose hot buffer runs the torch reference."""
+    from hi_sparse import hot_buffer
+    from hi_sparse.config import HiSparseConfig
+    from hi_sparse.engine import HiSparseEngine
+    from hi_sparse.workloads import run_decode, run_prefill
+
+    cfg = HiSparseConfig(max_seq_len=512, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
+                         audit_every=0, telemetry=False, recalibrate_every=1 << 20)
+    g = torch.Generator().manual_seed(3)
+    k, v, q = torch.randn(1, 2, 200, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g), torch.randn(
+        1, 4, 200, 16, generator=g)
+    steps = [(torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g),
+              torch.randn(1, 2, 1, 16, generator=g)) for _ in range(6)]
+    results = []
+    for kernels in (True, False):
+        hot_buffer.use_triton = (lambda *t: True) if kernels else (lambda *t: False)
+        eng = HiSparseEngine(cfg, 1, 4, 2, 16)
+        sid = eng.add_sequences(1)
+        run_prefill(eng, sid, k, v, q)
+        outs = [run_decode(eng, sid, *step) for step in steps]
+        bank = eng.layers[0].hot
+        results.append((outs, [t.clone() for t in (bank.slot_token, bank.slot_stamp, bank.prefetched,
+                                                     bank.token_slot)], eng.stats.hot_buffer_hits))
+    (a_out, a_state, a_hits), (b_out, b_state, b_hits) = results
+    _need(a_hits == b_hits and a_hits > 0, f"hits {a_hits} != {b_hits}")
+    _need(all(torch.equal(x, y) for x, y in zip(a_state, b_state)), "the LRU state differs")
+    _need(all(torch.equal(x, y) for x, y in zip(a_out, b_out)), "the outputs differ")
+
+
 CASES: dict[str, Callable[[], None]] = {
     "attention-fp32-d60-split": lambda: _attention(1, 4, 2, 50, 60, 100, torch.float32, 1e-5),
     "attention-fp16-d64-single": lambda: _attention(2, 8, 4, 40, 64, 40, torch.float16, 5e-3),
@@ -375,6 +448,10 @@ CASES: dict[str, Callable[[], None]] = {
     "block_scores-listed-d60": _scores_listed,
     "two_level_candidates-d60": _two_level,
     "two_level_candidates-per-row-limit": _two_level_per_row,
+    **{f"install_slots-{'masked' if m else 'all'}-{'flag' if f else 'noflag'}-{'bcast' if b else 'rows'}":
+       (lambda m=m, f=f, b=b: _install(m, f, b)) for m in (False, True) for f in (False, True) for b in (False, True)},
+    "install_slots-hot-buffer-oracle": _hot_buffer_oracle,
+    "hot-buffer-kernels-in-an-engine": _engine_hot_buffer,
 }
 
 

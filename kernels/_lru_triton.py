@@ -1,0 +1,174 @@
+"""Triton: install tokens into hot-buffer slots in one launch (lru.py says what it writes)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import next_pow2
+
+
+@triton.jit
+def _install_kernel(
+    p_ts, p_st, p_stamp, p_pf, p_mask, p_tok, p_slot, p_new_stamp, M,
+    s_ts, s_st, s_stamp, s_pf, s_mask_h, s_mask_m, s_tok_h, s_tok_m, s_slot_h, s_slot_m, s_ns_h, s_ns_m,
+    FLAG: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < M
+    if HAS_MASK:
+        m = m & (tl.load(p_mask + h * s_mask_h + o * s_mask_m, mask=m, other=0) != 0)
+    slot = tl.load(p_slot + h * s_slot_h + o * s_slot_m, mask=m, other=0).to(tl.int64)
+    tok = tl.load(p_tok + h * s_tok_h + o * s_tok_m, mask=m, other=0).to(tl.int64)
+    stamp = tl.load(p_new_stamp + h * s_ns_h + o * s_ns_m, mask=m, other=0)
+    old = tl.load(p_st + h * s_st + slot, mask=m, other=-1)
+    # the evicted token leaves the map (no installed token is resident: no entry writes it back)
+    tl.store(p_ts + h * s_ts + 1 + old, tl.full([BLOCK], -1, tl.int64), mask=m & (old >= 0))
+    tl.store(p_ts + h * s_ts + 1 + tok, slot, mask=m)
+    tl.store(p_st + h * s_st + slot, tok, mask=m)
+    tl.store(p_stamp + h * s_stamp + slot, stamp, mask=m)
+    tl.store(p_pf + h * s_pf + slot, tl.full([BLOCK], FLAG, tl.uint8), mask=m)
+
+
+def install_slots(token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp: torch.Tensor,
+                  prefetched: torch.Tensor, mask: torch.Tensor | None, tokens: torch.Tensor,
+                  slots: torch.Tensor, stamps: torch.Tensor, flag: bool) -> None:
+    H, M = slots.shape
+    for t in (token_slot, slot_token, slot_stamp, prefetched):
+        if t.stride(1) != 1:
+            raise ValueError("the state tensors need contiguous rows")
+    pf = prefetched.view(torch.uint8)
+    mask_arg = mask.view(torch.uint8) if mask is not None else slots
+    BLOCK = min(next_pow2(M), 1024)
+    grid = (H, triton.cdiv(M, BLOCK))
+    _install_kernel[grid](
+        token_slot, slot_token, slot_stamp, pf, mask_arg, tokens, slots, stamps, M,
+        token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0), pf.stride(0),
+        mask_arg.stride(0), mask_arg.stride(1), tokens.stride(0), tokens.stride(1),
+        slots.stride(0), slots.stride(1), stamps.stride(0), stamps.stride(1),
+        FLAG=int(bool(flag)), HAS_MASK=mask is not None, BLOCK=BLOCK,
+    )
+
+
+@triton.jit
+def _lookup_hits_kernel(
+    p_sel, p_ts, p_pf, p_stamp, p_clock, p_slot, p_miss, p_counts, K,
+    s_sel, s_ts, s_pf, s_stamp, s_slot, s_miss,
+    BLOCK: tl.constexpr,
+):
+    # one program per head: hit detection; hits lose the prefetch flag and become the most recent
+    h = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < K
+    sel = tl.load(p_sel + h * s_sel + o, mask=m, other=-1)
+    valid = m & (sel >= 0)
+    slot = tl.load(p_ts + h * s_ts + 1 + sel, mask=valid, other=-1)
+    hit = slot >= 0
+    miss = valid & (slot < 0)
+    clock = tl.load(p_clock)
+    used_pf = tl.load(p_pf + h * s_pf + slot, mask=hit, other=0).to(tl.int64)
+    tl.store(p_pf + h * s_pf + slot, tl.zeros([BLOCK], tl.uint8), mask=hit)
+    tl.store(p_stamp + h * s_stamp + slot, clock + K + o, mask=hit)
+    tl.store(p_slot + h * s_slot + o, slot, mask=m)
+    tl.store(p_miss + h * s_miss + o, miss.to(tl.uint8), mask=m)
+    tl.store(p_counts + h * 3, tl.sum(valid.to(tl.int64), 0))
+    tl.store(p_counts + h * 3 + 1, tl.sum(hit.to(tl.int64), 0))
+    tl.store(p_counts + h * 3 + 2, tl.sum(used_pf, 0))
+
+
+@triton.jit
+def _lookup_install_kernel(
+    p_sel, p_miss, p_slot, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, p_n_miss, K,
+    s_sel, s_miss, s_slot, s_order, s_ts, s_st, s_stamp, s_pf,
+    BLOCK: tl.constexpr,
+):
+    # one program per head: the r-th miss takes the r-th least recent slot of the ranking
+    h = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < K
+    miss = tl.load(p_miss + h * s_miss + o, mask=m, other=0).to(tl.int64)
+    rank = tl.cumsum(miss, 0) - miss
+    is_miss = miss != 0
+    victim = tl.load(p_order + h * s_order + rank, mask=is_miss, other=0)
+    tok = tl.load(p_sel + h * s_sel + o, mask=is_miss, other=0)
+    old = tl.load(p_st + h * s_st + victim, mask=is_miss, other=-1)
+    tl.store(p_ts + h * s_ts + 1 + old, tl.full([BLOCK], -1, tl.int64), mask=is_miss & (old >= 0))
+    tl.store(p_ts + h * s_ts + 1 + tok, victim, mask=is_miss)
+    tl.store(p_st + h * s_st + victim, tok, mask=is_miss)
+    tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock) + o, mask=is_miss)
+    tl.store(p_pf + h * s_pf + victim, tl.zeros([BLOCK], tl.uint8), mask=is_miss)
+    tl.store(p_slot + h * s_slot + o, victim, mask=is_miss)
+    tl.store(p_n_miss + h, tl.sum(miss, 0))
+
+
+@triton.jit
+def _prefetch_kernel(
+    p_tok, p_limit, p_room, p_skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, p_loaded, p_victim, P, W,
+    s_tok, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim,
+    BLOCK: tl.constexpr,
+):
+    # one program per head: non-resident tokens, up to the limit, take the slots of the lookup's
+    # ranking past its misses' victims
+    h = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < P
+    tok = tl.load(p_tok + h * s_tok + o, mask=m, other=-1)
+    cand = m & (tok >= 0)
+    cand = cand & (tl.load(p_ts + h * s_ts + 1 + tok, mask=cand, other=0) < 0)
+    c = cand.to(tl.int64)
+    rank = tl.cumsum(c, 0) - c
+    cand = cand & (rank < tl.minimum(tl.load(p_limit + h), tl.load(p_room + h)))
+    victim = tl.load(p_order + h * s_order + tl.minimum(tl.load(p_skip + h) + rank, W - 1), mask=m, other=0)
+    old = tl.load(p_st + h * s_st + victim, mask=cand, other=-1)
+    tl.store(p_ts + h * s_ts + 1 + old, tl.full([BLOCK], -1, tl.int64), mask=cand & (old >= 0))
+    tl.store(p_ts + h * s_ts + 1 + tok, victim, mask=cand)
+    tl.store(p_st + h * s_st + victim, tok, mask=cand)
+    tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock) + o, mask=cand)
+    tl.store(p_pf + h * s_pf + victim, tl.full([BLOCK], 1, tl.uint8), mask=cand)
+    tl.store(p_loaded + h * s_loaded + o, cand.to(tl.uint8), mask=m)
+    tl.store(p_victim + h * s_victim + o, victim, mask=m)
+
+
+def _rows(*ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.stride(-1) != 1:
+            raise ValueError("the state and index tensors need contiguous rows")
+
+
+def lookup_hits(sel, token_slot, prefetched, slot_stamp, clock):
+    H, K = sel.shape
+    _rows(sel, token_slot, prefetched, slot_stamp)
+    slot = torch.empty(H, K, dtype=torch.int64, device=sel.device)
+    miss = torch.empty(H, K, dtype=torch.bool, device=sel.device)
+    counts = torch.empty(H, 3, dtype=torch.int64, device=sel.device)
+    pf = prefetched.view(torch.uint8)
+    _lookup_hits_kernel[(H,)](sel, token_slot, pf, slot_stamp, clock, slot, miss.view(torch.uint8), counts, K,
+                              sel.stride(0), token_slot.stride(0), pf.stride(0), slot_stamp.stride(0),
+                              slot.stride(0), K, BLOCK=next_pow2(K), num_warps=8 if K > 2048 else 4)
+    return slot, miss, counts
+
+
+def lookup_install(sel, miss, slot, order, token_slot, slot_token, slot_stamp, prefetched, clock):
+    H, K = sel.shape
+    _rows(sel, order, token_slot, slot_token, slot_stamp, prefetched)
+    n_miss = torch.empty(H, dtype=torch.int64, device=sel.device)
+    pf = prefetched.view(torch.uint8)
+    _lookup_install_kernel[(H,)](sel, miss.view(torch.uint8), slot, order, token_slot, slot_token, slot_stamp, pf,
+                                 clock, n_miss, K, sel.stride(0), K, slot.stride(0), order.stride(0),
+                                 token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0), pf.stride(0),
+                                 BLOCK=next_pow2(K), num_warps=8 if K > 2048 else 4)
+    return n_miss
+
+
+def prefetch_install(tokens, limit, room, skip, order, token_slot, slot_token, slot_stamp, prefetched, clock):
+    H, P = tokens.shape
+    _rows(tokens, order, token_slot, slot_token, slot_stamp, prefetched)
+    loaded = torch.empty(H, P, dtype=torch.bool, device=tokens.device)
+    victims = torch.empty(H, P, dtype=torch.int64, device=tokens.device)
+    pf = prefetched.view(torch.uint8)
+    _prefetch_kernel[(H,)](tokens, limit, room, skip, order, token_slot, slot_token, slot_stamp, pf, clock,
+                           loaded.view(torch.uint8), victims, P, order.shape[1], tokens.stride(0), order.stride(0),
+                           token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0), pf.stride(0), P, P,
+                           BLOCK=next_pow2(P))
+    return loaded, victims

@@ -1,0 +1,86 @@
+"""Installing tokens into hot-buffer slots: the LRU state's one write (runtime/hot_buffer.py).
+
+Per head h (a row of the state) and entry j where ``mask[h, j]`` (None: every entry), with
+s = slots[h, j] and t = tokens[h, j]:
+
+    old = slot_token[h, s];  if old >= 0: token_slot[h, 1 + old] = -1      (the evicted token)
+    token_slot[h, 1 + t] = s;  slot_token[h, s] = t;  slot_stamp[h, s] = stamps[h, j]
+    prefetched[h, s] = flag
+
+``token_slot`` (H, 1 + tokens) maps positions to slots with one column before position 0;
+``slot_token``, ``slot_stamp``, ``prefetched`` are (H, S + 1) with a spill column past the S
+slots. The masked-in slots are distinct per head and no installed token is resident (so no entry
+evicts a token another entry installs): the entries are independent, and the Triton kernel writes
+them in parallel, one launch for what the reference does in about ten. Masked-out entries change
+nothing there; the reference writes them to the spill columns and to column 0 of the map, which
+hold no state (readers mask them).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import check, kernel_module, use_triton
+
+
+def reference_install_slots(token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp: torch.Tensor,
+                            prefetched: torch.Tensor, mask: torch.Tensor | None, tokens: torch.Tensor,
+                            slots: torch.Tensor, stamps: torch.Tensor, flag: bool) -> None:
+    spill = slot_token.shape[1] - 1
+    at = slots if mask is None else torch.where(mask, slots, spill)
+    # the evicted tokens leave the map (an empty slot's -1, and the spill's, go to column 0)
+    token_slot.scatter_(1, slot_token.gather(1, at) + 1, -1)
+    if mask is None:
+        token_slot.scatter_(1, tokens + 1, slots)
+        slot_token.scatter_(1, at, tokens)
+    else:
+        token_slot.scatter_(1, torch.where(mask, tokens + 1, 0), slots)
+        slot_token.scatter_(1, at, torch.where(mask, tokens, -1))          # the spill stays -1
+    slot_stamp.scatter_(1, at, stamps)
+    if flag and mask is not None:
+        prefetched.scatter_(1, at, mask)                                    # the spill stays False
+    else:
+        prefetched.scatter_(1, at, flag)
+
+
+def install_slots(token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp: torch.Tensor,
+                  prefetched: torch.Tensor, mask: torch.Tensor | None, tokens: torch.Tensor,
+                  slots: torch.Tensor, stamps: torch.Tensor, flag: bool) -> None:
+    """Install ``tokens`` (H, M) into ``slots`` (H, M) with ``stamps`` (H, M) where ``mask`` (H, M)
+    (None: everywhere), in place (module docstring). tokens, slots and stamps may be broadcast
+    views (stride 0); every index is int64."""
+    H, M = slots.shape
+    check(tokens.shape == (H, M) and stamps.shape == (H, M) and (mask is None or mask.shape == (H, M)),
+          f"tokens, stamps and mask must be (H={H}, M={M}) like slots, got {tuple(tokens.shape)}, "
+          f"{tuple(stamps.shape)} and {None if mask is None else tuple(mask.shape)}")
+    check(slot_token.shape == slot_stamp.shape == prefetched.shape and token_slot.shape[0] == H
+          and slot_token.shape[0] == H, "the state tensors must have one row per head")
+    if M == 0:
+        return
+    if use_triton(slot_token, slots):
+        kernel_module("_lru_triton").install_slots(token_slot, slot_token, slot_stamp, prefetched, mask, tokens,
+                                                   slots, stamps, flag)
+        return
+    reference_install_slots(token_slot, slot_token, slot_stamp, prefetched, mask, tokens, slots, stamps, flag)
+
+
+def lookup_triton(sel: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp: torch.Tensor,
+                  prefetched: torch.Tensor, clock: torch.Tensor, rank_lru) -> tuple[torch.Tensor, ...]:
+    """The hot buffer's lookup (runtime/hot_buffer.HotBufferState.lookup, whose torch code is the
+    reference) in two Triton launches around the LRU ranking: hit detection and the hits' new
+    stamps, then ``rank_lru()`` (the ranking of the state as the first left it), then the
+    misses' install. Returns (slots, miss, counts (H, 3): selected, hits, used prefetches per
+    head, misses per head (H,), the ranking)."""
+    mod = kernel_module("_lru_triton")
+    slot, miss, counts = mod.lookup_hits(sel, token_slot, prefetched, slot_stamp, clock)
+    order = rank_lru()
+    n_miss = mod.lookup_install(sel, miss, slot, order, token_slot, slot_token, slot_stamp, prefetched, clock)
+    return slot, miss, counts, n_miss, order
+
+
+def prefetch_triton(tokens: torch.Tensor, limit: torch.Tensor, room: torch.Tensor, skip: torch.Tensor,
+                    order: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp: torch.Tensor,
+                    prefetched: torch.Tensor, clock: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefetch that follows a lookup's shared ranking (HotBufferState.prefetch), in one launch."""
+    return kernel_module("_lru_triton").prefetch_install(tokens, limit.contiguous(), room.contiguous(),
+                                                         skip.reshape(-1).contiguous(), order, token_slot,
+                                                         slot_token, slot_stamp, prefetched, clock)
