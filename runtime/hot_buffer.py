@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hi_sparse.kernels._dispatch import use_triton
-from hi_sparse.kernels.lru import install_slots, lookup_triton, prefetch_triton
+from hi_sparse.kernels.lru import install_slots, lookup_triton, prefetch_triton, reference_install_slots
 
 _NEVER = torch.iinfo(torch.int64).max
 
@@ -50,8 +50,10 @@ class HotBufferBank:
     """
 
     def __init__(self, num_heads: int, num_slots: int, device: torch.device | str = "cpu",
-                 rows: int = 0, token_capacity: int = 0, max_tokens: int | None = None) -> None:
+                 rows: int = 0, token_capacity: int = 0, max_tokens: int | None = None,
+                 kernels: bool = False) -> None:
         self.num_heads, self.num_slots, self.device = num_heads, num_slots, torch.device(device)
+        self.kernels = kernels     # on CUDA, lookup / prefetch / install as Triton kernels (kernels/lru.py)
         self.max_tokens = max_tokens
         self.clock = 0
         self.num_rows = 0
@@ -197,8 +199,9 @@ class HotBufferState:
         into them with ``stamps``. Masked-out entries write to the spill columns (their slots and
         tokens may be anything); masked-in slots are distinct per head, and no token is both
         evicted and installed (installed tokens are not resident)."""
-        install_slots(self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s, mask, tokens,
-                      slots, stamps, prefetched)
+        install = install_slots if self._bank.kernels else reference_install_slots
+        install(self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s, mask, tokens, slots,
+                stamps, prefetched)
 
     def lookup(self, sel: torch.Tensor, clock: int | torch.Tensor, prefetch: int = 0) -> tuple[torch.Tensor, ...]:
         """Hit detection and miss assignment for selected tokens sel (H, K), -1 padded, unique per
@@ -214,7 +217,7 @@ class HotBufferState:
         """
         S = self.num_slots
         K = sel.shape[1]
-        if use_triton(self.slot_stamp_s, sel):     # the same steps in two kernels around the ranking
+        if self._kernels(sel):                       # the same steps in two kernels around the ranking
             slot, miss, counts, n_miss, order = lookup_triton(
                 sel, self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s,
                 self._clock(clock), lambda: self._lru(self.slot_stamp, K + prefetch))
@@ -241,6 +244,9 @@ class HotBufferState:
             self._after_lookup = (order, miss.sum(1, keepdim=True), S - used)
         return torch.where(miss, victims, slot), miss, used, hit.sum(), prefetch_used
 
+    def _kernels(self, *index: torch.Tensor) -> bool:
+        return self._bank.kernels and use_triton(self.slot_stamp_s, *index)
+
     def _clock(self, clock: int | torch.Tensor) -> torch.Tensor:
         """The clock as a device tensor a kernel reads (a decode step's already is one)."""
         return clock if isinstance(clock, torch.Tensor) else torch.tensor(clock, device=self.device)
@@ -260,7 +266,7 @@ class HotBufferState:
         the caller fills the loaded ones. Right after a ``lookup(..., prefetch=P)`` it takes its
         victims from that lookup's ranking, and at most the slots the lookup left unselected."""
         after, self._after_lookup = self._after_lookup, None
-        if after is not None and use_triton(self.slot_stamp_s, tokens):
+        if after is not None and self._kernels(tokens):
             order, skip, room = after
             return prefetch_triton(tokens, limit, room, skip, order, self.token_slot_s, self.slot_token_s,
                                    self.slot_stamp_s, self.prefetched_s, self._clock(clock))

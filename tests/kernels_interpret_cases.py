@@ -329,22 +329,29 @@ def _install(masked: bool, flag: bool, broadcast: bool) -> None:
 
 
 def _hot_buffer_oracle() -> None:
-    """The hot buffer's LRU oracle test (tests/test_hot_buffer.py) with every install a kernel."""
+    """The hot buffer's LRU oracle test (tests/test_hot_buffer.py) with its banks' kernels on:
+    every lookup, prefetch and install a Triton launch."""
     from test_hot_buffer import test_lru_matches_naive_oracle as oracle
-    for seed, S, H in ((1, 6, 2), (7, 17, 3), (42, 24, 1), (99, 9, 3)):
-        oracle.hypothesis.inner_test(seed=seed, S=S, H=H)
+
+    from hi_sparse.hot_buffer import HotBufferBank
+    init = HotBufferBank.__init__
+    HotBufferBank.__init__ = lambda self, *a, **kw: init(self, *a, **{**kw, "kernels": True})
+    try:
+        for seed, S, H in ((1, 6, 2), (7, 17, 3), (42, 24, 1), (99, 9, 3)):
+            oracle.hypothesis.inner_test(seed=seed, S=S, H=H)
+    finally:
+        HotBufferBank.__init__ = init
 
 
 def _engine_hot_buffer() -> None:
     """Decode steps of an engine whose hot buffer runs the Triton lookup, prefetch and install
     leave the same LRU state and outputs as one whose hot buffer runs the torch reference."""
-    from hi_sparse import hot_buffer
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
     from hi_sparse.workloads import run_decode, run_prefill
 
-    cfg = HiSparseConfig(max_seq_len=512, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
-                         audit_every=0, telemetry=False, recalibrate_every=1 << 20)
+    base = dict(max_seq_len=512, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
+                audit_every=0, telemetry=False, recalibrate_every=1 << 20)
     g = torch.Generator().manual_seed(3)
     k, v, q = torch.randn(1, 2, 200, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g), torch.randn(
         1, 4, 200, 16, generator=g)
@@ -352,8 +359,7 @@ def _engine_hot_buffer() -> None:
               torch.randn(1, 2, 1, 16, generator=g)) for _ in range(6)]
     results = []
     for kernels in (True, False):
-        hot_buffer.use_triton = (lambda *t: True) if kernels else (lambda *t: False)
-        eng = HiSparseEngine(cfg, 1, 4, 2, 16)
+        eng = HiSparseEngine(HiSparseConfig(**base, hot_buffer_kernels=kernels), 1, 4, 2, 16)
         sid = eng.add_sequences(1)
         run_prefill(eng, sid, k, v, q)
         outs = [run_decode(eng, sid, *step) for step in steps]
