@@ -111,9 +111,10 @@ class HiSparseConfig:
                                          # a step cannot be planned or with the engine alone; True:
                                          # per-layer graphs only; False: launch the kernels each step
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
-    hot_buffer_kernels: bool = False     # CUDA: the hot buffer's lookup, prefetch and install as
-                                         # Triton kernels (kernels/lru.py; 3 launches for ~50 small
-                                         # ones per layer and step); opt-in until timed on a GPU
+    decode_kernels: bool = False         # CUDA: the decode step's selection assembly and hot-buffer
+                                         # lookup, prefetch and install as Triton kernels (kernels/
+                                         # select.py, lru.py: ~6 launches for ~110 small ones per
+                                         # layer and step); opt-in until timed on a GPU
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True
@@ -201,8 +202,8 @@ class HiSparseConfig:
         need(self.audit_top_m >= 1, "audit_top_m must be >= 1")
         need(self.decode_graphs in DECODE_GRAPHS and isinstance(self.decode_graphs, bool | str),
              f"decode_graphs must be True, False or 'step', got {self.decode_graphs!r}")
-        need(isinstance(self.hot_buffer_kernels, bool),
-             f"hot_buffer_kernels must be True or False, got {self.hot_buffer_kernels!r}")
+        need(isinstance(self.decode_kernels, bool),
+             f"decode_kernels must be True or False, got {self.decode_kernels!r}")
         need(self.audit_measure in AUDIT_MEASURES,
              f"audit_measure must be one of {', '.join(map(repr, AUDIT_MEASURES))}, got {self.audit_measure!r}")
         need(0.0 <= self.drift_floor <= 1.0, f"drift_floor must be in [0, 1], got {self.drift_floor}")

@@ -164,7 +164,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     sel = select(scores.reshape(B * H, nb), n_head, batch.first_of_head, cfg.window_size, cfg.top_k, ps,
                  bank["anchors"][r].reshape(B * H, -1),
                  bank["holes"][r, :ns].repeat_interleave(H, 0) if holes else None, cfg.prefetch_units,
-                 n_cand, cfg.sink_tokens, store_block=bs)
+                 n_cand, cfg.sink_tokens, store_block=bs, kernels=cfg.decode_kernels)
     K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[ATTEND, layer]

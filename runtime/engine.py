@@ -112,7 +112,7 @@ class HiSparseEngine:
         cfg = self.cfg
         return [LayerRows(i, d, self.shape, cfg.global_tokens, cfg.recalibrate_queries, cfg.max_seq_len,
                           ImportanceProbe(self.shape.head_dim, seed=cfg.seed + i).to(d), counters[d],
-                          switch and d.type == "cuda", cfg.hot_buffer_kernels)
+                          switch and d.type == "cuda", cfg.decode_kernels)
                 for i, d in enumerate(devices)]
 
     # -- what tests, benchmarks and the integration read ----------------------------------------

@@ -74,7 +74,7 @@ class LayerRows:
 
     def __init__(self, index: int, device: torch.device, shape: KVShape, global_tokens: int,
                  recent_queries: int, max_tokens: int, probe: ImportanceProbe, counters: DeviceCounters,
-                 switch_device: bool, hot_buffer_kernels: bool = False) -> None:
+                 switch_device: bool, decode_kernels: bool = False) -> None:
         H, D, S = shape.num_kv_heads, shape.head_dim, shape.slots
         self.index, self.device, self.probe = index, device, probe
         self.counters = counters          # the device's per-step counts (shared by its layers)
@@ -85,7 +85,7 @@ class LayerRows:
         self.bank.add("anchors", (H, global_tokens), torch.int64, -1)
         self.bank.add("anchor_p", (H, global_tokens), torch.float32, -1.0)
         self.bank.add("queries", (recent_queries, shape.num_q_heads, D), torch.float32, 0.0)
-        self.hot = HotBufferBank(H, S, device, max_tokens=max_tokens, kernels=hot_buffer_kernels)
+        self.hot = HotBufferBank(H, S, device, max_tokens=max_tokens, kernels=decode_kernels)
         # Triton launches on the current CUDA device: a layer on another GPU than the current one
         # runs under its device; otherwise a shared nullcontext keeps the path free of switches
         self._switch = switch_device

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from hi_sparse.kernels import block_scores, two_level_candidates, two_level_pays
+from hi_sparse.kernels._dispatch import use_triton
+from hi_sparse.kernels.select import assemble_selection
 
 
 def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor,
@@ -86,7 +88,7 @@ def candidate_blocks(nb: int, w0: int, first_lo: int, bs: int) -> int:
 
 def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int, top_k: int,
            block_size: int, anchors: torch.Tensor, holes: torch.Tensor | None, prefetch_blocks: int,
-           n_cand: int, sinks: int = 0, store_block: int | None = None) -> Selection:
+           n_cand: int, sinks: int = 0, store_block: int | None = None, kernels: bool = False) -> Selection:
     """Select tokens for each row (a KV head of a sequence).
 
     scores: (R, NB) upper bounds of selection blocks of ``block_size`` tokens (NaN allowed past a
@@ -96,33 +98,51 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     loaded count storage blocks too; n_cand: a host upper bound on the candidate blocks of every
     row (:func:`candidate_blocks`); sinks: the first visible tokens always kept (<= top_k - window,
     the first columns of the ranked part). No host sync: widths come from the budget, not the data.
+    ``kernels``: on CUDA, rows without holes are assembled after the ranking in one Triton launch
+    (kernels/select.py; this function's torch code is its reference).
     """
-    (R, nb), bs, sb, device = scores.shape, block_size, store_block or block_size, scores.device
+    nb, bs, sb, device = scores.shape[1], block_size, store_block or block_size, scores.device
     w0 = n_tokens - window                                                      # (R, 1) window start
+    blk0 = torch.arange(nb, device=device) * bs                                 # each block's first token
+    cand_blk = (blk0 < w0) & (blk0 + bs > first)                                # (R, NB)
+    w_keep, w_pf = top_k - window, prefetch_blocks * bs
+    # enough ranked blocks for the largest budget (top_k - window bounds it on the host: no sync),
+    # anchors that may overlap them, a partial first block and the prefetch
+    take = min(n_cand, -(-(w_keep + anchors.shape[1]) // bs) + 2 + prefetch_blocks)
+    if kernels and holes is None and use_triton(scores):
+        s = torch.where(cand_blk, scores.float(), float("-inf"))
+        top = s.topk(take, dim=1).indices
+        both, per_block, loaded = assemble_selection(top, s, n_tokens, first, anchors, window, top_k, bs, sinks,
+                                                     w_keep, w_pf, sb, -(-nb * bs // sb))
+        K = both.shape[1] - w_pf
+        return Selection(both[:, :K], both[:, K:], per_block, loaded, both)
+    return _assemble(scores, n_tokens, first, w0, cand_blk, window, top_k, bs, sb, anchors, holes, sinks, w_pf, take)
+
+
+def _assemble(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, w0: torch.Tensor,
+              cand_blk: torch.Tensor, window: int, top_k: int, bs: int, sb: int, anchors: torch.Tensor,
+              holes: torch.Tensor | None, sinks: int, w_pf: int, take: int) -> Selection:
+    """select's torch path (the reference of kernels/select.py): the window, anchors and sinks,
+    the ranking of the candidate blocks and the packing of their tokens."""
+    (R, nb), device, w_keep = scores.shape, scores.device, top_k - window
     win = w0 + torch.arange(window, device=device)
     win_ok = win >= first
     sink = first + torch.arange(sinks, device=device)                          # (R, sinks)
     sink_ok = sink < w0
     rest = first + sinks                                                        # first ranked position
     anc_ok = (anchors >= rest) & (anchors < w0)                                 # (a sink is kept anyway)
-    blk0 = torch.arange(nb, device=device) * bs                                 # each block's first token
-    cand_blk = (blk0 < w0) & (blk0 + bs > first)                                # (R, NB)
     if holes is not None:
         win_ok &= ~_in_hole(holes, win, sb)
         sink_ok &= ~_in_hole(holes, sink, sb)
         anc_ok &= ~_in_hole(holes, anchors, sb)
         cand_blk &= ~(holes if sb == bs else holes.repeat_interleave(sb // bs, 1)[:, :nb])
     win, anc = torch.where(win_ok, win, -1), torch.where(anc_ok, anchors, -1)
-    w_keep, w_pf = top_k - window, prefetch_blocks * bs
     # the ranked budget; at most top_k - window (the window holds no holes: streaming evicts
     # only blocks before it, and a window that starts in the padding leaves no candidates)
     n_sink = sink_ok.sum(1, keepdim=True)                                       # (R, 1)
     budget = (top_k - win_ok.sum(1, keepdim=True) - anc_ok.sum(1, keepdim=True) - n_sink).clamp(min=0)
     budget = torch.minimum(budget, w_keep - n_sink)                             # (R, 1)
     s = torch.where(cand_blk, scores.float(), float("-inf"))
-    # enough ranked blocks for the largest budget (top_k - window bounds it on the host: no sync),
-    # anchors that may overlap them, a partial first block and the prefetch
-    take = min(n_cand, -(-(w_keep + anc.shape[1]) // bs) + 2 + prefetch_blocks)
     top = s.topk(take, dim=1).indices                                           # (R, take) ranked
     pos = (top[:, :, None] * bs + torch.arange(bs, device=device)).reshape(R, -1)  # rank order
     # a ranked block is a candidate (finite: not masked above; NaN never ranks, as -inf)

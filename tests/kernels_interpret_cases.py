@@ -343,9 +343,10 @@ def _hot_buffer_oracle() -> None:
         HotBufferBank.__init__ = init
 
 
-def _engine_hot_buffer() -> None:
-    """Decode steps of an engine whose hot buffer runs the Triton lookup, prefetch and install
-    leave the same LRU state and outputs as one whose hot buffer runs the torch reference."""
+def _engine_decode_kernels() -> None:
+    """Decode steps of an engine with decode_kernels (the selection's assembly and the hot buffer's
+    lookup, prefetch and install as Triton kernels) leave the same LRU state, hit counts and
+    outputs as one on the torch reference."""
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
     from hi_sparse.workloads import run_decode, run_prefill
@@ -359,7 +360,7 @@ def _engine_hot_buffer() -> None:
               torch.randn(1, 2, 1, 16, generator=g)) for _ in range(6)]
     results = []
     for kernels in (True, False):
-        eng = HiSparseEngine(HiSparseConfig(**base, hot_buffer_kernels=kernels), 1, 4, 2, 16)
+        eng = HiSparseEngine(HiSparseConfig(**base, decode_kernels=kernels), 1, 4, 2, 16)
         sid = eng.add_sequences(1)
         run_prefill(eng, sid, k, v, q)
         outs = [run_decode(eng, sid, *step) for step in steps]
@@ -370,6 +371,31 @@ def _engine_hot_buffer() -> None:
     _need(a_hits == b_hits and a_hits > 0, f"hits {a_hits} != {b_hits}")
     _need(all(torch.equal(x, y) for x, y in zip(a_state, b_state)), "the LRU state differs")
     _need(all(torch.equal(x, y) for x, y in zip(a_out, b_out)), "the outputs differ")
+
+
+def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int) -> None:
+    """selection.select's Triton assembly (kernels=True) against its torch path: every field equal,
+    on rows of different lengths and paddings, anchors inside and outside the candidates, NaN
+    scores past a row's tokens."""
+    from hi_sparse.selection import candidate_blocks, select
+
+    g = torch.Generator().manual_seed(seed)
+    R, bs, window, top_k = 5, 8, 16, 72
+    n = torch.randint(100, 400, (R, 1), generator=g)
+    n[0] = 30                                           # shorter than the budget: everything visible
+    first = torch.randint(0, 20, (R, 1), generator=g)
+    first[1] = 0
+    nb = -(-int(n.max()) // bs)
+    scores = torch.randn(R, nb, generator=g)
+    scores[torch.arange(nb)[None] * bs >= n] = float("nan")
+    anc = torch.randint(-1, 400, (R, anchors), generator=g)
+    n_cand = candidate_blocks(nb, int(n.max()) - window, int(first.min()), bs)
+    kw = dict(sinks=sinks, store_block=bs * sb_mult)
+    want = select(scores, n, first, window, top_k, bs, anc, None, prefetch, n_cand, **kw)
+    got = select(scores, n, first, window, top_k, bs, anc, None, prefetch, n_cand, kernels=True, **kw)
+    for name in ("tokens", "prefetch", "block_hits", "loaded", "both"):
+        a, b = getattr(got, name), getattr(want, name)
+        _need(a.shape == b.shape and torch.equal(a, b), f"{name} differs: {a.tolist()} != {b.tolist()}"[:600])
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -457,7 +483,11 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"install_slots-{'masked' if m else 'all'}-{'flag' if f else 'noflag'}-{'bcast' if b else 'rows'}":
        (lambda m=m, f=f, b=b: _install(m, f, b)) for m in (False, True) for f in (False, True) for b in (False, True)},
     "install_slots-hot-buffer-oracle": _hot_buffer_oracle,
-    "hot-buffer-kernels-in-an-engine": _engine_hot_buffer,
+    "decode-kernels-in-an-engine": _engine_decode_kernels,
+    "select-assembly-sinks4-prefetch1-anchors6": lambda: _select(4, 1, 1, 6, 0),
+    "select-assembly-nosinks-noprefetch-noanchors": lambda: _select(0, 1, 0, 0, 1),
+    "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
+    "select-assembly-many-anchors": lambda: _select(2, 1, 2, 20, 3),
 }
 
 

@@ -152,10 +152,11 @@ def test_a_batch_of_rows_is_one_state_and_positions_may_differ_per_row():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("graphs", [False, True])
-def test_on_a_gpu_the_kernel_hot_buffer_decodes_like_the_reference(graphs):
-    """hot_buffer_kernels=True (Triton lookup, prefetch, install; replayed from per-layer graphs
-    or launched) leaves the LRU state, hit counts and outputs of the torch hot buffer, through a
-    2,000-token prefill and 40 steps that cross blocks."""
+def test_on_a_gpu_the_decode_kernels_decode_like_the_reference(graphs):
+    """decode_kernels=True (the selection's assembly and the hot buffer's lookup, prefetch and
+    install as Triton kernels; replayed from per-layer graphs or launched) leaves the LRU state,
+    hit counts and outputs of the torch path, through a 2,000-token prefill of two sequences and
+    40 steps that cross blocks."""
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
     from hi_sparse.workloads import run_decode, run_prefill
@@ -168,7 +169,7 @@ def test_on_a_gpu_the_kernel_hot_buffer_decodes_like_the_reference(graphs):
     steps = [tuple(torch.randn(2, h, 1, D, generator=g).cuda() for h in (HQ, HKV, HKV)) for _ in range(40)]
     runs = []
     for kernels in (True, False):
-        eng = HiSparseEngine(HiSparseConfig(**base, hot_buffer_kernels=kernels), L, HQ, HKV, D, device="cuda")
+        eng = HiSparseEngine(HiSparseConfig(**base, decode_kernels=kernels), L, HQ, HKV, D, device="cuda")
         sid = eng.add_sequences(2)
         run_prefill(eng, sid, k, v, q)
         outs = [run_decode(eng, sid, *s) for s in steps]

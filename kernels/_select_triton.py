@@ -1,0 +1,100 @@
+"""Triton: the selection's assembly after the block ranking, one program per row (select.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import next_pow2
+
+
+@triton.jit
+def _assemble_kernel(
+    p_top, p_s, p_n, p_first, p_anc, p_both, p_blocks, p_loaded,
+    s_top, s_s, s_n, s_first, s_anc, s_both, s_blocks,
+    window, top_k, bs, sinks, A, take, w_keep, w_pf, sb, NBS,
+    BW: tl.constexpr, BA: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    BB: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.load(p_n + r * s_n)
+    first = tl.load(p_first + r * s_first)
+    w0 = n - window
+    rest = first + sinks
+    row = p_both + r * s_both
+    # the window
+    o_w = tl.arange(0, BW)
+    m_w = o_w < window
+    win = w0 + o_w
+    win_ok = m_w & (win >= first)
+    tl.store(row + o_w, tl.where(win_ok, win, -1), mask=m_w)
+    # the anchors
+    o_a = tl.arange(0, BA)
+    m_a = o_a < A
+    anc = tl.load(p_anc + r * s_anc + o_a, mask=m_a, other=-1)
+    anc_ok = m_a & (anc >= rest) & (anc < w0)
+    tl.store(row + window + o_a, tl.where(anc_ok, anc, -1), mask=m_a)
+    # the sinks
+    o_s = tl.arange(0, BS)
+    sink = first + o_s
+    sink_ok = (o_s < sinks) & (sink < w0)
+    n_sink = tl.sum(sink_ok.to(tl.int64), 0)
+    budget = top_k - tl.sum(win_ok.to(tl.int64), 0) - tl.sum(anc_ok.to(tl.int64), 0) - n_sink
+    budget = tl.minimum(tl.maximum(budget, 0), w_keep - n_sink)
+    # the packed part: sinks, the kept ranked tokens, then the prefetch, -1 where none
+    packed = row + window + A
+    o_p = tl.arange(0, BP)
+    tl.store(packed + o_p, tl.full([BP], -1, tl.int64), mask=o_p < w_keep + w_pf)
+    tl.debug_barrier()
+    tl.store(packed + o_s, sink, mask=sink_ok)        # sink_ok holds for a prefix: column i
+    o_q = tl.arange(0, BQ)
+    m_q = o_q < take * bs
+    blk = tl.load(p_top + r * s_top + o_q // bs, mask=m_q, other=0)
+    pos = blk * bs + o_q % bs
+    score = tl.load(p_s + r * s_s + blk, mask=m_q, other=float("-inf"))
+    ok = m_q & (pos >= rest) & (pos < w0) & (score > float("-inf"))
+    for i in range(0, A):                             # not one of the (kept) anchors
+        a = tl.load(p_anc + r * s_anc + i)
+        a = tl.where((a >= rest) & (a < w0), a, -1)
+        ok = ok & (pos != a)
+    rank = tl.cumsum(ok.to(tl.int64), 0)              # 1-based among the ok positions
+    dest = tl.where(rank <= budget, rank + n_sink - 1, rank + w_keep - 1 - budget)
+    tl.store(packed + dest, pos, mask=ok & (rank <= budget + w_pf))
+    tl.debug_barrier()
+    # selected tokens per storage block, and the tokens of the touched blocks
+    o_k = tl.arange(0, BK)
+    m_k = o_k < window + A + w_keep
+    tok = tl.load(row + o_k, mask=m_k, other=-1, volatile=True)
+    tl.atomic_add(p_blocks + r * s_blocks + tok // sb, tl.full([BK], 1, tl.int64), mask=m_k & (tok >= 0))
+    tl.debug_barrier()
+    loaded = tl.zeros([BB], tl.int64)
+    for b0 in range(0, NBS, BB):
+        o_b = b0 + tl.arange(0, BB)
+        m_b = o_b < NBS
+        hits = tl.load(p_blocks + r * s_blocks + o_b, mask=m_b, other=0, volatile=True)
+        size = tl.minimum(tl.maximum(n - o_b * sb, 0), sb)
+        loaded += tl.where(hits > 0, size, 0)
+    tl.atomic_add(p_loaded, tl.sum(loaded, 0))
+
+
+def assemble(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, anchors: torch.Tensor,
+             window: int, top_k: int, bs: int, sinks: int, w_keep: int, w_pf: int, sb: int,
+             n_store_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    R, take = top.shape
+    A = anchors.shape[1]
+    for t in (top, s, anchors):
+        if t.shape[1] and t.stride(1) != 1:
+            raise ValueError("top, scores and anchors need contiguous rows")
+    both = torch.empty(R, window + A + w_keep + w_pf, dtype=torch.int64, device=top.device)
+    counts = torch.zeros(R * n_store_blocks + 1, dtype=torch.int64, device=top.device)
+    blocks, loaded = counts[:-1].view(R, n_store_blocks), counts[-1]
+    _assemble_kernel[(R,)](
+        top, s, n_tokens, first, anchors, both, blocks, loaded,
+        top.stride(0), s.stride(0), n_tokens.stride(0), first.stride(0), anchors.stride(0), both.stride(0),
+        blocks.stride(0),
+        window, top_k, bs, sinks, A, take, w_keep, w_pf, sb, n_store_blocks,
+        BW=next_pow2(window), BA=next_pow2(A), BS=next_pow2(sinks), BP=next_pow2(w_keep + w_pf),
+        BQ=next_pow2(take * bs), BK=next_pow2(window + A + w_keep), BB=min(next_pow2(n_store_blocks), 1024),
+        num_warps=8,
+    )
+    return both, blocks, loaded
