@@ -10,7 +10,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 part=${1:-tests}
 if [ "$part" = tests ]; then
-timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_step_graph.py tests/test_runtime_batched.py \
+timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_step_graph.py tests/test_hot_buffer.py tests/test_runtime_batched.py \
   tests/test_batch_step.py tests/test_background_recalibration.py tests/test_host_pool.py 2>&1 | tee "$OUT/step_graph_tests.txt" | tail -25
 timeout 150 $PY benchmarks/prefill_profile.py --context 32768 --chunk 32768 --repeats 2 \
   --variants dense,hisparse-int4,hisparse-int4-bg --profile hisparse-int4-bg 2>&1 | tee "$OUT/prefill.txt" | tail -24
