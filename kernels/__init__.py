@@ -14,6 +14,7 @@ from .bounds import (
     top_blocks,
     two_level_candidates,
     two_level_pays,
+    widen_bounds,
 )
 from .lru import install_slots, reference_install_slots
 from .quant import (
@@ -38,5 +39,5 @@ __all__ = [
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
     "fake_quantize_blocks", "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES", "install_slots",
-    "reference_install_slots",
+    "reference_install_slots", "widen_bounds",
 ]

@@ -118,3 +118,33 @@ def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torc
             qf, lo, hi, out if idx is None else idx, blk, out, nb, m, nsup, d, nb if limit is None else limit,
             G=g, MODE=mode, GROUP=group, BLOCK_NB=BLOCK_NB, BLOCK_D=BLOCK_D, num_warps=num_warps)
     return (blk, out) if mode == 2 else out
+
+
+@triton.jit
+def _widen_kernel(p_lo, p_hi, p_k, p_start, D, cell_size, s_lb, s_lh, s_ln, s_hb, s_hh, s_hn, s_kb, s_kh,
+                  BLOCK_D: tl.constexpr):
+    # the bounds of the cell (block or super-block) holding each row's new key take it in
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    o = tl.arange(0, BLOCK_D)
+    m = o < D
+    cell = tl.load(p_start + b) // cell_size
+    # compared in fp32 (exact for fp16 / bf16 values, and the store gives back the same value)
+    k = tl.load(p_k + b * s_kb + h * s_kh + o, mask=m).to(tl.float32)
+    lo = p_lo + b * s_lb + h * s_lh + cell * s_ln + o
+    hi = p_hi + b * s_hb + h * s_hh + cell * s_hn + o
+    new_lo = tl.minimum(tl.load(lo, mask=m).to(tl.float32), k, propagate_nan=tl.PropagateNan.ALL)
+    new_hi = tl.maximum(tl.load(hi, mask=m).to(tl.float32), k, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(lo, new_lo.to(p_lo.dtype.element_ty), mask=m)
+    tl.store(hi, new_hi.to(p_hi.dtype.element_ty), mask=m)
+
+
+def widen(kmin, kmax, smin, smax, k, start, block_size: int, group: int) -> None:
+    B, H, _, D = k.shape
+    for t in (kmin, kmax, smin, smax, k):
+        if t.stride(-1) != 1:
+            raise ValueError("bounds and keys need contiguous last dims")
+    start = start.contiguous()
+    for lo, hi, size in ((kmin, kmax, block_size), (smin, smax, block_size * group)):
+        _widen_kernel[(B, H)](lo, hi, k, start, D, size, lo.stride(0), lo.stride(1), lo.stride(2), hi.stride(0),
+                              hi.stride(1), hi.stride(2), k.stride(0), k.stride(1), BLOCK_D=next_pow2(D))

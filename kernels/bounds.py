@@ -177,3 +177,28 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if use_triton(q, kmin, kmax):
         return kernel_module("_bounds_triton").scores(q, kmin, kmax, blocks, limit)
     return reference_block_scores(q, kmin, kmax, blocks, limit)
+
+
+def reference_widen_bounds(kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor,
+                           k: torch.Tensor, start: torch.Tensor, block_size: int, group: int) -> None:
+    """One new key per row k (B, H, 1, D) at positions start (B,): in place, the bounds (B, H, NB,
+    D) of its block (start // block_size) and the super-block bounds (B, H, NS, D) of that
+    block's group (block // group) take the elementwise min / max with it."""
+    B, H, _, D = k.shape
+    for lo, hi, cell in ((kmin, kmax, torch.div(start, block_size, rounding_mode="floor")),
+                         (smin, smax, torch.div(start, block_size * group, rounding_mode="floor"))):
+        idx = cell[:, None, None, None].expand(B, H, 1, D)
+        lo.scatter_(2, idx, torch.minimum(lo.gather(2, idx), k))
+        hi.scatter_(2, idx, torch.maximum(hi.gather(2, idx), k))
+
+
+def widen_bounds(kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor,
+                 k: torch.Tensor, start: torch.Tensor, block_size: int, group: int) -> None:
+    """:func:`reference_widen_bounds` in one Triton launch on CUDA (a decode step's 14 small ops)."""
+    check(k.dim() == 4 and k.shape[2] == 1 and start.shape == (k.shape[0],),
+          f"widen_bounds takes one key per row, k (B, H, 1, D) and start (B,); got {tuple(k.shape)}, "
+          f"{tuple(start.shape)}")
+    if use_triton(kmin, k):
+        kernel_module("_bounds_triton").widen(kmin, kmax, smin, smax, k, start, block_size, group)
+        return
+    reference_widen_bounds(kmin, kmax, smin, smax, k, start, block_size, group)

@@ -111,10 +111,11 @@ class HiSparseConfig:
                                          # a step cannot be planned or with the engine alone; True:
                                          # per-layer graphs only; False: launch the kernels each step
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
-    decode_kernels: bool = False         # CUDA: the decode step's selection assembly and hot-buffer
-                                         # lookup, prefetch and install as Triton kernels (kernels/
-                                         # select.py, lru.py: ~6 launches for ~110 small ones per
-                                         # layer and step); opt-in until timed on a GPU
+    decode_kernels: bool = False         # CUDA: the decode step's selection assembly, hot-buffer
+                                         # lookup, prefetch and install and key-bound widening as
+                                         # Triton kernels (kernels/select.py, lru.py, bounds.py: 94
+                                         # launches per layer and step instead of 235); opt-in
+                                         # until timed on a GPU
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True

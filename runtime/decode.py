@@ -124,7 +124,7 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     B, H, T, D = k.shape
     start = batch.starts(layer, APPEND)
     host.backup(layer, batch.tables, batch.tail_units, start, k, v)
-    key_bounds.update(rows.bank, batch.rows, start, k, cfg.select_block, cfg.bound_group)
+    key_bounds.update(rows.bank, batch.rows, start, k, cfg.select_block, cfg.bound_group, cfg.decode_kernels)
     pos = batch.head_starts(layer, APPEND)                                              # (B*H, T)
     if T > 1:
         pos = pos + torch.arange(T, device=k.device)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from hi_sparse.kernels.bounds import widen_bounds
+
 from .row_bank import RowBank
 
 BOUNDS = ("kmin", "kmax")                 # per selection block
@@ -59,9 +61,15 @@ def grow(bank: RowBank, tokens: int, block_size: int, select_block: int, group: 
         bank.grow(name, 0, -(-new * select_block // block_size))
 
 
-def update(bank: RowBank, rows: slice, start: torch.Tensor, k: torch.Tensor, select_block: int, group: int) -> None:
+def update(bank: RowBank, rows: slice, start: torch.Tensor, k: torch.Tensor, select_block: int, group: int,
+           kernels: bool = False) -> None:
     """Widen the bounds of rows ``rows`` by new keys k (B, Hkv, T, D) at positions start (B,) + t
-    (a device tensor: no host sync; a decode token is its own bounds, so T = 1 folds nothing)."""
+    (a device tensor: no host sync; a decode token is its own bounds, so T = 1 folds nothing;
+    ``kernels``: one token's widening in one Triton launch on CUDA, kernels/bounds.py)."""
+    if kernels and k.shape[2] == 1:
+        widen_bounds(bank.t["kmin"][rows], bank.t["kmax"][rows], bank.t["smin"][rows], bank.t["smax"][rows], k,
+                     start, select_block, group)
+        return
     lo, hi, first = _fold(k, k, start, select_block)
     _widen(bank.t["kmin"][rows], first, lo, torch.minimum)
     _widen(bank.t["kmax"][rows], first, hi, torch.maximum)

@@ -365,11 +365,12 @@ def _engine_decode_kernels() -> None:
         run_prefill(eng, sid, k, v, q)
         outs = [run_decode(eng, sid, *step) for step in steps]
         bank = eng.layers[0].hot
+        bounds = [eng.layers[0].bank.t[name].clone() for name in ("kmin", "kmax", "smin", "smax")]
         results.append((outs, [t.clone() for t in (bank.slot_token, bank.slot_stamp, bank.prefetched,
-                                                     bank.token_slot)], eng.stats.hot_buffer_hits))
+                                                     bank.token_slot)] + bounds, eng.stats.hot_buffer_hits))
     (a_out, a_state, a_hits), (b_out, b_state, b_hits) = results
     _need(a_hits == b_hits and a_hits > 0, f"hits {a_hits} != {b_hits}")
-    _need(all(torch.equal(x, y) for x, y in zip(a_state, b_state)), "the LRU state differs")
+    _need(all(torch.equal(x, y) for x, y in zip(a_state, b_state)), "the LRU state or the key bounds differ")
     _need(all(torch.equal(x, y) for x, y in zip(a_out, b_out)), "the outputs differ")
 
 
@@ -396,6 +397,27 @@ def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int) ->
     for name in ("tokens", "prefetch", "block_hits", "loaded", "both"):
         a, b = getattr(got, name), getattr(want, name)
         _need(a.shape == b.shape and torch.equal(a, b), f"{name} differs: {a.tolist()} != {b.tolist()}"[:600])
+
+
+def _widen(dtype: torch.dtype, d: int) -> None:
+    """widen_bounds (one decode key per row) against its reference: exactly the same bounds."""
+    from hi_sparse.kernels.bounds import reference_widen_bounds, widen_bounds
+
+    g = torch.Generator().manual_seed(d)
+    B, H, NB, G = 3, 2, 12, 4
+    kmin = torch.randn(B, H, NB, d, generator=g).to(dtype)
+    kmax = kmin + torch.rand(B, H, NB, d, generator=g).to(dtype)
+    smin = torch.randn(B, H, NB // G, d, generator=g).to(dtype)
+    smax = smin + torch.rand(B, H, NB // G, d, generator=g).to(dtype)
+    k = (2 * torch.randn(B, H, 1, d, generator=g)).to(dtype)
+    start = torch.tensor([0, 37, 95])
+    got = [t.clone() for t in (kmin, kmax, smin, smax)]
+    want = [t.clone() for t in (kmin, kmax, smin, smax)]
+    widen_bounds(*got, k, start, 8, G)
+    reference_widen_bounds(*want, k, start, 8, G)
+    for name, a, b in zip(("kmin", "kmax", "smin", "smax"), got, want):
+        _need(torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[:4].tolist()}")
+    _need(not torch.equal(got[0], kmin), "nothing was widened")
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -488,6 +510,8 @@ CASES: dict[str, Callable[[], None]] = {
     "select-assembly-nosinks-noprefetch-noanchors": lambda: _select(0, 1, 0, 0, 1),
     "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
     "select-assembly-many-anchors": lambda: _select(2, 1, 2, 20, 3),
+    "widen_bounds-fp32-d60": lambda: _widen(torch.float32, 60),
+    "widen_bounds-bf16-d64": lambda: _widen(torch.bfloat16, 64),
 }
 
 

@@ -153,10 +153,10 @@ def test_a_batch_of_rows_is_one_state_and_positions_may_differ_per_row():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_on_a_gpu_the_decode_kernels_decode_like_the_reference(graphs):
-    """decode_kernels=True (the selection's assembly and the hot buffer's lookup, prefetch and
-    install as Triton kernels; replayed from per-layer graphs or launched) leaves the LRU state,
-    hit counts and outputs of the torch path, through a 2,000-token prefill of two sequences and
-    40 steps that cross blocks."""
+    """decode_kernels=True (the selection's assembly, the hot buffer's lookup, prefetch and
+    install and the key bounds' widening as Triton kernels; replayed from per-layer graphs or
+    launched) leaves the LRU state, key bounds, hit counts and outputs of the torch path, through
+    a 2,000-token prefill of two sequences and 40 steps that cross blocks."""
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
     from hi_sparse.workloads import run_decode, run_prefill
@@ -175,6 +175,7 @@ def test_on_a_gpu_the_decode_kernels_decode_like_the_reference(graphs):
         outs = [run_decode(eng, sid, *s) for s in steps]
         state = [t.clone() for layer in eng.layers for t in (layer.hot.slot_token, layer.hot.slot_stamp,
                                                                layer.hot.prefetched, layer.hot.token_slot)]
+        state += [layer.bank.t[name].clone() for layer in eng.layers for name in ("kmin", "kmax", "smin", "smax")]
         runs.append((outs, state, eng.stats.hot_buffer_hits, eng.stats.hot_buffer_lookups))
     (a_out, a_state, a_hits, a_look), (b_out, b_state, b_hits, b_look) = runs
     assert (a_hits, a_look) == (b_hits, b_look) and 0 < a_hits < a_look
