@@ -343,7 +343,7 @@ def _hot_buffer_oracle() -> None:
         HotBufferBank.__init__ = init
 
 
-def _engine_decode_kernels() -> None:
+def _engine_decode_kernels(bits: int | None = None) -> None:
     """Decode steps of an engine with decode_kernels (the selection's assembly and the hot buffer's
     lookup, prefetch and install as Triton kernels) leave the same LRU state, hit counts and
     outputs as one on the torch reference."""
@@ -352,12 +352,12 @@ def _engine_decode_kernels() -> None:
     from hi_sparse.workloads import run_decode, run_prefill
 
     base = dict(max_seq_len=512, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
-                audit_every=0, telemetry=False, recalibrate_every=1 << 20)
+                audit_every=0, telemetry=False, recalibrate_every=1 << 20, host_kv_bits=bits)
     g = torch.Generator().manual_seed(3)
     k, v, q = torch.randn(1, 2, 200, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g), torch.randn(
         1, 4, 200, 16, generator=g)
     steps = [(torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g),
-              torch.randn(1, 2, 1, 16, generator=g)) for _ in range(6)]
+              torch.randn(1, 2, 1, 16, generator=g)) for _ in range(10)]   # crosses a block at 208
     results = []
     for kernels in (True, False):
         eng = HiSparseEngine(HiSparseConfig(**base, decode_kernels=kernels), 1, 4, 2, 16)
@@ -506,6 +506,7 @@ CASES: dict[str, Callable[[], None]] = {
        (lambda m=m, f=f, b=b: _install(m, f, b)) for m in (False, True) for f in (False, True) for b in (False, True)},
     "install_slots-hot-buffer-oracle": _hot_buffer_oracle,
     "decode-kernels-in-an-engine": _engine_decode_kernels,
+    "decode-kernels-in-an-engine-int4": lambda: _engine_decode_kernels(4),
     "select-assembly-sinks4-prefetch1-anchors6": lambda: _select(4, 1, 1, 6, 0),
     "select-assembly-nosinks-noprefetch-noanchors": lambda: _select(0, 1, 0, 0, 1),
     "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
