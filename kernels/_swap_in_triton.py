@@ -72,3 +72,59 @@ def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
         raise ValueError("swap_in_dequant needs unit stride in the last dim; pass .contiguous() tensors")
     _quant_triton.dequantize_rows(packed, scale, zero, bits, rows_per_block, on_device(src_rows, dst.device), dst,
                                   on_device(dst_rows, dst.device), layout)
+
+
+@triton.jit
+def _plan_kernel(
+    p_both, p_miss, p_loaded, p_slots, p_pslots, p_head_rows, p_tables, p_seq, p_kvh, p_n, p_tail,
+    p_src, p_src_tail, p_dst, K, P, bs, H,
+    s_both, s_miss, s_loaded, s_slots, s_pslots, s_head_rows, s_tables, s_seq, s_kvh, s_n, s_tail,
+    QUANT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < K + P
+    sel, pre = m & (o < K), m & (o >= K)
+    tok = tl.maximum(tl.load(p_both + r * s_both + o, mask=m, other=0), 0)
+    take = (tl.load(p_miss + r * s_miss + o, mask=sel, other=0) != 0) | (
+        tl.load(p_loaded + r * s_loaded + (o - K), mask=pre, other=0) != 0)
+    slot = tl.where(sel, tl.load(p_slots + r * s_slots + o, mask=sel, other=0),
+                    tl.load(p_pslots + r * s_pslots + (o - K), mask=pre, other=0))
+    logical = tok // bs
+    offset = tok % bs
+    seq = tl.load(p_seq + r * s_seq)
+    blk = tl.maximum(tl.load(p_tables + seq * s_tables + logical, mask=m, other=0), 0)
+    main = (blk * H + tl.load(p_kvh + r * s_kvh)) * bs + offset          # host_pool.block_rows
+    out = r * (K + P) + o
+    if QUANT:   # a token of the unfilled last block is read from the float tail
+        in_tail = logical >= tl.load(p_n + r * s_n) // bs
+        tl.store(p_src + out, tl.where(take & (~in_tail), main, -1), mask=m)
+        tl.store(p_src_tail + out, tl.where(take & in_tail, tl.load(p_tail + r * s_tail) + offset, -1), mask=m)
+    else:
+        tl.store(p_src + out, tl.where(take, main, -1), mask=m)
+    tl.store(p_dst + out, tl.load(p_head_rows + r * s_head_rows) + slot, mask=m)
+
+
+def swap_plan(both, miss, loaded, slots, pslots, head_rows, tables, seq, kv_head, n_head, tail, block_size: int,
+              num_kv_heads: int):
+    R, W = both.shape
+    K, P = miss.shape[1], loaded.shape[1]
+    if W != K + P or slots.shape != miss.shape or pslots.shape != loaded.shape:
+        raise ValueError("both must be the selection then the prefetch, with their slots and masks")
+    for t in (both, miss, loaded, slots, pslots, tables):
+        if t.shape[1] and t.stride(1) != 1:
+            raise ValueError("the plan's row tensors need contiguous rows")
+    src = torch.empty(R * W, dtype=torch.int64, device=both.device)
+    dst = torch.empty(R * W, dtype=torch.int64, device=both.device)
+    src_tail = torch.empty(R * W, dtype=torch.int64, device=both.device) if tail is not None else None
+    quant = tail is not None
+    tail_arg = tail if quant else head_rows
+    BLOCK = min(next_pow2(W), 1024)
+    _plan_kernel[(R, triton.cdiv(W, BLOCK))](
+        both, miss.view(torch.uint8), loaded.view(torch.uint8), slots, pslots, head_rows, tables, seq, kv_head,
+        n_head, tail_arg, src, src_tail if quant else src, dst, K, P, block_size, num_kv_heads,
+        both.stride(0), miss.stride(0), loaded.stride(0), slots.stride(0), pslots.stride(0), head_rows.stride(0),
+        tables.stride(0), seq.stride(0), kv_head.stride(0), n_head.stride(0), tail_arg.stride(0),
+        QUANT=quant, BLOCK=BLOCK,
+    )
+    return src, src_tail, dst

@@ -117,3 +117,19 @@ def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
                                                          src_rows, dst, dst_rows, layout)
         return
     reference_swap_in_dequant(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows, layout)
+
+
+def swap_plan(both: torch.Tensor, miss: torch.Tensor, loaded: torch.Tensor, slots: torch.Tensor,
+              pslots: torch.Tensor, head_rows: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor,
+              kv_head: torch.Tensor, n_head: torch.Tensor, tail: torch.Tensor | None, block_size: int,
+              num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A decode step's swap-in rows in one Triton launch (runtime/decode.py ``_swap_rows`` is the
+    reference): for each selected then prefetched token of each row (``both`` (R, K + P); the
+    copied ones where ``miss`` (R, K) / ``loaded`` (R, P)), its host row, in the main pool (the
+    row of block ``tables[seq[r], token // block_size]``, KV head ``kv_head[r]``, in the layout of
+    host_pool.block_rows) or with ``tail`` (R, 1) (quantized pools) in the float tail when it lies
+    in the row's unfilled last block (``n_head`` (R, 1) tokens), -1 where nothing is copied, and
+    its hot-buffer row ``head_rows[r] + slot``. Flat (R * (K + P),) int64 each."""
+    check(use_triton(both), "swap_plan runs on CUDA (or the Triton interpreter)")
+    return kernel_module("_swap_in_triton").swap_plan(both, miss, loaded, slots, pslots, head_rows, tables, seq,
+                                                      kv_head, n_head, tail, block_size, num_kv_heads)

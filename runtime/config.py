@@ -112,10 +112,10 @@ class HiSparseConfig:
                                          # per-layer graphs only; False: launch the kernels each step
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
     decode_kernels: bool = False         # CUDA: the decode step's selection assembly, hot-buffer
-                                         # lookup, prefetch and install and key-bound widening as
-                                         # Triton kernels (kernels/select.py, lru.py, bounds.py: 94
-                                         # launches per layer and step instead of 235); opt-in
-                                         # until timed on a GPU
+                                         # lookup, prefetch and install, key-bound widening and
+                                         # swap-in rows as Triton kernels (kernels/select.py, lru.py,
+                                         # bounds.py, swap_in.py: 75 launches per layer and step
+                                         # instead of 235); opt-in until timed on a GPU
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hi_sparse.kernels import sparse_decode_attention, two_level_pays
+from hi_sparse.kernels._dispatch import use_triton
+from hi_sparse.kernels.swap_in import swap_plan
 
 from . import anchors, key_bounds
 from .batch_step import GraphRunner
@@ -171,19 +173,13 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     slots, miss, used, hits, prefetch_used = state.lookup(sel.tokens, clock, sel.prefetch.shape[1])  # used: (B*H,)
     loaded, prefetch_slots = state.prefetch(sel.prefetch, S - used, clock + ticks(selected=K))
     # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
-    tokens = sel.both.clamp(min=0)                                  # the selection, then the prefetch
-    take = torch.cat([miss, loaded], 1)
-    dst = (batch.head_rows + torch.cat([slots, prefetch_slots], 1)).reshape(-1)
-    logical, offset = tokens // bs, tokens % bs
-    main = host.block_rows(batch.tables, batch.kv_head, logical, offset, seq=batch.seq_of_head)
-    if host.quantized:
-        in_tail = logical >= n_head // bs                       # the unfilled last block: the float tail
-        src = torch.where(take & ~in_tail, main, -1)
-        src_tail = torch.where(take & in_tail, batch.tail_units.view(-1, 1) + offset, -1)
+    tail = batch.tail_units.view(-1, 1) if host.quantized else None
+    if cfg.decode_kernels and use_triton(q):
+        src, src_tail, dst = swap_plan(sel.both, miss, loaded, slots, prefetch_slots, batch.head_rows, batch.tables,
+                                       batch.seq_of_head, batch.kv_head, n_head, tail, bs, H)
     else:
-        src, src_tail = torch.where(take, main, -1), None
-    nbytes = host.load(layer, src.reshape(-1), None if src_tail is None else src_tail.reshape(-1),
-                       rows.k.view(-1, D), rows.v.view(-1, D), dst)
+        src, src_tail, dst = _swap_rows(host, batch, sel.both, miss, loaded, slots, prefetch_slots, n_head, tail)
+    nbytes = host.load(layer, src, src_tail, rows.k.view(-1, D), rows.v.view(-1, D), dst)
     lookups = used.sum()                                   # every selected token is looked up
     rows.counters.add(lookups, hits, prefetch_used, lookups, sel.loaded, loaded.sum(), nbytes)
     if cfg.streaming:
@@ -191,6 +187,24 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     remember_queries(rows.bank, r, q[:, None])
     out = sparse_decode_attention(q.to(shape.dtype), rows.k[r], rows.v[r], slots.view(B, H, -1), shape.scale)
     return out.to(q.dtype), sel.tokens
+
+
+def _swap_rows(host: HostPool, batch: Batch, both: torch.Tensor, miss: torch.Tensor, loaded: torch.Tensor,
+               slots: torch.Tensor, prefetch_slots: torch.Tensor, n_head: torch.Tensor,
+               tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The host rows (main pool, float tail or -1) and hot-buffer rows of a step's swap-in, flat
+    (the reference of kernels/swap_in.py ``swap_plan``)."""
+    bs = host.block_size
+    tokens = both.clamp(min=0)                                      # the selection, then the prefetch
+    take = torch.cat([miss, loaded], 1)
+    dst = (batch.head_rows + torch.cat([slots, prefetch_slots], 1)).reshape(-1)
+    logical, offset = tokens // bs, tokens % bs
+    main = host.block_rows(batch.tables, batch.kv_head, logical, offset, seq=batch.seq_of_head)
+    if tail is None:
+        return torch.where(take, main, -1).reshape(-1), None, dst
+    in_tail = logical >= n_head // bs                               # the unfilled last block: the float tail
+    src = torch.where(take & ~in_tail, main, -1)
+    return src.reshape(-1), torch.where(take & in_tail, tail + offset, -1).reshape(-1), dst
 
 
 @dataclass

@@ -420,6 +420,44 @@ def _widen(dtype: torch.dtype, d: int) -> None:
     _need(not torch.equal(got[0], kmin), "nothing was widened")
 
 
+def _swap_plan(quantized: bool) -> None:
+    """swap_plan (a step's swap-in rows in one launch) against decode._swap_rows, on tokens of
+    every kind: padding, main-pool blocks, the unfilled last block (the float tail when quantized),
+    copied or not."""
+    import types
+
+    from hi_sparse.decode import _swap_rows
+    from hi_sparse.host_pool import HostPool
+    from hi_sparse.kernels.swap_in import swap_plan
+
+    class Host:
+        block_size, num_kv_heads = 8, 2
+        unit_rows, block_rows = HostPool.unit_rows, HostPool.block_rows
+
+    g = torch.Generator().manual_seed(int(quantized))
+    B, H, K, P, bs = 2, 2, 20, 8, 8
+    R = B * H
+    n = torch.tensor([70, 70, 45, 45])[:, None]                     # tokens per row
+    both = torch.stack([torch.randperm(int(n[r]), generator=g)[:K + P] for r in range(R)])
+    both[:, ::7] = -1
+    both[:, 3] = n[:, 0] - 2                                          # the unfilled last block
+    miss, loaded = torch.rand(R, K, generator=g) < 0.5, torch.rand(R, P, generator=g) < 0.5
+    miss[:, 3] = True
+    slots, pslots = torch.randint(0, 64, (R, K), generator=g), torch.randint(0, 64, (R, P), generator=g)
+    heads = torch.arange(R)
+    batch = types.SimpleNamespace(head_rows=(heads * 64)[:, None], tables=torch.stack([torch.randperm(12, generator=g)
+                                                                                      for _ in range(B)]),
+                                  seq_of_head=(heads // H)[:, None], kv_head=(heads % H)[:, None])
+    tail = (100 + heads * bs)[:, None] if quantized else None
+    want = _swap_rows(Host(), batch, both, miss, loaded, slots, pslots, n, tail)
+    got = swap_plan(both, miss, loaded, slots, pslots, batch.head_rows, batch.tables, batch.seq_of_head,
+                    batch.kv_head, n, tail, bs, H)
+    for name, a, b in zip(("src", "src_tail", "dst"), got, want):
+        _need((a is None and b is None) or torch.equal(a, b), f"{name} differs")
+    if quantized:
+        _need(bool((got[1] >= 0).any()), "no token came from the tail")
+
+
 CASES: dict[str, Callable[[], None]] = {
     "attention-fp32-d60-split": lambda: _attention(1, 4, 2, 50, 60, 100, torch.float32, 1e-5),
     "attention-fp16-d64-single": lambda: _attention(2, 8, 4, 40, 64, 40, torch.float16, 5e-3),
@@ -513,6 +551,8 @@ CASES: dict[str, Callable[[], None]] = {
     "select-assembly-many-anchors": lambda: _select(2, 1, 2, 20, 3),
     "widen_bounds-fp32-d60": lambda: _widen(torch.float32, 60),
     "widen_bounds-bf16-d64": lambda: _widen(torch.bfloat16, 64),
+    "swap_plan-unquantized": lambda: _swap_plan(False),
+    "swap_plan-quantized": lambda: _swap_plan(True),
 }
 
 
