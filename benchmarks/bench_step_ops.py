@@ -9,7 +9,7 @@ their number is what a faster step removes. This counts the aten operations that
 as their reference ops here), with the configuration of e2e_h200.py: top_k 2048, window 1024,
 64-token blocks, 4-bit host blocks.
 
-    python benchmarks/bench_step_ops.py [--context 32768] [--steps 4] [--top 25] [--triton [--decode-kernels]]
+    python benchmarks/bench_step_ops.py [--context 32768] [--steps 4] [--top 25] [--triton [--no-decode-kernels]]
 
 --triton counts the GPU path instead: the Triton kernels run in the interpreter (set before
 anything imports Triton), each launch one kernel, the aten operations inside it not counted.
@@ -100,14 +100,15 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--bits", default="4", help="host_kv_bits: 4, 8 or none")
     ap.add_argument("--triton", action="store_true", help="count the GPU path (Triton interpreter)")
-    ap.add_argument("--decode-kernels", action="store_true", help="decode_kernels=True (with --triton)")
+    ap.add_argument("--no-decode-kernels", action="store_true",
+                    help="with --triton: decode_kernels=False, the torch references of the step's small kernels")
     args = ap.parse_args()
     torch.manual_seed(0)
     L, HQ, HKV, D = 1, 8, 2, 32
     bits = None if args.bits == "none" else int(args.bits)
     cfg = HiSparseConfig(max_seq_len=args.context + args.steps + 64, cache_block_size=64, window_size=1024,
                          top_k=2048, global_tokens=16, host_kv_bits=bits, telemetry=False, audit_every=0,
-                         recalibrate_every=1 << 30, decode_kernels=args.decode_kernels)
+                         recalibrate_every=1 << 30, decode_kernels=not args.no_decode_kernels)
     eng = HiSparseEngine(cfg, L, HQ, HKV, D)
     sid = eng.add_sequences(1)
     T = args.context

@@ -67,7 +67,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke run of this script")
-    ap.add_argument("--decode-kernels", action="store_true", help="decode_kernels=True (the fused selection and LRU)")
+    ap.add_argument("--no-decode-kernels", action="store_true",
+                    help="decode_kernels=False: the step's small kernels by their torch references")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
@@ -87,13 +88,13 @@ def main() -> int:
         del out, cache
         hs.enable_hisparse_kv_cache(model, max_seq_len=args.context + 64, block_size=64, window_size=1024,
                                     top_k=2048, host_kv_bits=bits, telemetry=False, audit_every=0,
-                                    decode_graphs=False, decode_kernels=args.decode_kernels)
+                                    decode_graphs=False, decode_kernels=not args.no_decode_kernels)
         out, cache = prefill(model, ids, None, 32768)
         sync(device)
         first = out.logits[:, -1:].argmax(-1)
         cache = output_cache(out)
         del out
-        label = f"hisparse-{args.bits}-{args.context}" + ("-kernels" if args.decode_kernels else "")
+        label = f"hisparse-{args.bits}-{args.context}" + ("-torch" if args.no_decode_kernels else "")
         results["runs"][label] = profiled(model, cache, first, args.steps, label, args.top, out_dir, device)
     with open(os.path.join(out_dir, "decode_profile.json"), "w") as f:
         json.dump(results, f, indent=1)

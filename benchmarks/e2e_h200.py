@@ -276,7 +276,8 @@ def main() -> int:
                     help="comma list of single-sequence variants to run (default: dense,dense-static,hisparse,"
                          "hisparse-int8,hisparse-int4; dense-static: StaticCache + a CUDA graph per decode step; "
                          "also hisparse-int4-step: decode_graphs=\"step\", the whole forward in one graph, and "
-                         "hisparse-int4-step-kernels: that with decode_kernels=True)")
+                         "hisparse-int4-step-torch: that with decode_kernels=False, the torch reference of the step's "
+                         "small kernels; -kernels: decode_kernels=True, the default)")
     ap.add_argument("--telemetry-check", action="store_true",
                     help="at the first context also run HiSparse with telemetry on and easymats attached at 10 Hz")
     ap.add_argument("--batch", type=int, default=0, help="aggregate decode of this many sequences (0 = skip)")
@@ -303,8 +304,9 @@ def main() -> int:
                          "keeps each layer's hot buffer on its layer's GPU")
     ap.add_argument("--step-graphs", action="store_true",
                     help='HiSparse with decode_graphs="step": the whole decode forward in one CUDA graph')
-    ap.add_argument("--decode-kernels", action="store_true",
-                    help="decode_kernels=True: the selection's assembly and the hot buffer as Triton kernels")
+    ap.add_argument("--no-decode-kernels", action="store_true",
+                    help="decode_kernels=False: the selection's assembly, the hot buffer, the key bounds and the "
+                         "swap-in rows by their torch references instead of the Triton kernels (the default)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
@@ -453,7 +455,7 @@ def main() -> int:
                                                 selection_block_size=args.selection_block,
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
-                                                decode_kernels=args.decode_kernels or label.endswith("-kernels"),
+                                                decode_kernels=not (args.no_decode_kernels or label.endswith("-torch")),
                                                 decode_graphs=False if args.no_graphs else
                                                 "step" if args.step_graphs or "-step" in label
                                                 else True)
@@ -619,7 +621,7 @@ def main() -> int:
     variants = [("dense", None), ("dense-static", None), ("hisparse", None)]
     variants += [] if args.skip_quant else [("hisparse-int8", 8), ("hisparse-int4", 4)]
     # by name: whole-step graphs beside per-layer ones; -lru: with the hot buffer's Triton kernels
-    known_only = [("hisparse-int4-step", 4), ("hisparse-int4-step-kernels", 4)]
+    known_only = [("hisparse-int4-step", 4), ("hisparse-int4-step-kernels", 4), ("hisparse-int4-step-torch", 4)]
     if args.variants:
         known = dict(variants + known_only)
         bad = [v for v in args.variants.split(",") if v not in known]

@@ -15,7 +15,7 @@ timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_step_graph.py
 timeout 150 $PY benchmarks/prefill_profile.py --context 32768 --chunk 32768 --repeats 2 \
   --variants dense,hisparse-int4,hisparse-int4-bg --profile hisparse-int4-bg 2>&1 | tee "$OUT/prefill.txt" | tail -24
 else
-timeout 320 $PY benchmarks/e2e_h200.py --contexts 32768,131072 --variants dense-static,hisparse-int4,hisparse-int4-step,hisparse-int4-step-kernels \
+timeout 320 $PY benchmarks/e2e_h200.py --contexts 32768,131072 --variants dense-static,hisparse-int4,hisparse-int4-step,hisparse-int4-step-torch \
   --decode-steps 32 --chunk 32768 --json "$OUT/e2e_single.json" 2>&1 | tee "$OUT/e2e_single.txt" | cut -c1-400 | tail -8
 timeout 150 $PY benchmarks/e2e_h200.py --contexts "" --variants hisparse-int4 --batch-context 131072 --hisparse-batch 24 \
   --decode-steps 24 --chunk 32768 --planted 24 --step-graphs --json "$OUT/e2e_batch.json" 2>&1 \
