@@ -87,10 +87,13 @@ class HiSparseConfig:
     recalibrate_every: int = 32768       # tokens between scheduled recalibrations
     recalibrate_topk: int = 32           # tokens labelled as anchors when the probe is refit
     recalibrate_queries: int = 8         # recent decode queries kept per layer for re-scoring
-    background_recalibration: bool = False   # CUDA: recalibrate on a side stream while steps go on
-                                         # and use the result from the first step after it finished;
-                                         # one due at a prefill's end starts with the next step
-                                         # (False: at the end of the step that is due, waiting)
+    background_recalibration: bool | None = None   # recalibrate on a side stream while steps go
+                                         # on and use the result from the first step after it
+                                         # finished; one due at a prefill's end starts with the next
+                                         # step (the first token does not wait for it). None: on
+                                         # CUDA (H200, 32K prefill 1.12x dense, 1.23x without);
+                                         # False (the CPU's default): at the end of the step that
+                                         # is due, waiting
     audit_every: int = 16                # decode steps between audits (0 = never)
     audit_top_m: int = 8                 # true top-m tokens compared against the selection ("top_m")
     # what an audit measures: "mass", the share of the query's exact attention that fell on the
@@ -204,6 +207,9 @@ class HiSparseConfig:
         need(self.audit_top_m >= 1, "audit_top_m must be >= 1")
         need(self.decode_graphs in DECODE_GRAPHS and isinstance(self.decode_graphs, bool | str),
              f"decode_graphs must be True, False or 'step', got {self.decode_graphs!r}")
+        need(self.background_recalibration is None or isinstance(self.background_recalibration, bool),
+             f"background_recalibration must be True, False or None (on CUDA), "
+             f"got {self.background_recalibration!r}")
         need(isinstance(self.decode_kernels, bool),
              f"decode_kernels must be True or False, got {self.decode_kernels!r}")
         need(self.audit_measure in AUDIT_MEASURES,

@@ -81,6 +81,8 @@ class HiSparseEngine:
             self.pool.grow(cfg.host_pool_blocks)
             self.host.grow(blocks=cfg.host_pool_blocks)
         self.layers = self._layers(devices)
+        bg = cfg.background_recalibration             # None: where there is a side stream to run on
+        self._background = any(d.type == "cuda" for d in devices) if bg is None else bg
         self._sequences = SequenceTable(cfg, self.layers, self.host, self.pages)
         self._storage = Storage(cfg, self.pool, self.pages, self.host, self.layers, self._sequences, metrics)
         self._decoder = Decoder(cfg, shape, self.layers, self.host, self._storage, self._sequences, metrics)
@@ -341,7 +343,7 @@ class HiSparseEngine:
         reason = self.recal.due(ready) if self._recal_job is None and self._recal_deferred is None else None
         if reason is not None:
             self.recal.start(reason)
-            background = self.cfg.background_recalibration and not self.cfg.streaming
+            background = self._background and not self.cfg.streaming
             if background and not self._step_decoded:
                 # due at a prefill's end: launched when the next step begins, after the first
                 # token's logits (the prefill's last work, which it would compete with)
