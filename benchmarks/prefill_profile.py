@@ -7,7 +7,9 @@ page-locked on the way), then --repeats times in the same engine (the steady sta
 freed blocks recycled); then a warm prefill of each --profile variant under torch.profiler: the
 runtime's ``hisparse.*`` ranges (runtime/trace.py: host and device time per phase) and the op
 tables (written to $OUT). Writes $OUT/prefill_profile.json. Times are to the first token on the
-host (variant hisparse-int4-bg: the first recalibration in the background, not waited for).
+host. The first recalibration follows the runtime's default (on CUDA in the background, not waited
+for); variant hisparse-int4-sync runs it in the step (waited for), hisparse-int4-bg in the
+background explicitly.
 
     python benchmarks/prefill_profile.py --context 32768 --chunk 32768
 """
@@ -64,14 +66,15 @@ def main() -> int:
     ids = torch.randint(0, cfg.vocab_size, (1, args.context), generator=g).cuda()
     warm = ids[:, :4096]
     bits = {"dense": None, "hisparse": None, "hisparse-int4": 4, "hisparse-int8": 8, "hisparse-auto": "auto",
-            "hisparse-seed": "seed", "hisparse-int4-bg": 4}   # -bg: background_recalibration
+            "hisparse-seed": "seed", "hisparse-int4-bg": 4, "hisparse-int4-sync": 4}
     results: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                      "torch": torch.__version__, "runs": {}}
 
     def enable(variant: str) -> None:
         hs.enable_hisparse_kv_cache(model, max_seq_len=args.context + 64, block_size=64, window_size=1024,
                                     top_k=2048, host_kv_bits=bits[variant], telemetry=False, audit_every=0,
-                                    background_recalibration=variant.endswith("-bg"))
+                                    background_recalibration=True if variant.endswith("-bg") else
+                                    False if variant.endswith("-sync") else None)
 
     def settle() -> None:
         gc.collect()
