@@ -176,6 +176,9 @@ class HotBufferState:
         k = max(0, min(k, stamp.shape[1]))
         if k == 1:       # one token appended: a min reduction (a radix select on a GPU costs ~50 us)
             return stamp.argmin(dim=1, keepdim=True)
+        if stamp.is_cuda:  # stamps are unique per head, so a sort ranks as topk does; on an H200 it
+            # takes 38 us against topk's 78 (8 x 4,096 stamps, k 2,112; bench_lru.py); on a CPU topk wins
+            return stamp.sort(dim=1).indices[:, :k]
         return stamp.topk(k, dim=1, largest=False, sorted=True).indices
 
     def insert(self, positions: torch.Tensor, clock: int | torch.Tensor) -> torch.Tensor:

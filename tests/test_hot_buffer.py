@@ -67,8 +67,23 @@ class NaiveLRU:
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), S=st.integers(4, 24), H=st.integers(1, 3))
 def test_lru_matches_naive_oracle(seed, S, H):
+    _against_the_oracle(seed, S, H, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("kernels", [False, True])
+def test_on_a_gpu_the_lru_matches_the_naive_oracle(kernels):
+    """On CUDA the ranking sorts the stamps (topk on the CPU) and, with kernels, the lookup,
+    prefetch and install are Triton kernels: the same LRU as the oracle's."""
+    rng = random.Random(7)
+    for _ in range(12):
+        _against_the_oracle(rng.randint(0, 10_000), rng.randint(4, 24), rng.randint(1, 3), "cuda", kernels)
+
+
+def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = False) -> None:
     rng = random.Random(seed)
-    bank = HotBufferBank(H, S, rows=1)
+    bank = HotBufferBank(H, S, device, rows=1, kernels=kernels)
     hb = bank.rows(0)
     oracles = [NaiveLRU(S) for _ in range(H)]
     n = 0
@@ -77,7 +92,7 @@ def test_lru_matches_naive_oracle(seed, S, H):
         op = rng.random()
         if op < 0.3 or n == 0:  # append new tokens (prefill chunk or decode token)
             T = rng.randint(1, S + 3)
-            pos = torch.arange(n, n + T)
+            pos = torch.arange(n, n + T, device=device)
             n += T
             hb.ensure_tokens(n)
             slots = hb.insert(pos, bank.reserve(ticks(inserted=min(T, S))))
@@ -87,7 +102,7 @@ def test_lru_matches_naive_oracle(seed, S, H):
             K = rng.randint(1, min(S, n))
             rows = [rng.sample(range(n), K) for _ in range(H)]
             pad = rng.randint(0, 2)
-            sel = torch.tensor([r + [-1] * pad for r in rows])
+            sel = torch.tensor([r + [-1] * pad for r in rows], device=device)
             P = rng.randint(1, 4) if rng.random() < 0.5 else 0      # a prefetch follows
             shared = P and rng.random() < 0.5    # its victims from the lookup's ranking (decode's way)
             slots, miss, n_look, n_hit, n_used = hb.lookup(sel, bank.reserve(ticks(selected=sel.shape[1])),
@@ -102,8 +117,8 @@ def test_lru_matches_naive_oracle(seed, S, H):
             # the misses the caller copies in are exactly the selected tokens that were absent
             assert int(miss.sum()) == int(n_look.sum() - n_hit)
             if P:
-                cand = torch.tensor([rng.sample(range(n), min(P, n)) for _ in range(H)])
-                limit = torch.tensor([S - K] * H)
+                cand = torch.tensor([rng.sample(range(n), min(P, n)) for _ in range(H)], device=device)
+                limit = torch.tensor([S - K] * H, device=device)
                 loaded, ps = hb.prefetch(cand, limit, bank.reserve(ticks(prefetched=cand.shape[1])))
                 for h, o in enumerate(oracles):
                     exp = o.prefetch(cand[h].tolist(), S - K)
