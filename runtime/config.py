@@ -91,7 +91,7 @@ class HiSparseConfig:
                                          # on and use the result from the first step after it
                                          # finished; one due at a prefill's end starts with the next
                                          # step (the first token does not wait for it). None: on
-                                         # CUDA (H200, 32K prefill 1.12x dense, 1.23x without);
+                                         # CUDA (H200, 32K prefill 1.14x dense, 1.25x without);
                                          # False (the CPU's default): at the end of the step that
                                          # is due, waiting
     audit_every: int = 16                # decode steps between audits (0 = never)

@@ -62,6 +62,20 @@ def test_a_background_recalibration_commits_at_the_next_boundary_with_the_same_r
     assert not _same(_state(bg, ids[1][0]), before)
 
 
+def test_the_default_is_background_on_cuda_only_and_a_bad_value_is_refused():
+    """None (the default) recalibrates in the step on a CPU: the prefill's recalibration is
+    committed when the prefill's step ends, as with False."""
+    base = dict(max_seq_len=1024, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
+                recalibrate_every=10**6, audit_every=0, telemetry=False)
+    assert HiSparseConfig(**base).background_recalibration is None
+    eng = HiSparseEngine(HiSparseConfig(**base), L, HQ, HKV, D)
+    k, v, q = _data(203)
+    run_prefill(eng, eng.add_sequences(1), k, v, q)
+    assert eng.stats.recalibrations["schedule"] == 1 and eng._recal_deferred is None
+    with pytest.raises(ValueError, match="background_recalibration must be True, False or None"):
+        HiSparseConfig(**base, background_recalibration="yes").validate()
+
+
 @pytest.mark.parametrize("what", ["prefill chunk", "tail reuse", "fork", "free", "host pool growth"])
 def _prefilled(bg, T: int = 203):
     """A prefill of T tokens with its recalibration launched (as the next step's start does)."""
