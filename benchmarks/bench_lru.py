@@ -5,9 +5,11 @@ its misses (hot_buffer.HotBufferState._lru): the k smallest, oldest first. This 
 on (heads, S) stamps, ``topk(k, largest=False, sorted=True)`` (what the runtime uses),
 ``sort().indices[:, :k]``, the same on int32 stamps, and ``argmin`` (k = 1), each checked to give
 the same slots as topk. CUDA graphs hold each variant (the decode step runs in one), so the
-times are of the kernels, not their launches.
+times are of the kernels, not their launches. Then a decode step's append of one token per head
+(rows = batch x KV heads): the least recent slot by ``argmin`` and the install kernel, against
+the one-launch ``insert_one`` kernel (hot_buffer.HotBufferState.insert on CUDA).
 
-    python benchmarks/bench_lru.py [--heads 8] [--slots 4096] [--k 2112,64,1]
+    python benchmarks/bench_lru.py [--heads 8] [--slots 4096] [--k 2112,64,1] [--append-rows 8,192]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def main() -> int:
     ap.add_argument("--k", default="2112,64,1")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--append-rows", default="8,192", help="rows (batch x KV heads) of the append's timing")
     args = ap.parse_args()
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
@@ -38,6 +41,29 @@ def main() -> int:
             out["argmin"] = lambda: stamps.argmin(dim=1, keepdim=True)
         return out
 
+    def timed(fn) -> float:
+        """Microseconds per call: in a CUDA graph of --reps calls on a GPU, a plain loop on a CPU."""
+        if dev.type != "cuda":
+            import time
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                fn()
+            return 1e6 * (time.perf_counter() - t0) / args.reps
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(args.reps):
+                fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return 1e3 * start.elapsed_time(end) / args.reps
+
     print(f"{args.heads} heads x {args.slots} slots, {dev}")
     print("| k | variant | us per call | same slots as topk |\n|---|---|---:|---|")
     for k in [int(x) for x in args.k.split(",")]:
@@ -46,29 +72,37 @@ def main() -> int:
             got = fn()
             want = got if want is None else want
             same = torch.equal(got, want)
-            if dev.type == "cuda":
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(args.reps):
-                        fn()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                graph.replay()
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                us = 1e3 * start.elapsed_time(end) / args.reps
-            else:
-                import time
-                t0 = time.perf_counter()
-                for _ in range(args.reps):
-                    fn()
-                us = 1e6 * (time.perf_counter() - t0) / args.reps
+            us = timed(fn)
             print(f"| {k} | {name} | {us:.1f} | {same} |", flush=True)
+    if dev.type == "cuda":
+        append(args, dev, timed)
     return 0
+
+
+def append(args, dev: torch.device, timed) -> None:
+    """One token per row into a full hot buffer: argmin + install (two launches) against insert_one."""
+    from hi_sparse.hot_buffer import HotBufferBank, ticks
+    from hi_sparse.kernels.lru import insert_one_triton, install_slots
+
+    print("\n| rows (batch x KV heads) | append of one token | us per call |\n|---|---|---:|")
+    for rows in [int(x) for x in args.append_rows.split(",")]:
+        bank = HotBufferBank(rows, args.slots, dev, rows=1, kernels=True)
+        hb = bank.rows(0)
+        hb.ensure_tokens(2 * args.slots)
+        hb.insert(torch.arange(args.slots, device=dev), bank.reserve(ticks(inserted=args.slots)))
+        tok = torch.full((rows, 1), args.slots, device=dev)
+        clock = torch.tensor(bank.reserve(1), device=dev)
+
+        def two_launches():
+            victims = hb.slot_stamp.argmin(dim=1, keepdim=True)
+            install_slots(hb.token_slot_s, hb.slot_token_s, hb.slot_stamp_s, hb.prefetched_s, None, tok, victims,
+                          clock.expand(rows, 1), False)
+
+        def one_launch():
+            insert_one_triton(tok, hb.token_slot_s, hb.slot_token_s, hb.slot_stamp_s, hb.prefetched_s, clock,
+                              args.slots)
+        for name, fn in (("argmin + install", two_launches), ("insert_one", one_launch)):
+            print(f"| {rows} | {name} | {timed(fn):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

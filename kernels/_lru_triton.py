@@ -130,6 +130,28 @@ def _prefetch_kernel(
     tl.store(p_victim + h * s_victim + o, victim, mask=m)
 
 
+@triton.jit
+def _insert_one_kernel(
+    p_tok, p_ts, p_st, p_stamp, p_pf, p_clock, p_victim, S,
+    s_tok, s_ts, s_st, s_stamp, s_pf,
+    BLOCK: tl.constexpr,
+):
+    # one program per head: one appended token takes the least recent slot (stamps are unique per
+    # head: one minimum), the ranking and the install in one launch
+    h = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    stamp = tl.load(p_stamp + h * s_stamp + o, mask=o < S, other=(1 << 62))
+    victim = tl.argmin(stamp, 0).to(tl.int64)
+    tok = tl.load(p_tok + h * s_tok).to(tl.int64)
+    old = tl.load(p_st + h * s_st + victim)
+    tl.store(p_ts + h * s_ts + 1 + old, -1, mask=old >= 0)
+    tl.store(p_ts + h * s_ts + 1 + tok, victim)
+    tl.store(p_st + h * s_st + victim, tok)
+    tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock))
+    tl.store(p_pf + h * s_pf + victim, tl.zeros([], tl.uint8))
+    tl.store(p_victim + h, victim)
+
+
 def _rows(*ts: torch.Tensor) -> None:
     for t in ts:
         if t.stride(-1) != 1:
@@ -172,3 +194,16 @@ def prefetch_install(tokens, limit, room, skip, order, token_slot, slot_token, s
                            token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0), pf.stride(0), P, P,
                            BLOCK=next_pow2(P))
     return loaded, victims
+
+
+def insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched, clock, num_slots):
+    """One token per head, tokens (H, 1) (may broadcast), into each head's least recent slot:
+    returns the slots (H, 1)."""
+    H = tokens.shape[0]
+    _rows(token_slot, slot_token, slot_stamp, prefetched)
+    victims = torch.empty(H, 1, dtype=torch.int64, device=tokens.device)
+    pf = prefetched.view(torch.uint8)
+    _insert_one_kernel[(H,)](tokens, token_slot, slot_token, slot_stamp, pf, clock, victims, num_slots,
+                             tokens.stride(0), token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0),
+                             pf.stride(0), BLOCK=next_pow2(num_slots), num_warps=8 if num_slots > 2048 else 4)
+    return victims

@@ -149,23 +149,24 @@ def _dequant_rows_kernel(
     i_d = tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_src, o_dst, m_m = _gathered_rows(p_src_rows, p_dst_rows, o_m, o_m < M, GATHER)
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    o_bit = o_d * BITS
-    o_byte = o_bit // 8
-    b_off = (o_bit % 8)[None, :]
-    p_row = p_packed + o_src[:, None] * stride_src
-    m = m_m[:, None] & m_d[None, :]
-    b_v = tl.load(p_row + o_byte[None, :], mask=m, other=0).to(tl.int32)
-    if BITS != 8:
-        # a code may straddle into the next byte (never further for BITS <= 8)
-        m_hi = m & ((o_byte + 1) < P)[None, :] & (b_off + BITS > 8)
-        b_hi = tl.load(p_row + (o_byte + 1)[None, :], mask=m_hi, other=0).to(tl.int32)
-        b_v = ((b_v | (b_hi << 8)) >> b_off) & ((1 << BITS) - 1)
-    b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None], (o_src // rows_per_block)[:, None], m_m[:, None],
-                        o_d[None, :], m, D, LAYOUT)
-    b_x = b_v.to(tl.float32) * b_s + b_z
-    tl.store(p_dst + o_dst[:, None] * stride_dst + o_d[None, :], b_x.to(p_dst.dtype.element_ty), mask=m)
+    if tl.max(m_m.to(tl.int32), 0) > 0:     # rows that all copy nothing (a decode step's hits) stop here
+        o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        o_bit = o_d * BITS
+        o_byte = o_bit // 8
+        b_off = (o_bit % 8)[None, :]
+        p_row = p_packed + o_src[:, None] * stride_src
+        m = m_m[:, None] & m_d[None, :]
+        b_v = tl.load(p_row + o_byte[None, :], mask=m, other=0).to(tl.int32)
+        if BITS != 8:
+            # a code may straddle into the next byte (never further for BITS <= 8)
+            m_hi = m & ((o_byte + 1) < P)[None, :] & (b_off + BITS > 8)
+            b_hi = tl.load(p_row + (o_byte + 1)[None, :], mask=m_hi, other=0).to(tl.int32)
+            b_v = ((b_v | (b_hi << 8)) >> b_off) & ((1 << BITS) - 1)
+        b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None], (o_src // rows_per_block)[:, None], m_m[:, None],
+                            o_d[None, :], m, D, LAYOUT)
+        b_x = b_v.to(tl.float32) * b_s + b_z
+        tl.store(p_dst + o_dst[:, None] * stride_dst + o_d[None, :], b_x.to(p_dst.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -513,20 +514,21 @@ def _dequant_grouped_kernel(
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_src, o_dst, m_m = _gathered_rows(p_src_rows, p_dst_rows, o_m, o_m < M, GATHER)
-    o_g = tl.arange(0, BLOCK_G)
-    o_i = tl.arange(0, 8)
-    m_g = (o_g < D // 8)[None, :, None]
-    m_row = m_m[:, None, None]
-    p_b = p_packed + o_src[:, None, None] * stride_src + (o_g[None, :, None] * BITS + o_i[None, None, :])
-    b_b = tl.load(p_b, mask=m_row & m_g & (o_i < BITS)[None, None, :], other=0).to(tl.int64)
-    b_w = tl.sum(b_b << (o_i * 8).to(tl.int64)[None, None, :], 2)                  # (M, G)
-    b_c = (b_w[:, :, None] >> (o_i * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)
-    cols = o_g[None, :, None] * 8 + o_i[None, None, :]
-    b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None, None], (o_src // rows_per_block)[:, None, None], m_row,
-                        cols, m_row & m_g, D, LAYOUT)
-    b_x = b_c.to(tl.float32) * b_s + b_z
-    p_o = p_dst + o_dst[:, None, None] * stride_dst + cols
-    tl.store(p_o, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_g)
+    if tl.max(m_m.to(tl.int32), 0) > 0:     # rows that all copy nothing (a decode step's hits) stop here
+        o_g = tl.arange(0, BLOCK_G)
+        o_i = tl.arange(0, 8)
+        m_g = (o_g < D // 8)[None, :, None]
+        m_row = m_m[:, None, None]
+        p_b = p_packed + o_src[:, None, None] * stride_src + (o_g[None, :, None] * BITS + o_i[None, None, :])
+        b_b = tl.load(p_b, mask=m_row & m_g & (o_i < BITS)[None, None, :], other=0).to(tl.int64)
+        b_w = tl.sum(b_b << (o_i * 8).to(tl.int64)[None, None, :], 2)                  # (M, G)
+        b_c = (b_w[:, :, None] >> (o_i * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)
+        cols = o_g[None, :, None] * 8 + o_i[None, None, :]
+        b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None, None], (o_src // rows_per_block)[:, None, None], m_row,
+                            cols, m_row & m_g, D, LAYOUT)
+        b_x = b_c.to(tl.float32) * b_s + b_z
+        p_o = p_dst + o_dst[:, None, None] * stride_dst + cols
+        tl.store(p_o, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_g)
 
 
 @triton.jit
@@ -541,18 +543,19 @@ def _dequant_words_kernel(
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_src, o_dst, m_m = _gathered_rows(p_src_rows, p_dst_rows, o_m, o_m < M, GATHER)
-    o_w = tl.arange(0, BLOCK_W)
-    o_c = tl.arange(0, CPW)
-    m_w = (o_w < D // CPW)[None, :, None]
-    m_row = m_m[:, None, None]
-    b_w = tl.load(p_words + o_src[:, None] * stride_src + o_w[None, :], mask=m_m[:, None] & (o_w < D // CPW)[None, :],
-                  other=0)                                                               # (M, W)
-    b_c = (b_w[:, :, None] >> (o_c * BITS)[None, None, :]) & ((1 << BITS) - 1)
-    cols = o_w[None, :, None] * CPW + o_c[None, None, :]
-    b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None, None], (o_src // rows_per_block)[:, None, None], m_row,
-                        cols, m_row & m_w, D, LAYOUT)
-    b_x = b_c.to(tl.float32) * b_s + b_z
-    tl.store(p_dst + o_dst[:, None, None] * stride_dst + cols, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_w)
+    if tl.max(m_m.to(tl.int32), 0) > 0:     # rows that all copy nothing (a decode step's hits) stop here
+        o_w = tl.arange(0, BLOCK_W)
+        o_c = tl.arange(0, CPW)
+        m_w = (o_w < D // CPW)[None, :, None]
+        m_row = m_m[:, None, None]
+        b_w = tl.load(p_words + o_src[:, None] * stride_src + o_w[None, :],
+                      mask=m_m[:, None] & (o_w < D // CPW)[None, :], other=0)               # (M, W)
+        b_c = (b_w[:, :, None] >> (o_c * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        cols = o_w[None, :, None] * CPW + o_c[None, None, :]
+        b_s, b_z = _pair_at(p_scale, p_zero, o_src[:, None, None], (o_src // rows_per_block)[:, None, None], m_row,
+                            cols, m_row & m_w, D, LAYOUT)
+        b_x = b_c.to(tl.float32) * b_s + b_z
+        tl.store(p_dst + o_dst[:, None, None] * stride_dst + cols, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_w)
 
 
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}

@@ -84,3 +84,13 @@ def prefetch_triton(tokens: torch.Tensor, limit: torch.Tensor, room: torch.Tenso
     return kernel_module("_lru_triton").prefetch_install(tokens, limit.contiguous(), room.contiguous(),
                                                          skip.reshape(-1).contiguous(), order, token_slot,
                                                          slot_token, slot_stamp, prefetched, clock)
+
+
+def insert_one_triton(tokens: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor,
+                      slot_stamp: torch.Tensor, prefetched: torch.Tensor, clock: torch.Tensor,
+                      num_slots: int) -> torch.Tensor:
+    """One appended token per head (HotBufferState.insert with T = 1, whose torch code is the
+    reference: the least recent slot, then the install) in one launch. tokens (H, 1), may be a
+    broadcast view; the state tensors with their spill columns. Returns the slots (H, 1)."""
+    return kernel_module("_lru_triton").insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched,
+                                                   clock, num_slots)

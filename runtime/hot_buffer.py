@@ -23,7 +23,13 @@ from __future__ import annotations
 import torch
 
 from hi_sparse.kernels._dispatch import use_triton
-from hi_sparse.kernels.lru import install_slots, lookup_triton, prefetch_triton, reference_install_slots
+from hi_sparse.kernels.lru import (
+    insert_one_triton,
+    install_slots,
+    lookup_triton,
+    prefetch_triton,
+    reference_install_slots,
+)
 
 _NEVER = torch.iinfo(torch.int64).max
 
@@ -190,8 +196,11 @@ class HotBufferState:
         """
         positions = positions[..., -self.num_slots:]
         T = positions.shape[-1]
-        victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         tok = positions.expand(self.num_heads, -1)
+        if T == 1 and self._kernels(tok):         # a decode step's append: the minimum and the install, one launch
+            return insert_one_triton(tok, self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s,
+                                     self._clock(clock), self.num_slots)
+        victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         stamps = (clock + torch.arange(T, device=self.device))[None].expand(self.num_heads, -1)
         self._install(None, tok, victims, stamps, prefetched=False)
         return victims

@@ -184,6 +184,25 @@ def _layout_swap_dequant(bits: int, layout: str, d: int, wide_rows: bool = False
     _need(bool(dst[rest].isnan().all()), "a -1 row or a row outside dst_rows was written")
 
 
+def _swap_dequant_skipped_programs(bits: int, layout: str, d: int) -> None:
+    """swap_in_dequant where whole programs of rows are -1 (a decode step's hits: such a program
+    stops early) before and after the rows to copy, against the reference."""
+    n, t = 3, 8
+    packed, scale, zero = K.reference_quantize_blocks(torch.randn(n, t, d) * 4 + 1, bits, layout)
+    flat = packed.reshape(n * t, -1)
+    if layout == "token":
+        scale, zero = scale.reshape(-1), zero.reshape(-1)
+    src_rows = torch.tensor([-1] * 130 + [10, 11, -1, 23, 0, 16] + [-1] * 70)
+    dst_rows = torch.arange(len(src_rows))
+    dst = torch.full((len(src_rows), d), float("nan"))
+    K.swap_in_dequant(flat, scale, zero, bits, t, src_rows, dst, dst_rows, layout)
+    ref = torch.full((len(src_rows), d), float("nan"))
+    K.reference_swap_in_dequant(flat, scale, zero, bits, t, src_rows, ref, dst_rows, layout)
+    done = (src_rows >= 0).nonzero().flatten()
+    _need(len(done) == 5 and torch.allclose(dst[done], ref[done], rtol=1e-6, atol=1e-6), "dequantized rows differ")
+    _need(bool(dst[src_rows < 0].isnan().all()), "a -1 row was written")
+
+
 def _constant_block() -> None:
     x = torch.full((2, 16, 64), -1.5)
     packed, scale, zero = K.quantize_blocks(x, 6)
@@ -326,6 +345,32 @@ def _install(masked: bool, flag: bool, broadcast: bool) -> None:
     for name, a, b in zip(("token_slot", "slot_token", "slot_stamp", "prefetched"), got, want):
         a, b = (a[:, 1:], b[:, 1:]) if name == "token_slot" else (a[:, :S], b[:, :S])
         _need(torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[:5].tolist()}")
+
+
+def _insert_one(per_head: bool) -> None:
+    """A decode step's append (HotBufferState.insert of one token) in one Triton launch against the
+    torch path: the same slots returned and the same LRU state, with empty slots left, after
+    lookups that reorder the stamps, and when every slot is taken (an eviction)."""
+    from hi_sparse.hot_buffer import HotBufferBank, ticks
+    H, S = 3, 12
+    banks = [HotBufferBank(H, S, "cpu", rows=1, kernels=k) for k in (False, True)]
+    g = torch.Generator().manual_seed(3)
+    n = 5
+    for b in banks:
+        b.rows(0).ensure_tokens(64)
+        b.rows(0).insert(torch.arange(n), b.reserve(ticks(inserted=n)))
+    for step in range(14):
+        if step % 3 == 2:                                       # a lookup reorders the stamps
+            sel = torch.stack([torch.randperm(n, generator=g)[:4] for _ in range(H)])
+            for b in banks:
+                b.rows(0).lookup(sel, b.reserve(ticks(selected=4)))
+        pos = torch.full((H, 1), n) if per_head else torch.tensor([n])
+        got = [b.rows(0).insert(pos, b.reserve(ticks(inserted=1))) for b in banks]
+        n += 1
+        _need(torch.equal(got[0], got[1]), f"step {step}: slots {got[1].tolist()} against {got[0].tolist()}")
+        for name in ("slot_token", "slot_stamp", "prefetched", "token_slot"):     # without the spill columns
+            a, c = (getattr(b, name) for b in banks)
+            _need(torch.equal(a, c), f"step {step}: {name} differs")
 
 
 def _hot_buffer_oracle() -> None:
@@ -530,6 +575,9 @@ CASES: dict[str, Callable[[], None]] = {
     # a skipped row (-1) first in the program
     **{f"swap_in_dequant-{b}bit-channel-skipped-first": (lambda b=b: _layout_swap_dequant(b, "channel", 64,
                                                                                        first_row=-1)) for b in (4, 5)},
+    **{f"swap_in_dequant-{b}bit-{lay}-skipped-programs-d{d}": (
+        lambda b=b, lay=lay, d=d: _swap_dequant_skipped_programs(b, lay, d))
+       for b, lay, d in ((4, "channel", 64), (8, "token", 64), (5, "channel", 64), (6, "token", 60))},
     "quantize-constant-block": _constant_block,
     "quantize-fused-too-big": _fused_too_big,
     **{f"dequantize-{b}bit": (lambda b=b: _dequantize(b)) for b in (4, 5, 6, 8)},
@@ -543,6 +591,8 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"install_slots-{'masked' if m else 'all'}-{'flag' if f else 'noflag'}-{'bcast' if b else 'rows'}":
        (lambda m=m, f=f, b=b: _install(m, f, b)) for m in (False, True) for f in (False, True) for b in (False, True)},
     "install_slots-hot-buffer-oracle": _hot_buffer_oracle,
+    "insert_one-positions": lambda: _insert_one(False),
+    "insert_one-per-head": lambda: _insert_one(True),
     "decode-kernels-in-an-engine": _engine_decode_kernels,
     "decode-kernels-in-an-engine-int4": lambda: _engine_decode_kernels(4),
     "select-assembly-sinks4-prefetch1-anchors6": lambda: _select(4, 1, 1, 6, 0),
