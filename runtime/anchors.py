@@ -11,30 +11,42 @@ from __future__ import annotations
 
 import torch
 
+from hi_sparse.kernels._dispatch import use_triton
+from hi_sparse.kernels.probe import pin_one
+
 from .probe import ImportanceProbe, probe_threshold
 from .row_bank import RowBank
 
 
 def merge(anchor_p: torch.Tensor, anchors: torch.Tensor, p: torch.Tensor, pos: torch.Tensor) -> None:
     """Keep the most probable of the anchors (anchor_p, anchors (..., A)) and the candidates
-    (p, pos (..., M); p < 0 for none), in place."""
-    top_p, i = torch.cat([anchor_p, p], -1).topk(anchors.shape[-1], dim=-1)
+    (p, pos (..., M); p < 0 for none), in place, most probable first; of equal probabilities the
+    anchors stay before the candidates, in their order (a stable sort: a new token displaces an
+    anchor only when it is more probable; topk leaves the order of ties to the device)."""
+    top_p, i = torch.cat([anchor_p, p], -1).sort(dim=-1, descending=True, stable=True)
+    top_p, i = top_p[..., :anchors.shape[-1]], i[..., :anchors.shape[-1]]
     pos = torch.cat([anchors, pos], -1).gather(-1, i)
     anchors.copy_(torch.where(top_p >= 0, pos, -1))
     anchor_p.copy_(top_p)
 
 
 def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.Tensor, pos: torch.Tensor,
-                   first: torch.Tensor, threshold: tuple[float, float, float]) -> None:
+                   first: torch.Tensor, threshold: tuple[float, float, float], kernels: bool = False) -> None:
     """Score new keys k (B, Hkv, T, D) at positions pos (B, Hkv, T) (each sequence's consecutive
     positions, the same for every head) of the sequences in ``rows`` with the layer's probe and
     merge those above the threshold at each sequence's length (and after its left padding, first
     (B,)) into its anchors. A no-op until the probe is fitted, and with no anchor slots. No host
-    sync."""
+    sync. ``kernels``: a decode token's scoring and merge in one Triton launch where the keys and
+    the probe are on one GPU (kernels/probe.py)."""
     A = bank.size("anchors", 1)
     if A == 0 or not probe.fitted:
         return
     T = k.shape[2]
+    w = probe.fc1.weight
+    if kernels and T == 1 and w.device == k.device and w.dtype == torch.float32 and use_triton(k, w):
+        pin_one(k, pos, w, probe.fc1.bias, probe.fc2.weight, probe.fc2.bias, threshold, bank.t["anchor_p"][rows],
+                bank.t["anchors"][rows])
+        return
     base, lo, hi = threshold
     thr = probe_threshold(pos[:, 0, -1] + 1, base, lo, hi)[:, None, None]             # (B, 1, 1)
     p = probe.predict(k).to(k.device)                                                # (B, H, T)

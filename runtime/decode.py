@@ -138,7 +138,7 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     rows.k.view(-1, D).index_copy_(0, flat, k[:, :, new].reshape(-1, D))
     rows.v.view(-1, D).index_copy_(0, flat, v[:, :, new].reshape(-1, D))
     anchors.pin_new_tokens(rows.probe, rows.bank, batch.rows, k, pos.view(B, H, T), batch.first,
-                           (cfg.threshold_base, cfg.threshold_min, cfg.threshold_max))
+                           (cfg.threshold_base, cfg.threshold_min, cfg.threshold_max), cfg.decode_kernels)
 
 
 def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConfig, shape: KVShape,

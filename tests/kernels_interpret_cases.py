@@ -373,6 +373,51 @@ def _insert_one(per_head: bool) -> None:
             _need(torch.equal(a, c), f"step {step}: {name} differs")
 
 
+def _pin_one(seed: int, A: int, bf16: bool, scale: float) -> None:
+    """A decode token's anchor scoring and merge (anchors.pin_new_tokens with one token, kernels
+    on) against the torch path, step by step from empty anchors to full ones that new tokens
+    displace: the same anchors, probabilities within fp32 rounding; tokens under the threshold
+    change nothing; equal (saturated) probabilities keep the anchors first."""
+    from hi_sparse.anchors import pin_new_tokens
+    from hi_sparse.probe import ImportanceProbe
+    from hi_sparse.row_bank import RowBank
+
+    g = torch.Generator().manual_seed(seed)
+    B, H, D = 3, 2, 24
+    probe = ImportanceProbe(D, seed=seed)
+    with torch.no_grad():
+        for prm in probe.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * scale)   # scale 1: saturated, ties
+    probe.fitted = True
+    banks = []
+    for _ in range(2):
+        bank = RowBank("cpu")
+        bank.add("anchors", (H, A), torch.int64, -1)
+        bank.add("anchor_p", (H, A), torch.float32, -1.0)
+        bank.grow_rows(B + 1)
+        banks.append(bank)
+    thresholds = (2.0, 0.2, 0.9)                     # at lengths 7-3060: 0.2 (the floor) to 0.79
+    n_kept = displaced = 0
+    for step in range(4 * A):
+        full_before = (banks[1].t["anchors"] >= 0).all(-1)
+        before = banks[1].t["anchors"].clone()
+        k = torch.randn(B, H, 1, D, generator=g)
+        k = k.bfloat16() if bf16 else k
+        pos = (torch.tensor([100, 7, 3000]) + step)[:, None, None].expand(B, H, 1)
+        for bank, kernels in zip(banks, (True, False)):
+            pin_new_tokens(probe, bank, slice(1, B + 1), k, pos, torch.zeros(B, dtype=torch.int64), thresholds,
+                           kernels)
+        got, want = banks[0].t, banks[1].t
+        _need(torch.equal(got["anchors"], want["anchors"]),
+              f"step {step}: anchors {got['anchors'].tolist()} against {want['anchors'].tolist()}")
+        _need(torch.allclose(got["anchor_p"], want["anchor_p"], rtol=1e-5, atol=1e-6), f"step {step}: anchor_p")
+        n_kept = int((want["anchors"] >= 0).sum())
+        displaced += int((full_before & (want["anchors"] != before).any(-1)).sum())
+    _need(n_kept >= B * H * A // 2 and displaced > 0,
+          f"{n_kept} of {B * H * A} anchors held, {displaced} displaced: the case tests too little")
+    _need(bool((banks[0].t["anchors"][0] == -1).all()), "a row outside the batch changed")
+
+
 def _hot_buffer_oracle() -> None:
     """The hot buffer's LRU oracle test (tests/test_hot_buffer.py) with its banks' kernels on:
     every lookup, prefetch and install a Triton launch."""
@@ -592,6 +637,9 @@ CASES: dict[str, Callable[[], None]] = {
        (lambda m=m, f=f, b=b: _install(m, f, b)) for m in (False, True) for f in (False, True) for b in (False, True)},
     "install_slots-hot-buffer-oracle": _hot_buffer_oracle,
     "insert_one-positions": lambda: _insert_one(False),
+    "pin_one-a4-saturated": lambda: _pin_one(1, 4, False, 1.0),
+    "pin_one-a5-bf16": lambda: _pin_one(2, 5, True, 0.25),
+    "pin_one-a16": lambda: _pin_one(3, 16, False, 0.25),
     "insert_one-per-head": lambda: _insert_one(True),
     "decode-kernels-in-an-engine": _engine_decode_kernels,
     "decode-kernels-in-an-engine-int4": lambda: _engine_decode_kernels(4),

@@ -28,7 +28,8 @@ def interpreter_run() -> dict:
 def test_interpreter_really_ran_the_triton_kernels(interpreter_run):
     assert interpreter_run["triton_modules"] == [
         "hi_sparse.kernels._attention_triton", "hi_sparse.kernels._bounds_triton",
-        "hi_sparse.kernels._lru_triton", "hi_sparse.kernels._quant_triton", "hi_sparse.kernels._select_triton",
+        "hi_sparse.kernels._lru_triton", "hi_sparse.kernels._probe_triton", "hi_sparse.kernels._quant_triton",
+        "hi_sparse.kernels._select_triton",
         "hi_sparse.kernels._swap_in_triton"]
 
 
