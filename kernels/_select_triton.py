@@ -98,3 +98,29 @@ def assemble(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: 
         num_warps=8,
     )
     return both, blocks, loaded
+
+
+@triton.jit
+def _candidates_kernel(p_scores, p_n, p_first, p_s, NB, s_sc, s_n, s_first, s_s, window, bs, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < NB
+    w0 = tl.load(p_n + r * s_n) - window
+    first = tl.load(p_first + r * s_first)
+    blk0 = o.to(tl.int64) * bs
+    cand = (blk0 < w0) & (blk0 + bs > first)
+    x = tl.load(p_scores + r * s_sc + o, mask=m & cand, other=0).to(tl.float32)
+    tl.store(p_s + r * s_s + o, tl.where(cand, x, float("-inf")), mask=m)
+
+
+def candidates(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int,
+               block_size: int) -> torch.Tensor:
+    R, NB = scores.shape
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    out = torch.empty(R, NB, dtype=torch.float32, device=scores.device)
+    BLOCK = min(next_pow2(NB), 1024)
+    _candidates_kernel[(R, triton.cdiv(NB, BLOCK))](scores, n_tokens, first, out, NB, scores.stride(0),
+                                                    n_tokens.stride(0), first.stride(0), out.stride(0), window,
+                                                    block_size, BLOCK=BLOCK)
+    return out

@@ -24,3 +24,13 @@ def assemble_selection(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tenso
     check(store_block % block_size == 0, "the storage block must be a multiple of the selection block")
     return kernel_module("_select_triton").assemble(top, s, n_tokens, first, anchors, window, top_k, block_size,
                                                     sinks, w_keep, w_pf, store_block, n_store_blocks)
+
+
+def candidate_scores(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int,
+                     block_size: int) -> torch.Tensor:
+    """The ranking's input in one launch (select's torch path is the reference): scores (R, NB)
+    as fp32 where block j is a candidate of its row (it starts before the window, at
+    n_tokens - window, and ends after ``first``), -inf elsewhere."""
+    R = scores.shape[0]
+    check(n_tokens.shape == (R, 1) and first.shape == (R, 1), "n_tokens and first must be (R, 1)")
+    return kernel_module("_select_triton").candidates(scores, n_tokens, first, window, block_size)

@@ -30,7 +30,7 @@ import torch
 
 from hi_sparse.kernels import block_scores, two_level_candidates, two_level_pays
 from hi_sparse.kernels._dispatch import use_triton
-from hi_sparse.kernels.select import assemble_selection
+from hi_sparse.kernels.select import assemble_selection, candidate_scores
 
 
 def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor,
@@ -102,20 +102,20 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     (kernels/select.py; this function's torch code is its reference).
     """
     nb, bs, sb, device = scores.shape[1], block_size, store_block or block_size, scores.device
-    w0 = n_tokens - window                                                      # (R, 1) window start
-    blk0 = torch.arange(nb, device=device) * bs                                 # each block's first token
-    cand_blk = (blk0 < w0) & (blk0 + bs > first)                                # (R, NB)
     w_keep, w_pf = top_k - window, prefetch_blocks * bs
     # enough ranked blocks for the largest budget (top_k - window bounds it on the host: no sync),
     # anchors that may overlap them, a partial first block and the prefetch
     take = min(n_cand, -(-(w_keep + anchors.shape[1]) // bs) + 2 + prefetch_blocks)
     if kernels and holes is None and use_triton(scores):
-        s = torch.where(cand_blk, scores.float(), float("-inf"))
+        s = candidate_scores(scores, n_tokens, first, window, bs)               # the mask below, one launch
         top = s.topk(take, dim=1).indices
         both, per_block, loaded = assemble_selection(top, s, n_tokens, first, anchors, window, top_k, bs, sinks,
                                                      w_keep, w_pf, sb, -(-nb * bs // sb))
         K = both.shape[1] - w_pf
         return Selection(both[:, :K], both[:, K:], per_block, loaded, both)
+    w0 = n_tokens - window                                                      # (R, 1) window start
+    blk0 = torch.arange(nb, device=device) * bs                                 # each block's first token
+    cand_blk = (blk0 < w0) & (blk0 + bs > first)                                # (R, NB)
     return _assemble(scores, n_tokens, first, w0, cand_blk, window, top_k, bs, sb, anchors, holes, sinks, w_pf, take)
 
 

@@ -489,6 +489,26 @@ def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int) ->
         _need(a.shape == b.shape and torch.equal(a, b), f"{name} differs: {a.tolist()} != {b.tolist()}"[:600])
 
 
+def _candidates(dtype: torch.dtype) -> None:
+    """The ranking's input (kernels/select.py candidate_scores) against select's torch mask: block j
+    of row r a candidate when it starts before the window and ends after the row's first position,
+    its score as fp32 there and -inf elsewhere, NaN scores past a row's tokens masked."""
+    from hi_sparse.kernels.select import candidate_scores
+    g = torch.Generator().manual_seed(11)
+    R, bs, window, nb = 6, 8, 16, 1500                   # two programs per row
+    n = torch.randint(0, nb * bs, (R, 1), generator=g)
+    n[0], n[1] = 10, 16 + 3 * bs                       # no candidate; the window starting at a block boundary
+    first = torch.randint(0, 40, (R, 1), generator=g)
+    first[2] = 3 * bs                                  # the padding ending at a block boundary
+    scores = torch.randn(R, nb, generator=g).to(dtype)
+    scores[torch.arange(nb)[None] * bs >= n] = float("nan")
+    blk0 = torch.arange(nb) * bs
+    want = torch.where((blk0 < n - window) & (blk0 + bs > first), scores.float(), float("-inf"))
+    got = candidate_scores(scores, n, first, window, bs)
+    _need(got.dtype == torch.float32 and torch.equal(got, want),
+          f"differs at {(got != want).nonzero()[:6].tolist()}")
+
+
 def _widen(dtype: torch.dtype, d: int) -> None:
     """widen_bounds (one decode key per row) against its reference: exactly the same bounds."""
     from hi_sparse.kernels.bounds import reference_widen_bounds, widen_bounds
@@ -647,6 +667,8 @@ CASES: dict[str, Callable[[], None]] = {
     "select-assembly-nosinks-noprefetch-noanchors": lambda: _select(0, 1, 0, 0, 1),
     "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
     "select-assembly-many-anchors": lambda: _select(2, 1, 2, 20, 3),
+    "select-candidates-fp32": lambda: _candidates(torch.float32),
+    "select-candidates-bf16": lambda: _candidates(torch.bfloat16),
     "widen_bounds-fp32-d60": lambda: _widen(torch.float32, 60),
     "widen_bounds-bf16-d64": lambda: _widen(torch.bfloat16, 64),
     "swap_plan-unquantized": lambda: _swap_plan(False),
