@@ -6,7 +6,10 @@ What CI holds the runtime to (docs/BENCHMARKS.md has the long runs at 2K, 6K and
 - the default sparse configuration of the quality table (top_k 512, window 256, 64-token blocks,
   16 anchors, 4 sinks) stays within SPARSE_BOUND of dense perplexity, and 4-bit host blocks
   (keys per channel, values per token) cost at most FOUR_BIT_BOUND over the same selection with
-  an unquantized host (issue 23's target; measured 2026-12-01 on this text: see the bounds).
+  an unquantized host (issue 23's target; measured 2026-12-01 on this text: see the bounds);
+- 8-token selection blocks (`selection_block_size=8`, issue 23's quality setting) stay within
+  SELECT8_BOUND of dense and closer to it than 64-token selection, and at top_k 512 with 4-bit
+  host blocks retrieve the needle at 50 % depth that 64-token selection loses.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ FULL = dict(SPARSE, top_k=8192)
 # 2K / 6K runs with a 512-token continuation.
 SPARSE_BOUND = 1.035
 FOUR_BIT_BOUND = 1.02
+SELECT8 = dict(SPARSE, selection_block_size=8)
+# 8-token selection, measured on this text and length (2026-12-03, the same VM, transformers
+# 5.25): 10.915 (1.0094x dense) against 11.062 (1.023x) selecting in 64-token blocks.
+SELECT8_BOUND = 1.02
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +56,17 @@ def test_full_budget_perplexity_equals_dense(smollm2, ids, dense):
     assert full.counters.hot_buffer_hit_rate is not None  # it really decoded through HiSparse
 
 
-def test_sparse_perplexity_stays_within_its_bound(smollm2, ids, dense):
-    sparse = quality.perplexity(smollm2, ids, CONTEXT, SPARSE)
+@pytest.fixture(scope="module")
+def sparse(smollm2, ids):
+    return quality.perplexity(smollm2, ids, CONTEXT, SPARSE)
+
+
+@pytest.fixture(scope="module")
+def dense_needle(smollm2):
+    return quality.needle(smollm2, load_text("licenses"), CONTEXT, 0.5, None)
+
+
+def test_sparse_perplexity_stays_within_its_bound(smollm2, ids, dense, sparse):
     four = quality.perplexity(smollm2, ids, CONTEXT, dict(SPARSE, host_kv_bits=4))
     print(f"dense {dense.perplexity:.3f}, top_k 512 {sparse.perplexity:.3f} "
           f"({sparse.perplexity / dense.perplexity:.3f}x), 4-bit {four.perplexity:.3f} "
@@ -63,12 +79,30 @@ def test_sparse_perplexity_stays_within_its_bound(smollm2, ids, dense):
     assert sparse.counters.anchor_lookups > 0  # the audit ran: the counters are the runtime's own
 
 
-def test_full_budget_answers_the_needle_like_dense(smollm2):
+def test_eight_token_selection_stays_closer_to_dense(smollm2, ids, dense, sparse):
+    fine = quality.perplexity(smollm2, ids, CONTEXT, SELECT8)
+    print(f"dense {dense.perplexity:.3f}, top_k 512 selecting in 64 {sparse.perplexity:.3f}, in 8 "
+          f"{fine.perplexity:.3f} ({fine.perplexity / dense.perplexity:.4f}x)")
+    assert fine.perplexity < sparse.perplexity
+    assert fine.perplexity <= SELECT8_BOUND * dense.perplexity
+
+
+def test_eight_token_selection_retrieves_the_needle_block_selection_loses(smollm2, dense_needle):
+    """Issue 23's needle target at CI's scale: 2K tokens, 50 % depth, top_k 512, 4-bit host blocks.
+    64-token selection answers 'BLUE-HARVEEN-4921' here (at every host width, docs/BENCHMARKS.md);
+    the assertion that it still does keeps this case one that tells the two apart."""
     text = load_text("licenses")
-    want = quality.needle(smollm2, text, CONTEXT, 0.5, None)
-    got = quality.needle(smollm2, text, CONTEXT, 0.5, FULL)
-    assert want.retrieved, want.answer  # the model itself finds it at 2K
-    assert got.answer == want.answer
+    coarse = quality.needle(smollm2, text, CONTEXT, 0.5, dict(SPARSE, host_kv_bits=4))
+    fine = quality.needle(smollm2, text, CONTEXT, 0.5, dict(SELECT8, host_kv_bits=4))
+    assert dense_needle.retrieved, dense_needle.answer
+    assert fine.retrieved, fine.answer
+    assert not coarse.retrieved, f"64-token selection now retrieves it ({coarse.answer!r}): pick a harder case"
+
+
+def test_full_budget_answers_the_needle_like_dense(smollm2, dense_needle):
+    got = quality.needle(smollm2, load_text("licenses"), CONTEXT, 0.5, FULL)
+    assert dense_needle.retrieved, dense_needle.answer  # the model itself finds it at 2K
+    assert got.answer == dense_needle.answer
 
 
 def test_needle_prompt_plants_the_sentence_at_its_depth(smollm2):
