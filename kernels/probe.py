@@ -8,32 +8,22 @@ of probability < 0 holding -1. About twenty small launches of the reference beco
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ._dispatch import check, kernel_module
 
 
-@functools.lru_cache(maxsize=16)
-def threshold_constants(device: torch.device, base: float, lo: float, hi: float) -> torch.Tensor:
-    """(3,) fp64 on ``device``: base**4 / 131072, the threshold at length 1, hi (made once per
-    device and thresholds, before any graph capture reads them)."""
-    at_least = float(min(hi, max(lo, base * (1 / 131072) ** 0.25)))
-    return torch.tensor([base ** 4 / 131072, at_least, hi], dtype=torch.float64, device=device)
-
-
 def pin_one(k: torch.Tensor, pos: torch.Tensor, fc1_w: torch.Tensor, fc1_b: torch.Tensor, fc2_w: torch.Tensor,
-            fc2_b: torch.Tensor, threshold: tuple[float, float, float], anchor_p: torch.Tensor,
+            fc2_b: torch.Tensor, consts: torch.Tensor, anchor_p: torch.Tensor,
             anchors: torch.Tensor) -> None:
     """k (B, H, 1, D) new keys at positions pos (B, H, 1) (the same for every head); the probe's
-    fc1 (HID, D) + (HID,), fc2 (1, HID) + (1,), fp32; threshold (base, lo, hi); anchor_p (B, H, A)
+    fc1 (HID, D) + (HID,), fc2 (1, HID) + (1,), fp32; consts: the threshold's (3,) fp64 constants
+    (runtime/probe.threshold_constants); anchor_p (B, H, A)
     fp32 and anchors (B, H, A) int64, updated in place."""
     B, H, T, D = k.shape
     A = anchors.shape[-1]
     check(T == 1 and pos.shape == (B, H, 1), f"one new token per sequence: k {tuple(k.shape)}, pos {tuple(pos.shape)}")
     check(anchor_p.shape == anchors.shape == (B, H, A) and A > 0, "anchor_p and anchors must be (B, H, A), A > 0")
     check(fc1_w.shape[1] == D and fc2_w.numel() == fc1_w.shape[0], "the probe's shape must match the keys")
-    consts = threshold_constants(k.device, *threshold)
     kernel_module("_probe_triton").pin_one(k, pos, fc1_w, fc1_b, fc2_w.reshape(-1), fc2_b, consts, anchor_p,
                                            anchors)

@@ -14,7 +14,7 @@ import torch
 from hi_sparse.kernels._dispatch import use_triton
 from hi_sparse.kernels.probe import pin_one
 
-from .probe import ImportanceProbe, probe_threshold
+from .probe import ImportanceProbe, probe_threshold, threshold_constants
 from .row_bank import RowBank
 
 
@@ -44,8 +44,8 @@ def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.
     T = k.shape[2]
     w = probe.fc1.weight
     if kernels and T == 1 and w.device == k.device and w.dtype == torch.float32 and use_triton(k, w):
-        pin_one(k, pos, w, probe.fc1.bias, probe.fc2.weight, probe.fc2.bias, threshold, bank.t["anchor_p"][rows],
-                bank.t["anchors"][rows])
+        pin_one(k, pos, w, probe.fc1.bias, probe.fc2.weight, probe.fc2.bias, threshold_constants(k.device, *threshold),
+                bank.t["anchor_p"][rows], bank.t["anchors"][rows])
         return
     base, lo, hi = threshold
     thr = probe_threshold(pos[:, 0, -1] + 1, base, lo, hi)[:, None, None]             # (B, 1, 1)

@@ -11,6 +11,7 @@ from, so each must be more certainly important:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +30,15 @@ def probe_threshold(context_len: int | torch.Tensor, base: float, lo: float, hi:
         at_least = probe_threshold(1, base, lo, hi)
         return ((context_len.double() * (base ** 4 / 131072)) ** 0.25).clamp(at_least, hi)
     return float(min(hi, max(lo, base * (max(context_len, 1) / 131072) ** 0.25)))
+
+
+@functools.lru_cache(maxsize=16)
+def threshold_constants(device: torch.device, base: float, lo: float, hi: float) -> torch.Tensor:
+    """What the tensor form of :func:`probe_threshold` computes with, for a kernel (kernels/probe.py):
+    (3,) fp64 on ``device``, base**4 / 131072, the threshold at length 1 and hi (made once per
+    device and thresholds, before any graph capture reads them)."""
+    return torch.tensor([base ** 4 / 131072, probe_threshold(1, base, lo, hi), hi], dtype=torch.float64,
+                        device=device)
 
 
 class ImportanceProbe(nn.Module):
