@@ -17,6 +17,7 @@ from .bounds import (
     widen_bounds,
 )
 from .lru import install_slots, reference_install_slots
+from .norm import reference_rms_norm, rms_norm
 from .quant import (
     LAYOUTS,
     PARAM_DTYPES,
@@ -39,5 +40,5 @@ __all__ = [
     "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
     "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",
     "fake_quantize_blocks", "SUPPORTED_BITS", "LAYOUTS", "PARAM_DTYPES", "install_slots",
-    "reference_install_slots", "widen_bounds",
+    "reference_install_slots", "widen_bounds", "rms_norm", "reference_rms_norm",
 ]

@@ -29,7 +29,14 @@ class Binding:
         self.closed = False
         self.hooks: list[Any] = []
         self.finalizer: weakref.finalize | None = None
+        # the RMSNorm modules whose forward fused_norms.install replaced (weakly: the model owns them)
+        self.fused_norms: list[weakref.ref] = []
         self._module_ids = frozenset(id(m) for m in modules)
+
+    @property
+    def fused_norm_count(self) -> int:
+        """How many RMSNorm modules run as one Triton launch (``fused_norms``)."""
+        return sum(1 for ref in self.fused_norms if ref() is not None)
 
     def owns(self, module: torch.nn.Module) -> bool:
         return id(module) in self._module_ids

@@ -120,6 +120,11 @@ class HiSparseConfig:
                                          # bounds.py, swap_in.py: 75 launches per layer and step
                                          # instead of 231; H200, 1 x 32K: 18.0 ms a step against
                                          # 30.6); False: their torch references. CPU: the references
+    fused_norms: bool | None = None      # transformers models: each RMSNorm module (LlamaRMSNorm's
+                                         # math, checked per module first) as one Triton launch
+                                         # instead of ~8 kernels (kernels/norm.py, fused_norms.py).
+                                         # None or True: where its weight is on CUDA (the CPU runs
+                                         # the module's own torch code either way); False: never
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True
@@ -212,6 +217,8 @@ class HiSparseConfig:
              f"got {self.background_recalibration!r}")
         need(isinstance(self.decode_kernels, bool),
              f"decode_kernels must be True or False, got {self.decode_kernels!r}")
+        need(self.fused_norms is None or isinstance(self.fused_norms, bool),
+             f"fused_norms must be True, False or None (fused on CUDA), got {self.fused_norms!r}")
         need(self.audit_measure in AUDIT_MEASURES,
              f"audit_measure must be one of {', '.join(map(repr, AUDIT_MEASURES))}, got {self.audit_measure!r}")
         need(0.0 <= self.drift_floor <= 1.0, f"drift_floor must be in [0, 1], got {self.drift_floor}")

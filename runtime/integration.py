@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import hf_attention, hf_cache, hf_compat, hf_generate, hf_options, hf_support, step_graph
+from . import fused_norms, hf_attention, hf_cache, hf_compat, hf_generate, hf_options, hf_support, step_graph
 from .bindings import BINDINGS as _BINDINGS, Binding, binding_of
 from .hf_options import HiSparseOptionError
 from .hf_support import UnsupportedModelError
@@ -165,8 +165,9 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     Options (HiSparseConfig fields, docs/runtime.md): max_seq_len, block_size (alias
     cache_block_size), window_size, global_tokens, top_k, device_buffer_tokens, kv_dtype,
     host_kv_bits, metadata_device, recalibrate_every, recalibrate_topk, streaming, telemetry,
-    name. Supported: Llama, Mistral, Qwen2 and Qwen3 models (GQA included) in float32, float16
-    or bfloat16, batch size 1 or left-padded batches, greedy or sampled generation.
+    fused_norms, name. Supported: Llama, Mistral, Qwen2 and Qwen3 models (GQA included) in
+    float32, float16 or bfloat16, batch size 1 or left-padded batches, greedy or sampled
+    generation.
     Raises UnsupportedModelError / HiSparseOptionError (both ValueError) naming the problem.
     """
     from .config import HiSparseConfig  # the runtime's; imported late to keep `import hi_sparse` light
@@ -205,15 +206,18 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
 
 
 def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Binding) -> None:
-    """Switch ``model``'s attention to HiSparse and hook its forward; closes ``binding`` if the
-    model refuses the switch."""
+    """Switch ``model``'s attention to HiSparse, fuse its RMSNorms and hook its forward; closes
+    ``binding`` (and puts the norms back) if the model refuses the switch."""
     try:
+        binding.fused_norms = fused_norms.install(model, binding.config.fused_norms)
         model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != hf_attention.ATTN_IMPLEMENTATION:
             raise UnsupportedModelError(
                 f"{type(model).__name__} does not let its attention implementation be changed, "
                 "so HiSparse cannot attach to it")
     except Exception:
+        fused_norms.uninstall(binding.fused_norms)
+        binding.fused_norms = []
         binding.close()
         raise
     hooks = _Hooks(binding, base_model)
@@ -239,6 +243,8 @@ def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
     binding.hooks = []
     hf_generate.unguard_generate(model)
     step_graph.uninstall(getattr(model, "base_model", model))
+    fused_norms.uninstall(binding.fused_norms)
+    binding.fused_norms = []
     if binding.previous_attn and binding.previous_attn != hf_attention.ATTN_IMPLEMENTATION:
         model.set_attn_implementation(binding.previous_attn)
     binding.close()
