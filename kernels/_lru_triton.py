@@ -104,12 +104,12 @@ def _lookup_install_kernel(
 
 @triton.jit
 def _prefetch_kernel(
-    p_tok, p_limit, p_room, p_skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, p_loaded, p_victim, P, W,
-    s_tok, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim,
-    BLOCK: tl.constexpr,
+    p_tok, p_limit, p_counts, S, p_skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, c0, p_loaded, p_victim, P,
+    W, s_tok, s_counts, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim,
+    HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # one program per head: non-resident tokens, up to the limit, take the slots of the lookup's
-    # ranking past its misses' victims
+    # one program per head: non-resident tokens, up to the limit and the room the lookup left,
+    # take the slots of the lookup's ranking past its misses' victims
     h = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     m = o < P
@@ -118,13 +118,16 @@ def _prefetch_kernel(
     cand = cand & (tl.load(p_ts + h * s_ts + 1 + tok, mask=cand, other=0) < 0)
     c = cand.to(tl.int64)
     rank = tl.cumsum(c, 0) - c
-    cand = cand & (rank < tl.minimum(tl.load(p_limit + h), tl.load(p_room + h)))
+    room = S - tl.load(p_counts + h * s_counts)
+    if HAS_LIMIT:
+        room = tl.minimum(tl.load(p_limit + h), room)
+    cand = cand & (rank < room)
     victim = tl.load(p_order + h * s_order + tl.minimum(tl.load(p_skip + h) + rank, W - 1), mask=m, other=0)
     old = tl.load(p_st + h * s_st + victim, mask=cand, other=-1)
     tl.store(p_ts + h * s_ts + 1 + old, tl.full([BLOCK], -1, tl.int64), mask=cand & (old >= 0))
     tl.store(p_ts + h * s_ts + 1 + tok, victim, mask=cand)
     tl.store(p_st + h * s_st + victim, tok, mask=cand)
-    tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock) + o, mask=cand)
+    tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock) + c0 + o, mask=cand)
     tl.store(p_pf + h * s_pf + victim, tl.full([BLOCK], 1, tl.uint8), mask=cand)
     tl.store(p_loaded + h * s_loaded + o, cand.to(tl.uint8), mask=m)
     tl.store(p_victim + h * s_victim + o, victim, mask=m)
@@ -134,10 +137,12 @@ def _prefetch_kernel(
 def _insert_one_kernel(
     p_tok, p_ts, p_st, p_stamp, p_pf, p_clock, p_victim, S,
     s_tok, s_ts, s_st, s_stamp, s_pf,
-    BLOCK: tl.constexpr,
+    p_k, p_v, p_kd, p_vd, s_k, s_v, s_kd, s_vd, head0, D,
+    HAS_KV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # one program per head: one appended token takes the least recent slot (stamps are unique per
-    # head: one minimum), the ranking and the install in one launch
+    # head: one minimum), the ranking and the install in one launch; with HAS_KV also its key and
+    # value written into the slot's row of the hot K / V ((head0 + h) * S + slot)
     h = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     stamp = tl.load(p_stamp + h * s_stamp + o, mask=o < S, other=(1 << 62))
@@ -150,6 +155,12 @@ def _insert_one_kernel(
     tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock))
     tl.store(p_pf + h * s_pf + victim, tl.zeros([], tl.uint8))
     tl.store(p_victim + h, victim)
+    if HAS_KV:
+        d = tl.arange(0, BD)
+        dm = d < D
+        row = (head0 + h) * S + victim
+        tl.store(p_kd + row * s_kd + d, tl.load(p_k + h * s_k + d, mask=dm).to(p_kd.dtype.element_ty), mask=dm)
+        tl.store(p_vd + row * s_vd + d, tl.load(p_v + h * s_v + d, mask=dm).to(p_vd.dtype.element_ty), mask=dm)
 
 
 def _rows(*ts: torch.Tensor) -> None:
@@ -183,27 +194,35 @@ def lookup_install(sel, miss, slot, order, token_slot, slot_token, slot_stamp, p
     return n_miss
 
 
-def prefetch_install(tokens, limit, room, skip, order, token_slot, slot_token, slot_stamp, prefetched, clock):
+def prefetch_install(tokens, limit, counts, num_slots, skip, order, token_slot, slot_token, slot_stamp, prefetched,
+                     clock, offset):
     H, P = tokens.shape
     _rows(tokens, order, token_slot, slot_token, slot_stamp, prefetched)
     loaded = torch.empty(H, P, dtype=torch.bool, device=tokens.device)
     victims = torch.empty(H, P, dtype=torch.int64, device=tokens.device)
     pf = prefetched.view(torch.uint8)
-    _prefetch_kernel[(H,)](tokens, limit, room, skip, order, token_slot, slot_token, slot_stamp, pf, clock,
-                           loaded.view(torch.uint8), victims, P, order.shape[1], tokens.stride(0), order.stride(0),
+    _prefetch_kernel[(H,)](tokens, tokens if limit is None else limit, counts, num_slots, skip, order, token_slot,
+                           slot_token, slot_stamp, pf, clock, offset, loaded.view(torch.uint8), victims, P,
+                           order.shape[1], tokens.stride(0), counts.stride(0), order.stride(0),
                            token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0), pf.stride(0), P, P,
-                           BLOCK=next_pow2(P))
+                           HAS_LIMIT=limit is not None, BLOCK=next_pow2(P))
     return loaded, victims
 
 
-def insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched, clock, num_slots):
+def insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched, clock, num_slots, kv=None, head0=0):
     """One token per head, tokens (H, 1) (may broadcast), into each head's least recent slot:
-    returns the slots (H, 1)."""
+    returns the slots (H, 1). kv: (k (H, D), v (H, D), k_dst (N, D), v_dst (N, D)) or None."""
     H = tokens.shape[0]
     _rows(token_slot, slot_token, slot_stamp, prefetched)
     victims = torch.empty(H, 1, dtype=torch.int64, device=tokens.device)
     pf = prefetched.view(torch.uint8)
+    k, v, kd, vd = kv if kv is not None else (victims,) * 4
+    if kv is not None:
+        _rows(k, v, kd, vd)
+    D = kd.shape[1] if kv is not None else 1
     _insert_one_kernel[(H,)](tokens, token_slot, slot_token, slot_stamp, pf, clock, victims, num_slots,
                              tokens.stride(0), token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0),
-                             pf.stride(0), BLOCK=next_pow2(num_slots), num_warps=8 if num_slots > 2048 else 4)
+                             pf.stride(0), k, v, kd, vd, k.stride(0), v.stride(0), kd.stride(0), vd.stride(0),
+                             head0, D, HAS_KV=kv is not None, BD=next_pow2(D), BLOCK=next_pow2(num_slots),
+                             num_warps=8 if num_slots > 2048 else 4)
     return victims

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ._launch import next_pow2
+from .select import RANK_MAX
 
 
 @triton.jit
@@ -101,16 +102,24 @@ def assemble(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: 
 
 
 @triton.jit
-def _candidates_kernel(p_scores, p_n, p_first, p_s, NB, s_sc, s_n, s_first, s_s, window, bs, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = o < NB
+def _candidate_row(p_scores, p_n, p_first, r, o, m, s_sc, s_n, s_first, window, bs):
+    """Row r's scores at columns o as fp32 where block o is a candidate (it starts before the
+    window and ends after the row's first position), -inf elsewhere (never read there)."""
     w0 = tl.load(p_n + r * s_n) - window
     first = tl.load(p_first + r * s_first)
     blk0 = o.to(tl.int64) * bs
     cand = (blk0 < w0) & (blk0 + bs > first)
     x = tl.load(p_scores + r * s_sc + o, mask=m & cand, other=0).to(tl.float32)
-    tl.store(p_s + r * s_s + o, tl.where(cand, x, float("-inf")), mask=m)
+    return tl.where(cand, x, float("-inf"))
+
+
+@triton.jit
+def _candidates_kernel(p_scores, p_n, p_first, p_s, NB, s_sc, s_n, s_first, s_s, window, bs, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < NB
+    x = _candidate_row(p_scores, p_n, p_first, r, o, m, s_sc, s_n, s_first, window, bs)
+    tl.store(p_s + r * s_s + o, x, mask=m)
 
 
 def candidates(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int,
@@ -124,3 +133,93 @@ def candidates(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor
                                                     n_tokens.stride(0), first.stride(0), out.stride(0), window,
                                                     block_size, BLOCK=BLOCK)
     return out
+
+
+@triton.jit
+def _merge_rows(v, desc, M: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
+    """Sort each bitonic row of v (M, W) int64, descending where desc (M, 1), else ascending:
+    compare-exchanges at strides W / 2 .. 1, the larger kept below in descending rows."""
+    for i in tl.static_range(LOG_W):
+        h = tl.reshape(v, [M, 1 << i, 2, W >> (i + 1)])                        # pairs along axis 2
+        low = (tl.arange(0, 2) == 0)[None, None, :, None]
+        keep_max = low == tl.reshape(desc, [M, 1, 1, 1])
+        h = tl.where(keep_max, tl.max(h, axis=2, keep_dims=True), tl.min(h, axis=2, keep_dims=True))
+        v = tl.reshape(h, [M, W])
+    return v
+
+
+@triton.jit
+def _rank_kernel(p_scores, p_n, p_first, p_s, p_top, NB, s_sc, s_n, s_first, s_s, s_top, window, bs, take,
+                 MASKED: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, LOG_C: tl.constexpr,
+                 LOG_W: tl.constexpr):
+    """Row r's ``take`` (<= W) best columns, best first, ties to the lower column, NaN last;
+    MASKED: of the candidate scores (_candidate_row, stored to p_s), else of the scores as they are.
+
+    Each score becomes an int64 whose order is the ranking: the fp32 bits made order-preserving as
+    an int32 (negative floats' low 31 bits flipped; NaN the lowest, -0 as +0) in the high word,
+    BLOCK - 1 - column in the low word (the lower column wins a tie). The row's C = BLOCK / W
+    chunks are sorted (ascending in odd chunks: ~ reverses the int64 order), then halved LOG_C
+    times: the elementwise max of a descending and an ascending chunk holds their best W, as a
+    bitonic sequence, which a merge sorts (alternately, then descending at the last)."""
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < NB
+    if MASKED:
+        x = _candidate_row(p_scores, p_n, p_first, r, o, m, s_sc, s_n, s_first, window, bs)
+        tl.store(p_s + r * s_s + o, x, mask=m)
+    else:
+        x = tl.load(p_scores + r * s_sc + o, mask=m, other=0).to(tl.float32)
+    bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where((x != x) | ~m, -2147483648, key)          # NaN, then the padding, below -inf
+    packed = (key.to(tl.int64) << 32) | (BLOCK - 1 - o).to(tl.int64)
+    v = tl.reshape(packed, [BLOCK // W, W])
+    odd = (tl.arange(0, BLOCK // W) % 2 == 1)[:, None]
+    u = tl.sort(tl.where(odd, ~v, v), dim=1, descending=True)
+    v = tl.where(odd, ~u, u)
+    for i in tl.static_range(LOG_C):
+        half = tl.max(tl.reshape(v, [BLOCK // W // (2 << i), 2, W]), axis=1)
+        v = _merge_rows(half, (tl.arange(0, BLOCK // W // (2 << i)) % 2 == 0)[:, None], BLOCK // W // (2 << i), W,
+                        LOG_W)
+    ow = tl.arange(0, W)
+    col = (BLOCK - 1) - tl.reshape(v, [W]).to(tl.int32)       # the low word (< BLOCK: no sign)
+    tl.store(p_top + r * s_top + ow, col.to(tl.int64), mask=ow < take)
+
+
+def _rank(scores: torch.Tensor, take: int, s: torch.Tensor | None, n_tokens: torch.Tensor, first: torch.Tensor,
+          window: int, block_size: int, chunk: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """top (R, take) of scores (R, NB); with s, of the candidate scores, written to s (R, NB)
+    (n_tokens, first, window and block_size are read only then). chunk, num_warps: the launch's
+    (default: chunks of next_pow2(take), at least 16; the warps fastest on an H200 at take 48 and
+    4, R 8 and 192: 8 from 2048 blocks, bench_rank.py)."""
+    R, NB = scores.shape
+    if NB > RANK_MAX or not 0 <= take <= NB:
+        raise ValueError(f"the ranking sorts rows of 0..{RANK_MAX} blocks for 0..NB of them, got NB={NB}, "
+                         f"take={take}")
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    top = torch.empty(R, take, dtype=torch.int64, device=scores.device)
+    if R == 0:
+        return top
+    out = scores if s is None else s                                  # not written when s is None
+    BLOCK = max(next_pow2(NB), 16)
+    W = min(chunk or max(next_pow2(take), 16), BLOCK)
+    if W < take or W & (W - 1):
+        raise ValueError(f"chunks of {W} blocks: a power of 2 of at least take={take} (or the whole row)")
+    _rank_kernel[(R,)](scores, n_tokens, first, out, top, NB, scores.stride(0), n_tokens.stride(0), first.stride(0),
+                       out.stride(0), top.stride(0), window, block_size, take, MASKED=s is not None, BLOCK=BLOCK,
+                       W=W, LOG_C=(BLOCK // W).bit_length() - 1, LOG_W=W.bit_length() - 1,
+                       num_warps=num_warps or (2 if BLOCK <= 256 else 4 if BLOCK <= 1024 else 8))
+    return top
+
+
+def ranked_candidates(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int,
+                      block_size: int, take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+    return s, _rank(scores, take, s, n_tokens, first, window, block_size)
+
+
+def row_topk(scores: torch.Tensor, take: int) -> torch.Tensor:
+    """The take best columns of each row (R, NB) of scores, best first, ties to the lower column,
+    NaN last."""
+    return _rank(scores, take, None, scores, scores, 0, 1)

@@ -3,7 +3,9 @@
 Rows move as 32-bit words (16-byte vector loads when rows and bases are 16-byte aligned, which
 Triton infers from its divisibility specialisation), so one warp streams whole rows over UVA;
 there is no cudaMemcpy per row. Pinned host tensors are passed directly: Triton resolves their
-device-visible address with cuPointerGetAttribute.
+device-visible address with cuPointerGetAttribute. One kernel moves the rows of one tensor, of a
+pair in one launch (a layer's keys and values: the same rows), and a decode token's backup (the
+pool rows computed in the kernel).
 """
 from __future__ import annotations
 
@@ -17,17 +19,37 @@ from ._launch import next_pow2, on_device
 
 @triton.jit
 def _gather_rows_kernel(
-    p_src, p_src_rows, p_dst, p_dst_rows, M, W, stride_src, stride_dst,
-    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    p_src, p_src_b, p_src_rows, p_dst, p_dst_b, p_dst_rows, p_start, p_map, M, W, H, bs,
+    stride_src, stride_src_b, stride_dst, stride_dst_b, s_start, s_map, s_map_h,
+    LISTED: tl.constexpr, TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
+    """Rows i of the program (axis 0) of src into dst, or (axis 1 == 1: a pair's second tensors,
+    the same rows) of src_b into dst_b. LISTED: at the rows of the lists src_rows / dst_rows.
+    Else a decode token's backup: source row i = b * H + h (sequence b's key or value at KV head
+    h) into the host pool row of its position start[b] (host_pool: unit's first row + offset)."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
-    m_m = m_m & (o_src >= 0)            # -1: no row (fixed-width lists of a graph-captured step)
-    o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
-    p_s = p_src + o_src[:, None] * stride_src
-    p_d = p_dst + o_dst[:, None] * stride_dst
+    if LISTED:
+        o_src = tl.load(p_src_rows + o_m, mask=m_m, other=0).to(tl.int64)
+        m_m = m_m & (o_src >= 0)            # -1: no row (fixed-width lists of a graph-captured step)
+        o_dst = tl.load(p_dst_rows + o_m, mask=m_m, other=0).to(tl.int64)
+    else:
+        o_src = o_m.to(tl.int64)
+        b, h = o_src // H, o_src % H
+        pos = tl.load(p_start + b * s_start, mask=m_m, other=0).to(tl.int64)
+        if TAIL:        # p_map: the first rows (B, H) of the sequences' tail units (HostPool.tail_units)
+            unit = tl.load(p_map + b * s_map + h * s_map_h, mask=m_m, other=0).to(tl.int64)
+        else:           # p_map: block tables (B, W) (HostPool.main_rows: a hole, -1, reads block 0)
+            blk = tl.maximum(tl.load(p_map + b * s_map + pos // bs, mask=m_m, other=0).to(tl.int64), 0)
+            unit = (blk * H + h) * bs
+        o_dst = unit + pos % bs
+    if tl.program_id(1) == 0:
+        p_s = p_src + o_src[:, None] * stride_src
+        p_d = p_dst + o_dst[:, None] * stride_dst
+    else:
+        p_s = p_src_b + o_src[:, None] * stride_src_b
+        p_d = p_dst_b + o_dst[:, None] * stride_dst_b
     for w0 in range(0, W, BLOCK_W):
         o_w = w0 + tl.arange(0, BLOCK_W)
         m = m_m[:, None] & (o_w < W)[None, :]
@@ -44,24 +66,49 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _gather(srcs: tuple[torch.Tensor, ...], dsts: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+            m: int, listed: bool, tail: bool = False, heads: int = 1, block_size: int = 1) -> None:
+    """One launch of _gather_rows_kernel over m rows of one or two (src, dst) pairs: rows are
+    (src_rows, dst_rows) when listed, else a backup's (start, tail units or block tables)."""
+    if any(t.stride(-1) != 1 for t in srcs + dsts):
+        raise ValueError("swap_in needs rows with unit stride in the last dim; pass .contiguous() tensors")
+    words = [_as_words(t) for t in srcs + dsts]
+    if len({w.dtype for w in words}) > 1:   # different alignments: fall back to the narrower word
+        words = [t.view(torch.uint8) for t in srcs + dsts]
+    src, dst = words[:len(srcs)], words[len(srcs):]
+    src_b, dst_b = src[-1], dst[-1]
+    w = src[0].shape[1]
+    s, d = srcs[0], dsts[0]
+    dev = d.device if d.is_cuda or not s.is_cuda else s.device  # a device->host copy runs on src's GPU
+    a, c = (on_device(t, dev) for t in rows)
+    s_c = (c.stride(0), c.stride(1) if c.dim() > 1 else 1)
+    BLOCK_W = min(next_pow2(w), 1024)
+    BLOCK_M = max(1, min(32, 2048 // BLOCK_W))
+    _gather_rows_kernel[(triton.cdiv(m, BLOCK_M), len(srcs))](
+        src[0], src_b, a, dst[0], dst_b, c, a, c, m, w, heads, block_size,
+        src[0].stride(0), src_b.stride(0), dst[0].stride(0), dst_b.stride(0), a.stride(0), *s_c,
+        LISTED=listed, TAIL=tail, BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)
+
+
 def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]]; src (R, W) and dst (S, W) on the device or in pinned host
     memory (a device -> host copy writes the host rows over UVA)."""
-    if src.stride(-1) != 1 or dst.stride(-1) != 1:
-        raise ValueError("swap_in needs rows with unit stride in the last dim; pass .contiguous() tensors")
-    src_w, dst_w = _as_words(src), _as_words(dst)
-    if src_w.dtype != dst_w.dtype:          # different alignments: fall back to the narrower word
-        src_w, dst_w = src.view(torch.uint8), dst.view(torch.uint8)
-    m = src_rows.numel()
-    w = src_w.shape[1]
-    dev = dst.device if dst.is_cuda or not src.is_cuda else src.device  # a device->host copy runs on src's GPU
-    src_rows = on_device(src_rows, dev)
-    dst_rows = on_device(dst_rows, dev)
-    BLOCK_W = min(next_pow2(w), 1024)
-    BLOCK_M = max(1, min(32, 2048 // BLOCK_W))
-    _gather_rows_kernel[(triton.cdiv(m, BLOCK_M),)](
-        src_w, src_rows, dst_w, dst_rows, m, w, src_w.stride(0), dst_w.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)
+    _gather((src,), (dst,), (src_rows, dst_rows), src_rows.numel(), listed=True)
+
+
+def swap_in_pair(src_a: torch.Tensor, src_b: torch.Tensor, src_rows: torch.Tensor, dst_a: torch.Tensor,
+                 dst_b: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """swap_in of src_a into dst_a and of src_b into dst_b (the same rows) in one launch."""
+    _gather((src_a, src_b), (dst_a, dst_b), (src_rows, dst_rows), src_rows.numel(), listed=True)
+
+
+def backup_token(k: torch.Tensor, v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, start: torch.Tensor,
+                 units: torch.Tensor, tail: bool, block_size: int) -> None:
+    """A decode token's k, v (B * H, W) rows into the pool's dst_k, dst_v at their positions start
+    (B,): in the float tails (tail: units are their first rows (B, H)), or in the main pool
+    (units are the block tables (B, W))."""
+    _gather((k, v), (dst_k, dst_v), (start, units), k.shape[0], listed=False, tail=tail,
+            heads=k.shape[0] // start.shape[0], block_size=block_size)
 
 
 def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import FLOAT_DTYPES, check, kernel_module, use_triton
+from .select import RANK_MAX
 
 
 def reference_block_bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,15 +123,22 @@ def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
 
 
 def top_blocks(scores: torch.Tensor, n: int, chunk: int = 1024) -> torch.Tensor:
-    """Indices (..., n) int64 of the n highest scores along the last dim (same set as torch.topk).
+    """Indices (..., n) int64 of the n highest scores along the last dim (same set as torch.topk,
+    but NaN ranks lowest, with -inf: a block whose bound is NaN never displaces a scored one).
 
-    One torch.topk over a long row runs on few thread blocks when the batch is small (one decode
-    sequence), so long rows go in two exact stages: the top n of each chunk, then the top n of
-    those candidates (every global top-n element is in its chunk's top n). Order is unspecified.
+    With Triton, a row of at most RANK_MAX scores is ranked in one program (one launch for all
+    rows: kernels/select.py's ranking, ties to the lower index). Otherwise torch.topk; one over a
+    long row runs on few thread blocks when the batch is small (one decode sequence), so long rows
+    go in two exact stages: the top n of each chunk, then the top n of those candidates (every
+    global top-n element is in its chunk's top n). Order is unspecified.
     """
     nb = scores.shape[-1]
     check(0 < n <= nb, f"n={n} must be in 1..{nb} (the number of blocks)")
     rows = scores.numel() // max(nb, 1)
+    if use_triton(scores) and nb <= RANK_MAX and scores.dtype in FLOAT_DTYPES:
+        top = kernel_module("_select_triton").row_topk(scores.reshape(rows, nb), n)
+        return top.view(*scores.shape[:-1], n)
+    scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     if nb <= 4 * chunk or n > chunk // 4 or rows > 64:      # many rows already fill the GPU
         return scores.topk(n, dim=-1, sorted=False).indices
     n_chunks = -(-nb // chunk)

@@ -77,20 +77,25 @@ def lookup_triton(sel: torch.Tensor, token_slot: torch.Tensor, slot_token: torch
     return slot, miss, counts, n_miss, order
 
 
-def prefetch_triton(tokens: torch.Tensor, limit: torch.Tensor, room: torch.Tensor, skip: torch.Tensor,
-                    order: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp: torch.Tensor,
-                    prefetched: torch.Tensor, clock: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefetch that follows a lookup's shared ranking (HotBufferState.prefetch), in one launch."""
-    return kernel_module("_lru_triton").prefetch_install(tokens, limit.contiguous(), room.contiguous(),
-                                                         skip.reshape(-1).contiguous(), order, token_slot,
-                                                         slot_token, slot_stamp, prefetched, clock)
+def prefetch_triton(tokens: torch.Tensor, limit: torch.Tensor | None, counts: torch.Tensor, num_slots: int,
+                    skip: torch.Tensor, order: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor,
+                    slot_stamp: torch.Tensor, prefetched: torch.Tensor, clock: torch.Tensor,
+                    offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefetch that follows a lookup's shared ranking (HotBufferState.prefetch), in one
+    launch: at most min(limit, the room the lookup left: num_slots - counts[:, 0]) tokens per head
+    (limit None: the room), past the lookup's ``skip`` (H,) victims, stamped from clock + offset."""
+    return kernel_module("_lru_triton").prefetch_install(tokens, None if limit is None else limit.contiguous(),
+                                                         counts, num_slots, skip.contiguous(), order, token_slot,
+                                                         slot_token, slot_stamp, prefetched, clock, offset)
 
 
 def insert_one_triton(tokens: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor,
                       slot_stamp: torch.Tensor, prefetched: torch.Tensor, clock: torch.Tensor,
-                      num_slots: int) -> torch.Tensor:
+                      num_slots: int, kv: tuple[torch.Tensor, ...] | None = None, head0: int = 0) -> torch.Tensor:
     """One appended token per head (HotBufferState.insert with T = 1, whose torch code is the
     reference: the least recent slot, then the install) in one launch. tokens (H, 1), may be a
-    broadcast view; the state tensors with their spill columns. Returns the slots (H, 1)."""
+    broadcast view; the state tensors with their spill columns. Returns the slots (H, 1). kv: the
+    token's key and value per head (k (H, D), v (H, D)) and the hot K / V rows (k_dst, v_dst
+    (N, D)) where they go, at row (head0 + h) * num_slots + slot (cast to k_dst's dtype)."""
     return kernel_module("_lru_triton").insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched,
-                                                   clock, num_slots)
+                                                   clock, num_slots, kv, head0)

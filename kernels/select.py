@@ -7,12 +7,18 @@ count and first position (R, 1) and its anchors (R, A): writes the row's selecti
 the window and past the sinks), then the sinks, the kept ranked tokens (up to the budget left by
 the others) and the prefetch, -1 padded; the selected tokens per storage block of ``sb`` tokens
 (R, NBS), and the tokens of the touched blocks summed over rows (0-dim).
+
+The ranking before it: ``candidate_scores`` (the masked scores ``s``) then ``s.topk(take)``, or
+both in one launch, ``ranked_candidates``, where a row holds at most ``RANK_MAX`` blocks.
 """
 from __future__ import annotations
 
 import torch
 
 from ._dispatch import check, kernel_module
+
+# Rows of at most this many blocks are ranked in one launch (one program a row, in registers).
+RANK_MAX = 4096
 
 
 def assemble_selection(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor,
@@ -34,3 +40,18 @@ def candidate_scores(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.
     R = scores.shape[0]
     check(n_tokens.shape == (R, 1) and first.shape == (R, 1), "n_tokens and first must be (R, 1)")
     return kernel_module("_select_triton").candidates(scores, n_tokens, first, window, block_size)
+
+
+def ranked_candidates(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int,
+                      block_size: int, take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``candidate_scores`` and its ranking in one launch, one program per row (NB <= RANK_MAX):
+    s (R, NB) as there, and top (R, take) int64, the columns of the ``take`` highest s of each
+    row, best first, ties (-inf ones included, when a row has fewer candidates) to the lower
+    column; the same scores in the same order as ``s.topk(take, dim=1)`` (a NaN score of a
+    candidate block, which bounds of its keys never give, would rank last here, first in topk).
+    The kernel sorts chunks of next_pow2(take) blocks and halves them with bitonic merges."""
+    R, NB = scores.shape
+    check(n_tokens.shape == (R, 1) and first.shape == (R, 1), "n_tokens and first must be (R, 1)")
+    check(NB <= RANK_MAX and 0 <= take <= NB, f"ranked_candidates takes 0..NB of rows of at most {RANK_MAX} "
+          f"blocks, got take={take} of NB={NB}")
+    return kernel_module("_select_triton").ranked_candidates(scores, n_tokens, first, window, block_size, take)

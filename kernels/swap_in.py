@@ -3,6 +3,9 @@
 On CUDA the source is pinned host memory read by the kernel over UVA (no cudaMemcpy per row).
 swap_in:          src (R, W), dst (S, W), src_rows / dst_rows (M,): dst[dst_rows[i]] = src[src_rows[i]]
                   (a source row of -1 copies nothing: fixed-width lists of a graph-captured step).
+swap_in_pair:     swap_in of two tensors with the same rows (a layer's K and V) in one launch.
+backup_token:     a decode token's K and V rows into the host pool, their pool rows computed in the
+                  launch (CUDA or the interpreter only: HostPool.backup is the reference).
 swap_in_dequant:  packed (R, P) uint8 rows of `bits`-bit codes (one row = one token's D values,
                   P = ceil(D * bits / 8)) quantized in blocks of rows_per_block rows in a layout
                   (quant.py): scale / zero (R // rows_per_block,) fp32 ("block"), (R // rows_per_block,
@@ -25,7 +28,7 @@ def _check_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
           f"row indices must be int64 (or int32), got {src_rows.dtype} and {dst_rows.dtype}")
 
 
-def _device_path(src: torch.Tensor, dst: torch.Tensor, *index: torch.Tensor) -> bool:
+def device_path(src: torch.Tensor, dst: torch.Tensor, *index: torch.Tensor) -> bool:
     """Triton only when the source is device memory or pinned host memory the GPU can read."""
     if dst.is_cuda and not src.is_cuda and not src.is_pinned():
         return False          # pageable host memory is not mapped for the GPU: copy through torch
@@ -68,20 +71,70 @@ def reference_swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: t
     dst.index_copy_(0, dst_rows.to(dst.device).long(), x.to(dst.device, dst.dtype))
 
 
-def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] in place. src (R, W), dst (S, W): on CUDA either may be
-    pinned host memory (host -> device: swap-in; device -> host: the batched decode's backup)."""
+def _check_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     check(src.dim() == 2 and dst.dim() == 2,
           f"src and dst must be 2-D (rows, W), got {tuple(src.shape)} and {tuple(dst.shape)}")
     check(src.shape[1] == dst.shape[1], f"row widths differ: src W={src.shape[1]}, dst W={dst.shape[1]}")
     check(src.dtype == dst.dtype, f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")
+
+
+def _check_pair(a: torch.Tensor, b: torch.Tensor, dst_a: torch.Tensor, dst_b: torch.Tensor) -> None:
+    _check_copy(a, dst_a)
+    _check_copy(b, dst_b)
+    check(a.shape[1] == b.shape[1] and a.dtype == b.dtype,
+          f"a pair's rows differ: {a.shape[1]} {a.dtype} and {b.shape[1]} {b.dtype}")
+
+
+def swap_in(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] in place. src (R, W), dst (S, W): on CUDA either may be
+    pinned host memory (host -> device: swap-in; device -> host: the batched decode's backup)."""
+    _check_copy(src, dst)
     _check_rows(src_rows, dst_rows)
     if src_rows.numel() == 0:
         return
-    if _device_path(src, dst, src_rows, dst_rows):
+    if device_path(src, dst, src_rows, dst_rows):
         kernel_module("_swap_in_triton").swap_in(src, src_rows, dst, dst_rows)
         return
     reference_swap_in(src, src_rows, dst, dst_rows)
+
+
+def swap_in_pair(src_a: torch.Tensor, src_b: torch.Tensor, src_rows: torch.Tensor, dst_a: torch.Tensor,
+                 dst_b: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """:func:`swap_in` of src_a into dst_a and of src_b into dst_b at the same rows, in one launch
+    where Triton runs (a layer's keys and values): rows of one width and dtype."""
+    _check_pair(src_a, src_b, dst_a, dst_b)
+    _check_rows(src_rows, dst_rows)
+    if src_rows.numel() == 0:
+        return
+    if device_path(src_a, dst_a, src_rows, dst_rows) and device_path(src_b, dst_b):
+        kernel_module("_swap_in_triton").swap_in_pair(src_a, src_b, src_rows, dst_a, dst_b, dst_rows)
+        return
+    reference_swap_in(src_a, src_rows, dst_a, dst_rows)
+    reference_swap_in(src_b, src_rows, dst_b, dst_rows)
+
+
+def backup_token(k: torch.Tensor, v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, start: torch.Tensor,
+                 block_size: int, tail_units: torch.Tensor | None = None, tables: torch.Tensor | None = None) -> None:
+    """A decode token of B sequences into the host pool in one launch, its rows computed there: k, v
+    (B * Hkv, W) (row b * Hkv + h: sequence b at KV head h) at positions start (B,), with
+    ``o = start[b] % block_size``: into the float tails dst_k, dst_v at row tail_units[b, h] + o
+    (tail_units (B, Hkv): HostPool.tail_units; quantized pools), or into the main pool at row
+    (tables[b, start[b] // block_size] * Hkv + h) * block_size + o (tables (B, W); a hole, -1,
+    reads block 0, as HostPool.main_rows). Only where :func:`device_path` holds (CUDA, or the
+    Triton interpreter): HostPool.backup is the reference."""
+    _check_pair(k, v, dst_k, dst_v)
+    check((tail_units is None) != (tables is None), "pass tail_units (quantized pools) or tables, not both")
+    units = tail_units if tail_units is not None else tables
+    assert units is not None
+    B = start.shape[0]
+    check(start.dim() == 1 and B > 0 and k.shape[0] % B == 0 and units.dim() == 2 and units.shape[0] == B,
+          f"start must be (B,) and k (B * Hkv, W), got {tuple(start.shape)}, {tuple(k.shape)}, {tuple(units.shape)}")
+    check(tail_units is None or units.shape[1] == k.shape[0] // B,
+          f"tail_units must be (B, Hkv), got {tuple(units.shape)} for {k.shape[0] // B} heads")
+    check(start.dtype in INDEX_DTYPES and units.dtype in INDEX_DTYPES, "start and the rows must be integer")
+    check(device_path(k, dst_k, start, units) and device_path(v, dst_v), "backup_token runs where Triton does")
+    kernel_module("_swap_in_triton").backup_token(k, v, dst_k, dst_v, start, units, tail_units is not None,
+                                                  block_size)
 
 
 def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -112,7 +165,7 @@ def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     if src_rows.numel() == 0:
         return
     gpu_readable = all(t.is_cuda or t.is_pinned() for t in (scale, zero)) or not dst.is_cuda
-    if _device_path(packed, dst, src_rows, dst_rows) and gpu_readable:
+    if device_path(packed, dst, src_rows, dst_rows) and gpu_readable:
         kernel_module("_swap_in_triton").swap_in_dequant(packed, scale, zero, bits, rows_per_block,
                                                          src_rows, dst, dst_rows, layout)
         return

@@ -27,6 +27,7 @@ import torch
 
 from hi_sparse.kernels import sparse_decode_attention, two_level_pays
 from hi_sparse.kernels._dispatch import use_triton
+from hi_sparse.kernels.counts import tally
 from hi_sparse.kernels.swap_in import swap_plan
 
 from . import anchors, key_bounds
@@ -44,6 +45,7 @@ from .storage import Storage
 from .trace import phase
 
 APPEND, ATTEND = 0, 1    # the two bodies of a layer's decode step: each reads its own positions and clock
+WINDOW = 2               # beside them in Batch.positions: the attend's first window block (selection blocks)
 
 
 def bucket(n: int) -> int:
@@ -60,7 +62,7 @@ class Batch:
     bodies of every layer), and the batch's graphs (per layer, and of a whole step: step_graph.py)."""
 
     def __init__(self, seqs: list[Sequence], device: torch.device, shape: KVShape, max_seq_len: int,
-                 graphs: bool, host: HostPool) -> None:
+                 graphs: bool, host: HostPool, window: int, select_block: int) -> None:
         B, H = len(seqs), shape.num_kv_heads
         self.seq_ids = tuple(s.seq_id for s in seqs)
         self.first_row, self.size = seqs[0].row, B
@@ -80,8 +82,10 @@ class Batch:
         self.tail_units = host.tail_units(tails)                                            # (B, H)
         # per body and layer: each sequence's first new position (append) or token count
         # (attend), once per KV head (so the step reads per-sequence and per-row views of one
-        # tensor), and the first LRU stamp
-        self.positions = torch.zeros(2, shape.num_layers, B, H, dtype=torch.int64, device=device)
+        # tensor), and the first LRU stamp; third, the attend's first window block, worked out on
+        # the host with the positions (no kernels of its own in the step)
+        self.window, self.select_block = window, select_block
+        self.positions = torch.zeros(3, shape.num_layers, B, H, dtype=torch.int64, device=device)
         self.clock = torch.zeros(2, shape.num_layers, dtype=torch.int64, device=device)
         self.runner = GraphRunner(graphs)
         self.whole: dict = {}                 # the whole-step graph's state (step_graph.py)
@@ -89,6 +93,15 @@ class Batch:
     def starts(self, layer: int, body: int) -> torch.Tensor:
         """This step's position of each sequence at ``layer`` for ``body``: (B,) (a view)."""
         return self.positions[body, layer, :, 0]
+
+    def window_blocks(self, layer: int) -> torch.Tensor:
+        """The attend's first window block of each sequence at ``layer``: (B,) (a view), the
+        selection block of position n - window rounded up, at least 0 (n the token count)."""
+        return self.positions[WINDOW, layer, :, 0]
+
+    def _first_window_block(self, n: torch.Tensor) -> torch.Tensor:
+        ps = self.select_block
+        return torch.div(n - (self.window - ps + 1), ps, rounding_mode="floor").clamp(min=0)
 
     def head_starts(self, layer: int, body: int) -> torch.Tensor:
         """The same per (sequence, KV head) row: (B*H, 1) (a view)."""
@@ -106,15 +119,21 @@ class Batch:
 
     def set(self, layer: int, body: int, positions: list[int], clock: int) -> None:
         """This step's positions (one per sequence) and first LRU stamp of ``body`` at ``layer``."""
-        if len(set(positions)) == 1:
-            self.positions[body, layer].fill_(positions[0])  # a fill launches no host -> device copy
-        else:
-            self.positions[body, layer].copy_(torch.tensor(positions)[:, None].expand(self.positions.shape[2:]))
+        rows = [(body, positions)]
+        if body == ATTEND:
+            rows.append((WINDOW, self._first_window_block(torch.tensor(positions)).tolist()))
+        for at, values in rows:
+            if len(set(values)) == 1:
+                self.positions[at, layer].fill_(values[0])  # a fill launches no host -> device copy
+            else:
+                self.positions[at, layer].copy_(torch.tensor(values)[:, None].expand(self.positions.shape[2:]))
         self.clock[body, layer].fill_(clock)
 
     def set_all(self, positions: torch.Tensor, clocks: torch.Tensor) -> None:
-        """Every body's and layer's positions (2, L, B) and clocks (2, L) (host int64) in two copies."""
-        self.positions.copy_(positions[..., None].expand(self.positions.shape))
+        """Every body's and layer's positions (2, L, B) and clocks (2, L) (host int64) in two copies
+        (the window blocks worked out from the attend's positions on the way)."""
+        whole = torch.cat([positions, self._first_window_block(positions[ATTEND])[None]])
+        self.positions.copy_(whole[..., None].expand(self.positions.shape))
         self.clock.copy_(clocks)
 
 
@@ -130,13 +149,11 @@ def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     pos = batch.head_starts(layer, APPEND)                                              # (B*H, T)
     if T > 1:
         pos = pos + torch.arange(T, device=k.device)
-    slots = rows.hot.rows(batch.first_row, B).insert(pos, batch.clock[APPEND, layer])          # (B*H, T')
-    # flat (Hkv*S, D) rows + index_copy_: several times cheaper on CPU than a scatter_ with an
-    # index expanded over D (slots are unique per head, so the writes agree)
-    flat = (batch.head_rows + slots).reshape(-1)
-    new = slice(T - slots.shape[1], T)
-    rows.k.view(-1, D).index_copy_(0, flat, k[:, :, new].reshape(-1, D))
-    rows.v.view(-1, D).index_copy_(0, flat, v[:, :, new].reshape(-1, D))
+    # resident as the most recent, their K / V written into the hot rows (the slot choice and the
+    # writes of a decode token: one launch)
+    rows.hot.rows(batch.first_row, B).insert(pos, batch.clock[APPEND, layer],
+                                             (k.reshape(B * H, T, D), v.reshape(B * H, T, D), rows.k.view(-1, D),
+                                              rows.v.view(-1, D)))
     anchors.pin_new_tokens(rows.probe, rows.bank, batch.rows, k, pos.view(B, H, T), batch.first,
                            (cfg.threshold_base, cfg.threshold_min, cfg.threshold_max), cfg.decode_kernels)
 
@@ -152,13 +169,12 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     some sequence lost blocks to streaming mode. Block hits add to the importance in streaming
     mode only (only its eviction reads them)."""
     layer, bank = rows.index, rows.bank.t
-    B, H, D, S, bs = batch.size, shape.num_kv_heads, shape.head_dim, shape.slots, shape.block_size
+    B, H, D, bs = batch.size, shape.num_kv_heads, shape.head_dim, shape.block_size
     ps = cfg.select_block                                   # selection block (divides the storage block)
     ns = -(-nb * ps // bs)                                  # storage blocks of the longest sequence
     r = batch.rows
     n, n_head = batch.starts(layer, ATTEND), batch.head_starts(layer, ATTEND)          # (B,), (B*H, 1)
-    # the first selection block of each window: ceil((n - window) / ps), at least 0
-    window_block = torch.div(n - (cfg.window_size - ps + 1), ps, rounding_mode="floor").clamp(min=0)
+    window_block = batch.window_blocks(layer)      # the first selection block of each window (B,)
     row_blocks = torch.div(n + ps - 1, ps, rounding_mode="floor")[:, None] if mixed_levels else None
     scores = bound_scores(q.view(B, H, shape.group_size, D), bank["kmin"][r, :, :nb], bank["kmax"][r, :, :nb],
                           bank["smin"][r], bank["smax"][r], cfg.bound_group, n_super, window_block[:, None],
@@ -167,21 +183,26 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                  bank["anchors"][r].reshape(B * H, -1),
                  bank["holes"][r, :ns].repeat_interleave(H, 0) if holes else None, cfg.prefetch_units,
                  n_cand, cfg.sink_tokens, store_block=bs, kernels=cfg.decode_kernels)
-    K = sel.tokens.shape[1]
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[ATTEND, layer]
-    slots, miss, used, hits, prefetch_used = state.lookup(sel.tokens, clock, sel.prefetch.shape[1])  # used: (B*H,)
-    loaded, prefetch_slots = state.prefetch(sel.prefetch, S - used, clock + ticks(selected=K))
+    slots, miss, counts = state.lookup(sel.tokens, clock, sel.prefetch.shape[1])   # counts: (B*H, 3)
+    # as many as the lookup left room for (S - selected), stamped after its stamps
+    loaded, prefetch_slots = state.prefetch(sel.prefetch)
     # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
     tail = batch.tail_units.view(-1, 1) if host.quantized else None
-    if cfg.decode_kernels and use_triton(q):
+    kernels = cfg.decode_kernels and use_triton(q)
+    if kernels:
         src, src_tail, dst = swap_plan(sel.both, miss, loaded, slots, prefetch_slots, batch.head_rows, batch.tables,
                                        batch.seq_of_head, batch.kv_head, n_head, tail, bs, H)
     else:
         src, src_tail, dst = _swap_rows(host, batch, sel.both, miss, loaded, slots, prefetch_slots, n_head, tail)
-    nbytes = host.load(layer, src, src_tail, rows.k.view(-1, D), rows.v.view(-1, D), dst)
-    lookups = used.sum()                                   # every selected token is looked up
-    rows.counters.add(lookups, hits, prefetch_used, lookups, sel.loaded, loaded.sum(), nbytes)
+    sizes = host.row_bytes(layer) if kernels else None
+    nbytes = host.load(layer, src, src_tail, rows.k.view(-1, D), rows.v.view(-1, D), dst, count=sizes is None)
+    if sizes is not None:              # every count of the step in one launch (kernels/counts.py)
+        tally(rows.counters.acc, counts, loaded, sel.loaded, src, src_tail, *sizes)
+    else:
+        per = counts.sum(0)            # every selected token is looked up and used
+        rows.counters.add(per[0], per[1], per[2], per[0], sel.loaded, loaded.sum(), nbytes)
     if cfg.streaming:
         bank["importance"][r, :ns] += sel.block_hits.view(B, H, ns).sum(1)
     remember_queries(rows.bank, r, q[:, None])
@@ -252,7 +273,8 @@ class Decoder:
             if len(self._batches) > 8:
                 self._batches.clear()
             graphs = self._graphs and device.type == "cuda"
-            batch = self._batches[key] = Batch(seqs, device, self.shape, self.cfg.max_seq_len, graphs, self.host)
+            batch = self._batches[key] = Batch(seqs, device, self.shape, self.cfg.max_seq_len, graphs, self.host,
+                                               self.cfg.window_size, self.cfg.select_block)
         batch.refresh_tables(self.storage.pages)
         return batch
 

@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
+from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_pair
 
 from .host_seal import QuantEvents, seal_many, to_device as _to_device
 from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits
@@ -190,6 +191,14 @@ class HostPool:
         only before it next reads the pool itself (:meth:`note_device_writes`).
         """
         B, H, T, D = k.shape
+        store = self.layers[layer]
+        names = ("k_tail", "v_tail") if self.quantized else ("k", "v")
+        k, v = (x.to(self.dtype).reshape(-1, D) for x in (k, v))                               # (B*H*T, D)
+        if T == 1 and device_path(k, store[names[0]], start):
+            # a decode token where Triton runs: K and V in one launch, the rows computed in it
+            backup_token(k, v, store[names[0]], store[names[1]], start, self.block_size,
+                         tail_units if self.quantized else None, None if self.quantized else tables)
+            return
         # a decode token (T == 1) is at start itself: no position arithmetic in the captured step
         pos = start[:, None] if T == 1 else start[:, None] + torch.arange(T, device=k.device)     # (B, T)
         keep = None
@@ -200,17 +209,14 @@ class HostPool:
                 # stored them); a decode token that completes its block is written to the tail
                 # too, where nothing reads it (the tail is read below a sequence's length)
                 keep = (pos >= (start + T)[:, None] // self.block_size * self.block_size)[:, None].expand(B, H, T)
-            names = ("k_tail", "v_tail")
         else:
             heads = torch.arange(H, device=k.device)[None, :, None]
             rows = self.main_rows(tables, heads, pos[:, None].expand(B, H, T))
-            names = ("k", "v")
         src = torch.arange(B * H * T, device=k.device)
         if keep is not None:
             src = torch.where(keep.reshape(-1), src, -1)
-        store = self.layers[layer]
         for name, x in zip(names, (k, v)):
-            swap_in(x.to(self.dtype).reshape(-1, D), src, store[name], rows.reshape(-1))
+            swap_in(x, src, store[name], rows.reshape(-1))
 
     def backup_bytes(self, starts: list[int], new_tokens: int) -> int:
         """Bytes :meth:`backup` writes for sequences at positions ``starts`` (host arithmetic)."""
@@ -312,31 +318,49 @@ class HostPool:
     def _unit_bits(self, layer: int, prefix: str, device: torch.device) -> torch.Tensor:
         return self._bits_on[(layer, prefix)] if device.type == "cuda" else self.layers[layer][f"{prefix}_bits"]
 
+    def row_bytes(self, layer: int) -> tuple[int, int] | None:
+        """Bytes :meth:`load` reads per main-pool row and per tail row (K and V together; a
+        quantized row: the packed codes and its share of the scale / zero pairs), or None where
+        they depend on the unit (a pool of mixed bit widths: load counts those itself)."""
+        store, D = self.layers[layer], self.head_dim
+        if not self.quantized:
+            return 2 * D * store["k"].element_size(), 0
+        if self.fixed_bits is None:
+            return None
+        row = 2 * packed_width(D, self.fixed_bits) + self._pair_bytes("k") + self._pair_bytes("v")
+        return row, 2 * D * store["k_tail"].element_size()
+
+    def _uniform_row_bytes(self, layer: int) -> tuple[int, int]:
+        sizes = self.row_bytes(layer)
+        if sizes is None:
+            raise RuntimeError("a pool of mixed bit widths has no uniform row size")
+        return sizes
+
     def load(self, layer: int, rows: torch.Tensor, tail_rows: torch.Tensor | None, dst_k: torch.Tensor,
-             dst_v: torch.Tensor, dst_rows: torch.Tensor) -> torch.Tensor:
+             dst_v: torch.Tensor, dst_rows: torch.Tensor, count: bool = True) -> torch.Tensor | None:
         """Copy (dequantizing) host rows into dst (S, D) at dst_rows (M,), without a host sync.
 
         rows (M,) index the main pool, tail_rows (M,) the tail blocks (quantized pools; None
         otherwise); -1 where an entry comes from the other one, or from neither. A pool of mixed
         bit widths dequantizes once per width, each launch taking the rows of its units. Returns
-        the bytes read, a 0-dim int64 tensor on rows' device.
+        the bytes read, a 0-dim int64 tensor on rows' device; with ``count`` False None where
+        :meth:`row_bytes` lets the caller count them (a mixed pool always counts).
         """
         store, D = self.layers[layer], self.head_dim
         if not self.quantized:
-            swap_in(store["k"], rows, dst_k, dst_rows)
-            swap_in(store["v"], rows, dst_v, dst_rows)
-            return (rows >= 0).sum() * (2 * D * store["k"].element_size())
-        swap_in(store["k_tail"], tail_rows, dst_k, dst_rows)
-        swap_in(store["v_tail"], tail_rows, dst_v, dst_rows)
+            swap_in_pair(store["k"], store["v"], rows, dst_k, dst_v, dst_rows)
+            return (rows >= 0).sum() * self._uniform_row_bytes(layer)[0] if count else None
+        swap_in_pair(store["k_tail"], store["v_tail"], tail_rows, dst_k, dst_v, dst_rows)
         tail_bytes = 2 * D * store["k_tail"].element_size()
         if self.fixed_bits is not None:
             P = packed_width(D, self.fixed_bits)
             for prefix, dst in (("k", dst_k), ("v", dst_v)):
                 swap_in_dequant(store[f"{prefix}_packed"][:, :P], store[f"{prefix}_scale"], store[f"{prefix}_zero"],
                                 self.fixed_bits, self.block_size, rows, dst, dst_rows, LAYOUT[prefix])
-            # K and V rows (packed bytes + their share of the pairs): one count in the captured step
-            row = 2 * P + self._pair_bytes("k") + self._pair_bytes("v")
-            return ((tail_rows >= 0) * tail_bytes + (rows >= 0) * row).sum()
+            if not count:
+                return None
+            row, tail_bytes = self._uniform_row_bytes(layer)
+            return ((tail_rows >= 0) * tail_bytes + (rows >= 0) * row).sum()   # one count in the captured step
         nbytes = (tail_rows >= 0).sum() * tail_bytes
         if rows.device.type != "cuda":
             self.prepare(layer, rows.device)      # (on a GPU the caller did, outside any capture)

@@ -153,7 +153,7 @@ class HotBufferState:
     def __init__(self, bank: HotBufferBank, head0: int, num_heads: int) -> None:
         self._bank, self._h0 = bank, head0
         self.num_heads, self.num_slots, self.device = num_heads, bank.num_slots, bank.device
-        self._after_lookup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._after_lookup: tuple | None = None   # (order, misses (H,), counts (H, 3), clock, K)
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         return t[self._h0:self._h0 + self.num_heads]
@@ -187,22 +187,36 @@ class HotBufferState:
             return stamp.sort(dim=1).indices[:, :k]
         return stamp.topk(k, dim=1, largest=False, sorted=True).indices
 
-    def insert(self, positions: torch.Tensor, clock: int | torch.Tensor) -> torch.Tensor:
+    def insert(self, positions: torch.Tensor, clock: int | torch.Tensor,
+               kv: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Make new tokens ``positions`` (T,) for every head, or (H, T) per head, resident as MRU
         (the last S if T > S), stamped from ``clock`` on (``ticks(inserted=min(T, S))`` stamps).
 
         The token -> slot map must cover them (:meth:`ensure_tokens`). Returns slots (H, T') for
-        positions[..., -T':] where the caller writes their K/V.
+        positions[..., -T':]. ``kv``: (k, v (H, T, D), k_dst, v_dst (rows, D)): their keys and
+        values are written too, into the hot K / V rows of this state's heads at
+        (head0 + h) * S + slot (a decode token: in the same launch); otherwise the caller writes them.
         """
         positions = positions[..., -self.num_slots:]
         T = positions.shape[-1]
         tok = positions.expand(self.num_heads, -1)
         if T == 1 and self._kernels(tok):         # a decode step's append: the minimum and the install, one launch
+            one = None if kv is None else (kv[0][:, -1], kv[1][:, -1], kv[2], kv[3])
             return insert_one_triton(tok, self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s,
-                                     self._clock(clock), self.num_slots)
+                                     self._clock(clock), self.num_slots, one, self._h0)
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         stamps = (clock + torch.arange(T, device=self.device))[None].expand(self.num_heads, -1)
         self._install(None, tok, victims, stamps, prefetched=False)
+        if kv is not None:
+            # flat rows + index_copy_: several times cheaper on CPU than a scatter_ with an index
+            # expanded over D (slots are unique per head, so the writes agree)
+            k, v, k_dst, v_dst = kv
+            D = k.shape[-1]
+            flat = ((self._h0 + torch.arange(self.num_heads, device=self.device)[:, None]) * self.num_slots
+                    + victims).reshape(-1)
+            new = slice(k.shape[1] - T, k.shape[1])
+            k_dst.index_copy_(0, flat, k[:, new].reshape(-1, D).to(k_dst.dtype))
+            v_dst.index_copy_(0, flat, v[:, new].reshape(-1, D).to(v_dst.dtype))
         return victims
 
     def _install(self, mask: torch.Tensor | None, tokens: torch.Tensor, slots: torch.Tensor,
@@ -219,8 +233,9 @@ class HotBufferState:
         """Hit detection and miss assignment for selected tokens sel (H, K), -1 padded, unique per
         row, stamped from ``clock`` on (``ticks(selected=K)`` stamps). Misses stay in place as a
         mask over sel. Returns (slots (H, K) of every selected token (-1 for padding), miss (H, K)
-        bool, selected (H,) tokens per head, hits, prefetch_used (0-dim counts)): a miss's token
-        is sel, its new slot is slots, and the caller copies it in.
+        bool, counts (H, 3) int64: per head the selected tokens, the hits and the hits on
+        prefetched slots): a miss's token is sel, its new slot is slots, and the caller copies it
+        in. The counts stay per head (summing them is a kernel the caller can fold elsewhere).
 
         ``prefetch``: the width P of a :meth:`prefetch` that follows at once. One ranking of the
         K + P least recent slots then serves both: after the install the least recent slots are
@@ -233,17 +248,16 @@ class HotBufferState:
             slot, miss, counts, n_miss, order = lookup_triton(
                 sel, self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s,
                 self._clock(clock), lambda: self._lru(self.slot_stamp, K + prefetch))
-            used, totals = counts[:, 0], counts.sum(0)
             if prefetch:
-                self._after_lookup = (order, n_miss[:, None], S - used)
-            return slot, miss, used, totals[1], totals[2]
+                self._after_lookup = (order, n_miss, counts, clock, K)
+            return slot, miss, counts
         valid = sel >= 0
         slot = torch.where(valid, self.token_slot_s.gather(1, sel + 1), -1)
         hit = slot >= 0
         miss = valid ^ hit                                                   # a hit is valid
         hit_at = torch.where(hit, slot, S)
         stamps = clock + torch.arange(K, device=self.device).expand_as(sel)
-        prefetch_used = self.prefetched_s.gather(1, hit_at).sum()         # the spill reads False
+        prefetch_used = self.prefetched_s.gather(1, hit_at).sum(1)        # the spill reads False
         self.prefetched_s.scatter_(1, hit_at, False)
         # hits become the most recent first (stamps past every miss's); then the misses' victims,
         # the least recent slots, are never hits: misses + hits <= K <= S
@@ -251,10 +265,10 @@ class HotBufferState:
         order = self._lru(self.slot_stamp, K + prefetch)
         victims = order.gather(1, self._rank(miss, K))
         self._install(miss, sel, victims, stamps, prefetched=False)
-        used = valid.sum(1)
+        counts = torch.stack([valid.sum(1), hit.sum(1), prefetch_used], 1)
         if prefetch:
-            self._after_lookup = (order, miss.sum(1, keepdim=True), S - used)
-        return torch.where(miss, victims, slot), miss, used, hit.sum(), prefetch_used
+            self._after_lookup = (order, miss.sum(1), counts, clock, K)
+        return torch.where(miss, victims, slot), miss, counts
 
     def _kernels(self, *index: torch.Tensor) -> bool:
         return self._bank.kernels and use_triton(self.slot_stamp_s, *index)
@@ -270,28 +284,36 @@ class HotBufferState:
         rank = mask.cumsum(1) - mask.long()
         return rank if width <= self.num_slots else rank.clamp(max=self.num_slots - 1)
 
-    def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor,
-                 clock: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefetch(self, tokens: torch.Tensor, limit: torch.Tensor | None = None,
+                 clock: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Load tokens (H, P), -1 padded, ahead of need: at most ``limit`` (H,) per head, stamped
         from ``clock`` on (``ticks(prefetched=P)`` stamps). Already resident tokens are skipped;
         loaded slots become MRU with the prefetch flag. Returns (loaded (H, P) bool, slots (H, P)):
         the caller fills the loaded ones. Right after a ``lookup(..., prefetch=P)`` it takes its
-        victims from that lookup's ranking, and at most the slots the lookup left unselected."""
+        victims from that lookup's ranking, and at most the slots the lookup left unselected;
+        there ``limit`` None means just that many and ``clock`` None the stamps after the
+        lookup's (both computed where they are used, no kernel of their own)."""
         after, self._after_lookup = self._after_lookup, None
-        if after is not None and self._kernels(tokens):
-            order, skip, room = after
-            return prefetch_triton(tokens, limit, room, skip, order, self.token_slot_s, self.slot_token_s,
-                                   self.slot_stamp_s, self.prefetched_s, self._clock(clock))
+        if after is None and (limit is None or clock is None):
+            raise ValueError("prefetch needs a limit and a clock unless it follows a lookup(..., prefetch=P)")
         P = tokens.shape[1]
+        if after is not None and self._kernels(tokens):
+            order, skip, counts, clock0, K = after
+            at, offset = (self._clock(clock0), ticks(selected=K)) if clock is None else (self._clock(clock), 0)
+            return prefetch_triton(tokens, limit, counts, self.num_slots, skip, order, self.token_slot_s,
+                                   self.slot_token_s, self.slot_stamp_s, self.prefetched_s, at, offset)
         cand = (tokens >= 0) & (self.token_slot_s.gather(1, tokens + 1) < 0)
         rank = self._rank(cand, P)
         if after is None:
             cand &= rank < limit[:, None]
             victims = self._lru(self.slot_stamp, P).gather(1, rank)
         else:
-            order, skip, room = after
-            cand &= rank < torch.minimum(limit, room)[:, None]
-            victims = order.gather(1, (skip + rank).clamp(max=order.shape[1] - 1))
+            order, skip, counts, clock0, K = after
+            room = self.num_slots - counts[:, 0]
+            cand &= rank < (room if limit is None else torch.minimum(limit, room))[:, None]
+            victims = order.gather(1, (skip[:, None] + rank).clamp(max=order.shape[1] - 1))
+            if clock is None:
+                clock = clock0 + ticks(selected=K)
         stamps = clock + torch.arange(P, device=self.device).expand(self.num_heads, -1)
         self._install(cand, tokens, victims, stamps, prefetched=True)
         return cand, victims

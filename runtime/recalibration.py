@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from easymats.catalogue import RECALIBRATION_REASONS
+from hi_sparse.kernels.recent import push_recent
 
 from .probe import fit_params, one_thread_on_cpu, write_params
 from .row_bank import RowBank
@@ -79,6 +80,9 @@ def remember_queries(bank: RowBank, rows: slice, q: torch.Tensor) -> None:
     those its rows hold (recalibration re-scores anchors with them)."""
     held = bank.t["queries"][rows]
     R = held.shape[1]
+    if q.shape[1] == 1:                # a decode step's query: one launch on a GPU
+        push_recent(held, q[:, 0])
+        return
     held.copy_(torch.cat([held, q[:, -R:].float()], 1)[:, -R:])
 
 

@@ -30,7 +30,7 @@ import torch
 
 from hi_sparse.kernels import block_scores, two_level_candidates, two_level_pays
 from hi_sparse.kernels._dispatch import use_triton
-from hi_sparse.kernels.select import assemble_selection, candidate_scores
+from hi_sparse.kernels.select import RANK_MAX, assemble_selection, candidate_scores, ranked_candidates
 
 
 def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor,
@@ -98,8 +98,9 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     loaded count storage blocks too; n_cand: a host upper bound on the candidate blocks of every
     row (:func:`candidate_blocks`); sinks: the first visible tokens always kept (<= top_k - window,
     the first columns of the ranked part). No host sync: widths come from the budget, not the data.
-    ``kernels``: on CUDA, rows without holes are assembled after the ranking in one Triton launch
-    (kernels/select.py; this function's torch code is its reference).
+    ``kernels``: on CUDA, rows without holes are masked and ranked in one Triton launch (up to
+    RANK_MAX blocks a row) and assembled in another (kernels/select.py; this function's torch code
+    is their reference).
     """
     nb, bs, sb, device = scores.shape[1], block_size, store_block or block_size, scores.device
     w_keep, w_pf = top_k - window, prefetch_blocks * bs
@@ -107,8 +108,11 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     # anchors that may overlap them, a partial first block and the prefetch
     take = min(n_cand, -(-(w_keep + anchors.shape[1]) // bs) + 2 + prefetch_blocks)
     if kernels and holes is None and use_triton(scores):
-        s = candidate_scores(scores, n_tokens, first, window, bs)               # the mask below, one launch
-        top = s.topk(take, dim=1).indices
+        if nb <= RANK_MAX:                                                      # the mask below and its ranking
+            s, top = ranked_candidates(scores, n_tokens, first, window, bs, take)
+        else:
+            s = candidate_scores(scores, n_tokens, first, window, bs)           # the mask below, one launch
+            top = s.topk(take, dim=1).indices
         both, per_block, loaded = assemble_selection(top, s, n_tokens, first, anchors, window, top_k, bs, sinks,
                                                      w_keep, w_pf, sb, -(-nb * bs // sb))
         K = both.shape[1] - w_pf

@@ -348,29 +348,35 @@ def _install(masked: bool, flag: bool, broadcast: bool) -> None:
 
 
 def _insert_one(per_head: bool) -> None:
-    """A decode step's append (HotBufferState.insert of one token) in one Triton launch against the
-    torch path: the same slots returned and the same LRU state, with empty slots left, after
-    lookups that reorder the stamps, and when every slot is taken (an eviction)."""
+    """A decode step's append (HotBufferState.insert of one token, with its key and value) in one
+    Triton launch against the torch path: the same slots returned, the same LRU state and the same
+    hot K / V rows (of the bank's second row: heads past the first row's), with empty slots left,
+    after lookups that reorder the stamps, and when every slot is taken (an eviction)."""
     from hi_sparse.hot_buffer import HotBufferBank, ticks
-    H, S = 3, 12
-    banks = [HotBufferBank(H, S, "cpu", rows=1, kernels=k) for k in (False, True)]
+    H, S, D = 3, 12, 5
+    banks = [HotBufferBank(H, S, "cpu", rows=2, kernels=k) for k in (False, True)]
+    hot = [(torch.zeros(2 * H * S, D), torch.zeros(2 * H * S, D, dtype=torch.float16)) for _ in banks]
     g = torch.Generator().manual_seed(3)
     n = 5
     for b in banks:
-        b.rows(0).ensure_tokens(64)
-        b.rows(0).insert(torch.arange(n), b.reserve(ticks(inserted=n)))
+        b.rows(1).ensure_tokens(64)
+        b.rows(1).insert(torch.arange(n), b.reserve(ticks(inserted=n)))
     for step in range(14):
         if step % 3 == 2:                                       # a lookup reorders the stamps
             sel = torch.stack([torch.randperm(n, generator=g)[:4] for _ in range(H)])
             for b in banks:
-                b.rows(0).lookup(sel, b.reserve(ticks(selected=4)))
+                b.rows(1).lookup(sel, b.reserve(ticks(selected=4)))
         pos = torch.full((H, 1), n) if per_head else torch.tensor([n])
-        got = [b.rows(0).insert(pos, b.reserve(ticks(inserted=1))) for b in banks]
+        k, v = torch.randn(H, 1, D, generator=g), torch.randn(H, 1, D, generator=g)
+        got = [b.rows(1).insert(pos, b.reserve(ticks(inserted=1)), (k, v, *kv)) for b, kv in zip(banks, hot)]
         n += 1
         _need(torch.equal(got[0], got[1]), f"step {step}: slots {got[1].tolist()} against {got[0].tolist()}")
         for name in ("slot_token", "slot_stamp", "prefetched", "token_slot"):     # without the spill columns
             a, c = (getattr(b, name) for b in banks)
             _need(torch.equal(a, c), f"step {step}: {name} differs")
+        _need(all(torch.equal(x, y) for x, y in zip(*hot)), f"step {step}: the hot K / V rows differ")
+    _need(bool(hot[1][0][H * S:].abs().sum() > 0) and bool(hot[1][0][:H * S].abs().sum() == 0),
+          "the keys went to the wrong row's slots")
 
 
 def _pin_one(seed: int, A: int, bf16: bool, scale: float) -> None:
@@ -433,12 +439,34 @@ def _hot_buffer_oracle() -> None:
         HotBufferBank.__init__ = init
 
 
+def _prefetch_room() -> None:
+    """A prefetch right after a lookup, with no limit of its own, takes at most the room the
+    lookup left per head (S - selected) and stamps after the lookup's stamps: a head whose
+    selection filled every slot prefetches nothing, the other loads all; kernels as the torch path."""
+    from hi_sparse.hot_buffer import HotBufferBank, ticks
+    H, S = 2, 6
+    loaded = []
+    for kernels in (True, False):
+        b = HotBufferBank(H, S, "cpu", rows=1, kernels=kernels)
+        b.rows(0).ensure_tokens(16)
+        b.rows(0).insert(torch.arange(10), b.reserve(ticks(inserted=S)))            # 4..9 resident
+        state = b.rows(0)
+        sel = torch.tensor([[1, 2, 3, 7, 8, 9], [4, 5, -1, -1, -1, -1]])        # head 0: 3 hits, 3 misses
+        state.lookup(sel, b.reserve(ticks(selected=6, prefetched=2)), prefetch=2)
+        got, _ = state.prefetch(torch.tensor([[0, 4], [0, 1]]))             # 4 was a victim of head 0
+        loaded.append((got.tolist(), b.slot_stamp.clone(), b.slot_token.clone()))
+    _need(loaded[0][0] == [[False, False], [True, True]], f"loaded {loaded[0][0]}")
+    _need(torch.equal(loaded[0][1], loaded[1][1]) and torch.equal(loaded[0][2], loaded[1][2]),
+          "the kernel's stamps or slots differ from the torch path's")
+
+
 def _engine_decode_kernels(bits: int | None = None) -> None:
     """Decode steps of an engine with decode_kernels (the selection's assembly and the hot buffer's
     lookup, prefetch and install as Triton kernels) leave the same LRU state, hit counts and
     outputs as one on the torch reference."""
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
+    from hi_sparse.metrics import DEVICE_COUNTERS
     from hi_sparse.workloads import run_decode, run_prefill
 
     base = dict(max_seq_len=512, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
@@ -457,17 +485,52 @@ def _engine_decode_kernels(bits: int | None = None) -> None:
         bank = eng.layers[0].hot
         bounds = [eng.layers[0].bank.t[name].clone() for name in ("kmin", "kmax", "smin", "smax")]
         results.append((outs, [t.clone() for t in (bank.slot_token, bank.slot_stamp, bank.prefetched,
-                                                     bank.token_slot)] + bounds, eng.stats.hot_buffer_hits))
-    (a_out, a_state, a_hits), (b_out, b_state, b_hits) = results
-    _need(a_hits == b_hits and a_hits > 0, f"hits {a_hits} != {b_hits}")
+                                                     bank.token_slot)] + bounds,
+                        {name: getattr(eng.stats, name) for name in DEVICE_COUNTERS}))
+    (a_out, a_state, a_counts), (b_out, b_state, b_counts) = results
+    # every device counter (kernels/counts.py's one launch against the reference's sums)
+    _need(a_counts == b_counts and a_counts["hot_buffer_hits"] > 0 and a_counts["swap_in_bytes"] > 0,
+          f"counters {a_counts} != {b_counts}")
     _need(all(torch.equal(x, y) for x, y in zip(a_state, b_state)), "the LRU state or the key bounds differ")
     _need(all(torch.equal(x, y) for x, y in zip(a_out, b_out)), "the outputs differ")
 
 
-def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int) -> None:
-    """selection.select's Triton assembly (kernels=True) against its torch path: every field equal,
-    on rows of different lengths and paddings, anchors inside and outside the candidates, NaN
-    scores past a row's tokens."""
+def _push_recent(B: int, R: int, shape: tuple, dtype: torch.dtype) -> None:
+    """A decode step's query appended to the recent ones (kernels/recent.py) against the
+    reference: every row shifted up by one, the new one last (cast to fp32), other rows untouched."""
+    from hi_sparse.kernels.recent import push_recent, reference_push_recent
+    g = torch.Generator().manual_seed(B * 10 + R)
+    bank = torch.randn(B + 2, R, *shape, generator=g)
+    new = torch.randn(B, *shape, generator=g).to(dtype)
+    want = bank.clone()
+    reference_push_recent(want[1:B + 1], new)
+    push_recent(bank[1:B + 1], new)
+    _need(torch.equal(bank, want), "the recent rows differ from the reference")
+
+
+def _tally(tail: bool, R: int, P: int, N: int) -> None:
+    """A decode step's counters in one launch (kernels/counts.py) against the reference's sums:
+    rows of -1 count nothing; several programs add into the same counters."""
+    from hi_sparse.kernels.counts import reference_tally, tally
+    g = torch.Generator().manual_seed(R * 7 + N)
+    counts = torch.randint(0, 50, (R, 3), generator=g)
+    loaded = torch.rand(R, P, generator=g) < 0.4
+    touched = torch.randint(0, 900, (R + 1,), generator=g)[-1]            # a 0-dim view, as select's
+    src = torch.where(torch.rand(N, generator=g) < 0.6, torch.randint(0, 99, (N,), generator=g), -1)
+    src_tail = torch.where(src < 0, torch.randint(-1, 9, (N,), generator=g), -1) if tail else None
+    start = torch.arange(7, dtype=torch.int64) * 1000
+    got, want = start.clone(), start.clone()
+    tally(got, counts, loaded, touched, src, src_tail, 37, 5)
+    reference_tally(want, counts, loaded, touched, src, src_tail, 37, 5)
+    _need(torch.equal(got, want), f"counters {got.tolist()} against {want.tolist()}")
+
+
+def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int, fused: bool = True) -> None:
+    """selection.select's Triton ranking and assembly (kernels=True) against its torch path: every
+    field equal, on rows of different lengths and paddings, anchors inside and outside the
+    candidates, NaN scores past a row's tokens. fused: the mask and ranking in one launch
+    (ranked_candidates), else as for rows over RANK_MAX blocks (candidate_scores + topk)."""
+    import hi_sparse.selection as selection
     from hi_sparse.selection import candidate_blocks, select
 
     g = torch.Generator().manual_seed(seed)
@@ -483,7 +546,17 @@ def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int) ->
     n_cand = candidate_blocks(nb, int(n.max()) - window, int(first.min()), bs)
     kw = dict(sinks=sinks, store_block=bs * sb_mult)
     want = select(scores, n, first, window, top_k, bs, anc, None, prefetch, n_cand, **kw)
-    got = select(scores, n, first, window, top_k, bs, anc, None, prefetch, n_cand, kernels=True, **kw)
+    calls: list[str] = []
+    saved = {name: getattr(selection, name) for name in ("ranked_candidates", "candidate_scores", "RANK_MAX")}
+    for name in ("ranked_candidates", "candidate_scores"):                # which launches the branch makes
+        setattr(selection, name, lambda *a, fn=saved[name], name=name: calls.append(name) or fn(*a))
+    selection.RANK_MAX = saved["RANK_MAX"] if fused else 0
+    try:
+        got = select(scores, n, first, window, top_k, bs, anc, None, prefetch, n_cand, kernels=True, **kw)
+    finally:
+        for name, value in saved.items():
+            setattr(selection, name, value)
+    _need(calls == ["ranked_candidates" if fused else "candidate_scores"], f"the kernel branch called {calls}")
     for name in ("tokens", "prefetch", "block_hits", "loaded", "both"):
         a, b = getattr(got, name), getattr(want, name)
         _need(a.shape == b.shape and torch.equal(a, b), f"{name} differs: {a.tolist()} != {b.tolist()}"[:600])
@@ -509,6 +582,81 @@ def _candidates(dtype: torch.dtype) -> None:
           f"differs at {(got != want).nonzero()[:6].tolist()}")
 
 
+def _ranked_reference(s: torch.Tensor, take: int) -> torch.Tensor:
+    """The ranking's contract on rows without NaN: the take highest, best first, ties (-0 and +0
+    one) to the lower column (a stable descending sort keeps equal scores in column order)."""
+    return torch.sort(s, dim=1, descending=True, stable=True).indices[:, :take]
+
+
+def _rank_candidates(nb: int, take: int, ties: bool, seed: int) -> None:
+    """ranked_candidates (the candidate mask and its ranking in one launch) against candidate_scores
+    + torch.topk(sorted=True): s the same, top's scores topk's values in order, its columns
+    topk's where the scores are distinct, and exactly the stable descending sort's (ties to the
+    lower column). Rows of different lengths and paddings, NaN past a row's tokens, rows with
+    fewer candidates than take (-inf entries then, in column order), none, a window starting at
+    a block boundary; ties: scores of a few values, -0 and +0 among them."""
+    from hi_sparse.kernels.select import candidate_scores, ranked_candidates
+    g = torch.Generator().manual_seed(seed)
+    R, bs, window = 7, 8, 16
+    n = torch.randint(window, nb * bs + 1, (R, 1), generator=g)
+    n[0], n[1], n[2] = 10, window + 5 * bs, window + (take // 2) * bs + 3    # none; a block boundary; < take
+    n[3] = nb * bs                                                          # the whole row
+    first = torch.randint(0, 3 * bs, (R, 1), generator=g)
+    first[4] = 2 * bs                                                       # the padding ends at a boundary
+    scores = torch.randn(R, nb, generator=g)
+    if ties:
+        scores = torch.randint(-2, 3, (R, nb), generator=g).float()
+        scores[scores == 0] = torch.tensor([0.0, -0.0])[torch.randint(0, 2, (int((scores == 0).sum()),),
+                                                                      generator=g)]
+    scores[torch.arange(nb)[None] * bs >= n] = float("nan")
+    s, top = ranked_candidates(scores, n, first, window, bs, take)
+    blk0 = torch.arange(nb) * bs
+    want_s = torch.where((blk0 < n - window) & (blk0 + bs > first), scores, float("-inf"))   # select's mask
+    _need(torch.equal(s, want_s), f"s differs at {(s != want_s).nonzero()[:6].tolist()}")
+    _need(torch.equal(candidate_scores(scores, n, first, window, bs), want_s), "candidate_scores differs")
+    vals, idx = want_s.topk(take, dim=1, sorted=True)
+    _need(top.shape == (R, take) and top.dtype == torch.int64, f"top {tuple(top.shape)} {top.dtype}")
+    _need(torch.equal(s.gather(1, top), vals), "top's scores are not topk's values in order")
+    distinct = torch.stack([torch.isin(vals[r], vals[r].unique()[torch.unique(vals[r], return_counts=True)[1] == 1])
+                            for r in range(R)])
+    _need(torch.equal(top[distinct], idx[distinct]), "top's columns differ from topk's at distinct scores")
+    ref = _ranked_reference(want_s, take)
+    _need(torch.equal(top, ref), f"ties: top {top[(top != ref).any(1)][:2].tolist()} "
+          f"against {ref[(top != ref).any(1)][:2].tolist()}")
+    _need(bool((vals[2] == float("-inf")).any()) and bool((vals[0] == float("-inf")).all()),
+          "the case has no row with fewer candidates than take")
+
+
+def _row_topk(nb: int, dtype: torch.dtype) -> None:
+    """top_blocks through the ranking kernel (the super-blocks of two_level_candidates): the same
+    set as torch.topk over (..., nb) scores with -inf entries, any leading dims; best first, ties
+    to the lower index, in the kernel; NaN ranks lowest (never over a scored block, nor -inf)."""
+    from hi_sparse.kernels import _select_triton
+    g = torch.Generator().manual_seed(nb)
+    x = torch.randn(3, 2, nb, generator=g).to(dtype)
+    x[..., 1::9] = float("-inf")
+    x[0, 1, 2:7] = x[0, 1, 9] = x[0, 1].max() + 1                       # ties among the best
+    x[1, 0] = -x[1, 0].abs()                                            # the best of negative scores
+    n = min(9, nb // 2)
+    got = K.top_blocks(x, n)
+    _need(got.shape == (3, 2, n), f"shape {tuple(got.shape)}")
+    want = x.float().topk(n, dim=-1)
+    same = got.sort(-1).values == want.indices.sort(-1).values
+    _need(bool(same.all(-1).view(-1)[[0, 2, 3, 4, 5]].all()), "top_blocks' set differs from torch.topk's")
+    _need(torch.equal(x.float().gather(-1, got).sort(-1).values, want.values.sort(-1).values)
+          and bool((got.sort(-1).values.diff(dim=-1) > 0).all()), "top_blocks' set differs from torch.topk's (ties)")
+    flat = x.float().reshape(6, nb)
+    ranked = _select_triton.row_topk(x.reshape(6, nb), n)
+    _need(torch.equal(ranked, _ranked_reference(flat, n)), "not best first with ties to the lower index")
+    y = x[:, :, :1].float().expand(3, 2, nb).clone()                   # a NaN row among equal ones
+    y[..., 3::4] = float("nan")
+    y[..., 2::4] = float("-inf")
+    top = K.top_blocks(y, nb // 2 + nb // 4)
+    _need(not bool(y.gather(-1, top).isnan().any()), "NaN ranked over a -inf or scored block")
+    one = K.top_blocks(x[0, 0], n)
+    _need(torch.equal(one, got[0, 0]), "a 1-d row ranks differently")
+
+
 def _widen(dtype: torch.dtype, d: int) -> None:
     """widen_bounds (one decode key per row) against its reference: exactly the same bounds."""
     from hi_sparse.kernels.bounds import reference_widen_bounds, widen_bounds
@@ -528,6 +676,74 @@ def _widen(dtype: torch.dtype, d: int) -> None:
     for name, a, b in zip(("kmin", "kmax", "smin", "smax"), got, want):
         _need(torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[:4].tolist()}")
     _need(not torch.equal(got[0], kmin), "nothing was widened")
+
+
+def _swap_pair(dtype: torch.dtype, W: int) -> None:
+    """swap_in_pair (K and V rows in one launch) against two reference gathers: -1 source rows copy
+    nothing, rows outside dst_rows stay, two programs of rows, a second destination of another
+    row stride (a slice); rows moved as 32-bit (fp16 W=16), 16-bit (W=34) or 8-bit words (W=7)."""
+    from hi_sparse.kernels.swap_in import swap_in_pair
+    g = torch.Generator().manual_seed(W)
+
+    def rows(n: int) -> torch.Tensor:
+        x = torch.randn(n, W, generator=g) * 50
+        return x.to(dtype) if dtype.is_floating_point else x.to(torch.int64).to(dtype)
+
+    src_a, src_b = rows(50), rows(50)
+    src_rows = torch.randperm(50, generator=g)[:40]
+    src_rows[[1, 7, 33]] = -1
+    dst_rows = torch.randperm(45, generator=g)[:40]
+    poison = float("nan") if dtype.is_floating_point else 7
+    got = [torch.full((45, W), poison, dtype=dtype), torch.full((45, W + 8), poison, dtype=dtype)[:, 4:W + 4]]
+    want = [t.clone() for t in got]
+    swap_in_pair(src_a, src_b, src_rows, got[0], got[1], dst_rows)
+    K.reference_swap_in(src_a, src_rows, want[0], dst_rows)
+    K.reference_swap_in(src_b, src_rows, want[1], dst_rows)
+    for name, a, b in zip("ab", got, want):
+        _need(torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"dst_{name} differs")
+    _need(not torch.equal(got[0][dst_rows[0]], got[1][dst_rows[0]]), "the case cannot tell K from V")
+    _need(bool((got[0][dst_rows[[1, 7, 33]]] != got[0][dst_rows[[1, 7, 33]]]).all()) if dtype.is_floating_point
+          else bool((got[0][dst_rows[[1, 7, 33]]] == 7).all()), "a -1 source row wrote its destination")
+
+
+def _backup_token(bits: int | None) -> None:
+    """HostPool.backup of a decode token (B=2 sequences at different positions, one the first of its
+    block, then the last ones of their blocks, then one in a hole of its table) in one launch
+    (kernels/swap_in.py backup_token) against the torch path: every tensor of the pool the same,
+    the token where unit_rows says."""
+    import hi_sparse.host_pool as host_pool
+    from hi_sparse.kernels._dispatch import FORCE_ENV
+    g = torch.Generator().manual_seed(11)
+    B, H, D, bs = 2, 2, 16, 8
+    pools = [host_pool.HostPool(1, H, D, bs, torch.float16, pin=False, host_kv_bits=bits) for _ in range(2)]
+    for pool in pools:
+        pool.grow(6, 3)
+    tables = torch.tensor([[4, 0, 5, -1, -1], [2, -1, 1, 3, -1]])
+    tails = torch.tensor([2, 0])
+    units = pools[0].tail_units(tails).t().contiguous().t()                     # (B, H) of strides (1, B)
+    launches = []
+    fused = host_pool.backup_token
+    host_pool.backup_token = lambda *a, **kw: launches.append(1) or fused(*a, **kw)
+    try:
+        for step in ([13, 16], [15, 31], [25, 24]):             # 25: a hole in the table (main_rows: block 0)
+            positions = torch.tensor(step)[:, None].expand(B, H).clone()      # per sequence and head, as decode's
+            k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+            for pool, forced in zip(pools, ("1", "0")):
+                os.environ[FORCE_ENV] = forced                                 # "0": the torch path
+                pool.backup(0, tables, units, positions[:, 0], k, v)
+            os.environ[FORCE_ENV] = "1"
+            _need(len(launches) == 1, f"{len(launches)} fused backups for one step")
+            launches.clear()
+            for name in pools[0].layers[0]:
+                _need(torch.equal(pools[0].layers[0][name], pools[1].layers[0][name]), f"step {step}: {name} differs")
+            b, h = 1, 1                                           # the second sequence's token by hand
+            blk = tails[b] if bits else tables[b, step[b] // bs]
+            row = pools[0].unit_rows(blk, h) + step[b] % bs
+            got = pools[0].layers[0]["v_tail" if bits else "v"][row]
+            _need(torch.equal(got, v[b, h, 0].half()), f"step {step}: the token is not at row {int(row)}")
+    finally:
+        host_pool.backup_token = fused
+        os.environ[FORCE_ENV] = "1"
 
 
 def _swap_plan(quantized: bool) -> None:
@@ -566,6 +782,83 @@ def _swap_plan(quantized: bool) -> None:
         _need((a is None and b is None) or torch.equal(a, b), f"{name} differs")
     if quantized:
         _need(bool((got[1] >= 0).any()), "no token came from the tail")
+
+
+def _rms_norm(dtype: torch.dtype, lead: tuple[int, ...], N: int, w_dtype: torch.dtype | None = None,
+              row_pad: int = 0) -> None:
+    """kernels/norm.py rms_norm against its reference (transformers' LlamaRMSNorm math): fp32
+    within 1e-6 relative per element; fp16 / bf16 equal in >= 99 % of the elements and within one
+    ulp elsewhere. Rows of magnitudes 3 to 3e-3, so that eps matters in some. ``row_pad`` > 0
+    reads rows of a wider tensor (a row stride other than N)."""
+    g = torch.Generator().manual_seed(N)
+    rows = torch.arange(torch.Size(lead).numel()).reshape(*lead, 1)
+    x = (3 * torch.randn(*lead, N + row_pad, generator=g) * 10.0 ** -(rows % 4)).to(dtype)[..., :N]
+    w = (1 + 0.5 * torch.randn(N, generator=g)).to(w_dtype or dtype)
+    got, want = K.rms_norm(x, w, 1e-5), K.reference_rms_norm(x, w, 1e-5)
+    _need(got.dtype == want.dtype and got.shape == want.shape, f"bad output {got.dtype} {tuple(got.shape)}")
+    a, b = got.double(), want.double()
+    _need(bool(torch.isfinite(a).all()), "non-finite output (an unwritten element?)")
+    diff = (a - b).abs()
+    if want.dtype == torch.float32:
+        worst = float((diff / b.abs().clamp_min(1e-30)).max())
+        _need(worst <= 1e-6, f"relative error {worst:.2e} > 1e-6")
+        return
+    mantissa = 7 if want.dtype == torch.bfloat16 else 10
+    ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - mantissa)
+    same = float((diff == 0).double().mean())
+    _need(same >= 0.99, f"only {same:.1%} of the elements equal")
+    _need(bool((diff <= ulp).all()), f"{int((diff > ulp).sum())} elements more than one ulp off")
+
+
+def _fused_norms_in_a_model(dtype: torch.dtype) -> None:
+    """enable_hisparse_kv_cache(fused_norms=True) on a tiny random Llama: every RMSNorm runs the
+    kernel, the logits of a few greedy tokens equal those of the same model with fused_norms=False,
+    and disable gives each module its class's forward back."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hi_sparse as hs
+    from hi_sparse.integration import binding_of
+    from hi_sparse.kernels import _dispatch
+
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(0)
+    models = [LlamaForCausalLM(LlamaConfig(**kw)).to(dtype).eval() for _ in range(2)]
+    with torch.no_grad():                              # norm weights that matter (they start at 1)
+        for name, p in models[0].named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape))
+    models[1].load_state_dict(models[0].state_dict())
+    opts = dict(max_seq_len=64, block_size=8, window_size=8, global_tokens=0, top_k=32, telemetry=False)
+    calls = []
+    module = _dispatch.kernel_module("_norm_triton")
+    launch = module.rms_norm
+    module.rms_norm = lambda *a: calls.append(1) or launch(*a)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(5))
+    out = []
+    try:
+        for model, fused in zip(models, (True, False)):
+            model.generation_config.eos_token_id = None
+            hs.enable_hisparse_kv_cache(model, **opts, fused_norms=fused)
+            _need(binding_of(model).fused_norm_count == (5 if fused else 0),
+                  f"fused_norms={fused}: {binding_of(model).fused_norm_count} norms fused")
+            with torch.no_grad():
+                out.append(model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, output_logits=True,
+                                          return_dict_in_generate=True))
+            if fused:
+                _need(len(calls) >= 5 * 3, f"the kernel ran {len(calls)} times in 3 forwards of 5 norms")
+                calls.clear()
+    finally:
+        module.rms_norm = launch
+    _need(not calls, "fused_norms=False ran the kernel")
+    _need(torch.equal(out[0].sequences, out[1].sequences), "the greedy tokens differ")
+    for a, b in zip(out[0].logits, out[1].logits):
+        _need(_rel(a.float(), b.float()) < (1e-5 if dtype == torch.float32 else 1e-2), "the logits differ")
+    norms = [m for m in models[0].modules() if type(m).__name__.endswith("RMSNorm")]
+    _need(all("forward" in vars(m) for m in norms), "not every norm was fused")
+    hs.disable_hisparse_kv_cache(models[0])
+    hs.disable_hisparse_kv_cache(models[1])
+    _need(not any("forward" in vars(m) for m in norms), "disable left a fused forward behind")
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -661,18 +954,43 @@ CASES: dict[str, Callable[[], None]] = {
     "pin_one-a5-bf16": lambda: _pin_one(2, 5, True, 0.25),
     "pin_one-a16": lambda: _pin_one(3, 16, False, 0.25),
     "insert_one-per-head": lambda: _insert_one(True),
+    "push_recent-r5-bf16": lambda: _push_recent(3, 5, (4, 12), torch.bfloat16),
+    "push_recent-r16-wide": lambda: _push_recent(2, 16, (3, 700), torch.float32),
+    "prefetch-takes-the-room-a-lookup-left": _prefetch_room,
+    "tally-tail-several-programs": lambda: _tally(True, 6, 33, 9000),
+    "tally-no-tail-one-program": lambda: _tally(False, 3, 5, 40),
     "decode-kernels-in-an-engine": _engine_decode_kernels,
     "decode-kernels-in-an-engine-int4": lambda: _engine_decode_kernels(4),
     "select-assembly-sinks4-prefetch1-anchors6": lambda: _select(4, 1, 1, 6, 0),
     "select-assembly-nosinks-noprefetch-noanchors": lambda: _select(0, 1, 0, 0, 1),
     "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
     "select-assembly-many-anchors": lambda: _select(2, 1, 2, 20, 3),
+    "select-assembly-unfused-rank": lambda: _select(4, 1, 1, 6, 0, fused=False),
     "select-candidates-fp32": lambda: _candidates(torch.float32),
+    **{f"rank-candidates-nb{nb}-take{t}{'-ties' if ties else ''}": (lambda nb=nb, t=t, ties=ties:
+                                                                     _rank_candidates(nb, t, ties, nb + t))
+       for nb, t, ties in ((37, 20, False), (300, 48, False), (20, 20, False), (37, 30, True), (150, 48, True))},
+    **{f"top_blocks-kernel-nb{nb}-{str(d)[6:]}": (lambda nb=nb, d=d: _row_topk(nb, d))
+       for nb, d in ((37, torch.float32), (100, torch.float32), (64, torch.bfloat16))},
     "select-candidates-bf16": lambda: _candidates(torch.bfloat16),
     "widen_bounds-fp32-d60": lambda: _widen(torch.float32, 60),
     "widen_bounds-bf16-d64": lambda: _widen(torch.bfloat16, 64),
     "swap_plan-unquantized": lambda: _swap_plan(False),
     "swap_plan-quantized": lambda: _swap_plan(True),
+    "swap_in_pair-fp16-w16": lambda: _swap_pair(torch.float16, 16),
+    "swap_in_pair-uint8-w7": lambda: _swap_pair(torch.uint8, 7),
+    "swap_in_pair-uint8-w34": lambda: _swap_pair(torch.uint8, 34),
+    "backup_token-unquantized": lambda: _backup_token(None),
+    "backup_token-4bit": lambda: _backup_token(4),
+    # RMSNorm (kernels/norm.py): rows packed several to a program (a ragged last one), a wide row
+    # over two programs, per-head rows under leading dims, strided rows with an fp32 weight
+    "rms_norm-fp32-n60": lambda: _rms_norm(torch.float32, (5,), 60),
+    "rms_norm-fp32-n60-ragged-programs": lambda: _rms_norm(torch.float32, (37,), 60),
+    "rms_norm-bf16-n576": lambda: _rms_norm(torch.bfloat16, (3,), 576),
+    "rms_norm-fp16-n128-heads": lambda: _rms_norm(torch.float16, (2, 3), 128),
+    "rms_norm-bf16-strided-fp32-weight": lambda: _rms_norm(torch.bfloat16, (2, 3), 96, torch.float32, row_pad=8),
+    "fused-norms-in-a-model-fp32": lambda: _fused_norms_in_a_model(torch.float32),
+    "fused-norms-in-a-model-bf16": lambda: _fused_norms_in_a_model(torch.bfloat16),
 }
 
 

@@ -105,21 +105,28 @@ def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = 
             sel = torch.tensor([r + [-1] * pad for r in rows], device=device)
             P = rng.randint(1, 4) if rng.random() < 0.5 else 0      # a prefetch follows
             shared = P and rng.random() < 0.5    # its victims from the lookup's ranking (decode's way)
-            slots, miss, n_look, n_hit, n_used = hb.lookup(sel, bank.reserve(ticks(selected=sel.shape[1])),
-                                                           P if shared else 0)
+            # decode's way: the prefetch continues the lookup's stamps and takes the room it left
+            implicit = shared and rng.random() < 0.5
+            cand_w = min(P, n)
+            clock = bank.reserve(ticks(selected=sel.shape[1], prefetched=cand_w if implicit else 0))
+            slots, miss, counts = hb.lookup(sel, clock, P if shared else 0)
+            n_look, n_hit, n_used = counts.unbind(1)
             assert n_look.tolist() == [K] * H                # selected tokens per head
             lookups += int(n_look.sum())
-            hits += int(n_hit)
-            used += int(n_used)
+            hits += int(n_hit.sum())
+            used += int(n_used.sum())
             for h, o in enumerate(oracles):
                 assert slots[h, :K].tolist() == o.lookup(rows[h])
                 assert (slots[h, K:] == -1).all()
             # the misses the caller copies in are exactly the selected tokens that were absent
-            assert int(miss.sum()) == int(n_look.sum() - n_hit)
+            assert int(miss.sum()) == int(n_look.sum() - n_hit.sum())
             if P:
-                cand = torch.tensor([rng.sample(range(n), min(P, n)) for _ in range(H)], device=device)
-                limit = torch.tensor([S - K] * H, device=device)
-                loaded, ps = hb.prefetch(cand, limit, bank.reserve(ticks(prefetched=cand.shape[1])))
+                cand = torch.tensor([rng.sample(range(n), cand_w) for _ in range(H)], device=device)
+                if implicit:
+                    loaded, ps = hb.prefetch(cand)
+                else:
+                    limit = torch.tensor([S - K] * H, device=device)
+                    loaded, ps = hb.prefetch(cand, limit, bank.reserve(ticks(prefetched=cand.shape[1])))
                 for h, o in enumerate(oracles):
                     exp = o.prefetch(cand[h].tolist(), S - K)
                     assert ps[h][loaded[h]].tolist() == exp
@@ -137,8 +144,8 @@ def test_newest_token_resident_and_invalidate():
     hb.insert(torch.arange(0, 10), bank.reserve(ticks(inserted=4)))          # keeps the last 4
     assert sorted(hb.slot_token[0].tolist()) == [6, 7, 8, 9]
     sel = torch.tensor([[9, 0, 1, 2], [9, 8, 7, 6]])
-    _, _, lookups, hits, _ = hb.lookup(sel, bank.reserve(ticks(selected=4)))
-    assert hits.item() == 5 and lookups.tolist() == [4, 4]
+    _, _, counts = hb.lookup(sel, bank.reserve(ticks(selected=4)))
+    assert counts[:, 1].sum().item() == 5 and counts[:, 0].tolist() == [4, 4]
     hb.insert(torch.tensor([10]), bank.reserve(ticks(inserted=1)))
     assert 10 in hb.slot_token[0].tolist() and 10 in hb.slot_token[1].tolist()
     hb.invalidate(6, 9)

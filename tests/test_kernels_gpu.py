@@ -349,3 +349,37 @@ def test_channel_quantize_at_every_strip(method, groups, warps, bits, D, monkeyp
     assert torch.equal(zero, rz) and torch.allclose(scale.float(), rs.float(), rtol=1e-3, atol=0)
     codes, ref = K.unpack_codes(packed, bits, D).int(), K.unpack_codes(rp, bits, D).int()
     assert int((codes - ref).abs().max()) <= 1 and float((codes != ref).float().mean()) < 1e-3
+
+
+@pytest.mark.parametrize("nb,take", [(512, 48), (2048, 48), (4096, 50), (300, 36)],
+                         ids=["nb512", "nb2048", "nb4096", "nb300"])
+def test_ranked_candidates_and_top_blocks_rank_like_a_stable_sort(nb, take):
+    """The one-launch mask + ranking (kernels/select.py ranked_candidates) and top_blocks through
+    it, compiled for the GPU: s as candidate_scores, top exactly a stable descending sort's first
+    take columns (topk's scores, ties to the lower column, -inf ones in column order); rows with
+    ties, negative scores, fewer candidates than take, none; NaN past a row's tokens."""
+    from hi_sparse.kernels import _select_triton
+    from hi_sparse.kernels.select import candidate_scores, ranked_candidates
+    g = torch.Generator().manual_seed(nb)
+    R, bs, window = 24, 64, 64
+    n = torch.randint(window, nb * bs + 1, (R, 1), generator=g)
+    n[0], n[1] = 10, window + (take // 2) * bs + 5
+    first = torch.randint(0, 4 * bs, (R, 1), generator=g)
+    scores = torch.randn(R, nb, generator=g)
+    scores[2:6] = torch.randint(-3, 3, (4, nb), generator=g).float()          # ties
+    scores[6] = -scores[6].abs()
+    scores[torch.arange(nb)[None] * bs >= n] = float("nan")
+    scores, n, first = scores.cuda(), n.cuda(), first.cuda()
+    _poison_allocator()
+    s, top = ranked_candidates(scores, n, first, window, bs, take)
+    want_s = candidate_scores(scores, n, first, window, bs)
+    assert torch.equal(s, want_s)
+    assert torch.equal(top, torch.sort(want_s, dim=1, descending=True, stable=True).indices[:, :take])
+    assert torch.equal(s.gather(1, top), want_s.topk(take, dim=1).values)
+    x = torch.randn(3, 8, nb, device="cuda").to(torch.bfloat16)
+    x[0] = x[0].round()                                                       # ties
+    got = K.top_blocks(x, take)
+    assert torch.equal(x.gather(-1, got).float().sort(-1).values, x.float().topk(take, dim=-1).values.sort(-1).values)
+    flat = x.float().reshape(-1, nb)
+    assert torch.equal(_select_triton.row_topk(x.reshape(-1, nb), take),
+                       torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :take])

@@ -20,7 +20,7 @@ HERE = pathlib.Path(__file__).parent
 def interpreter_run() -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", HISPARSE_FORCE_TRITON="1")
     proc = subprocess.run([sys.executable, str(HERE / "kernels_interpret_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=170)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -28,7 +28,8 @@ def interpreter_run() -> dict:
 def test_interpreter_really_ran_the_triton_kernels(interpreter_run):
     assert interpreter_run["triton_modules"] == [
         "hi_sparse.kernels._attention_triton", "hi_sparse.kernels._bounds_triton",
-        "hi_sparse.kernels._lru_triton", "hi_sparse.kernels._probe_triton", "hi_sparse.kernels._quant_triton",
+        "hi_sparse.kernels._counts_triton", "hi_sparse.kernels._lru_triton", "hi_sparse.kernels._norm_triton",
+        "hi_sparse.kernels._probe_triton", "hi_sparse.kernels._quant_triton", "hi_sparse.kernels._recent_triton",
         "hi_sparse.kernels._select_triton",
         "hi_sparse.kernels._swap_in_triton"]
 

@@ -368,3 +368,16 @@ def test_top_blocks_selects_the_same_set_as_topk(nb, n):
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     with pytest.raises(ValueError, match="must be in 1"):
         top_blocks(s, nb + 1)
+
+
+@pytest.mark.parametrize("nb", [100, 20000], ids=["short", "two-stage"])
+def test_top_blocks_rank_nan_lowest(nb):
+    """A NaN bound (torch.topk ranks NaN first) never takes the place of a scored block: the same
+    as the Triton ranking (kernels_interpret_cases: top_blocks-kernel-*, NaN below -inf there)."""
+    from hi_sparse.kernels import top_blocks
+    s = torch.randn(2, nb)
+    s[:, ::3] = float("nan")
+    s[:, 1::3] = float("-inf")
+    scored = list(range(2, nb, 3))
+    got = top_blocks(s, len(scored))
+    assert sorted(got[0].tolist()) == sorted(got[1].tolist()) == scored
