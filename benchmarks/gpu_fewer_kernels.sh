@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (issue 21, eighth session): the decode step at 23 kernels per layer (was 49)
 # plus fused RMSNorms, timed: one sequence at 32K and 128K, 24 planted forks at 128K; then the
-# whole gpu suite. Carry .whl (`make device-wheels`).
+# gpu tests (the whole suite by default; SUITE="tests/a.py tests/b.py" for a part).
+# Carry .whl (`make device-wheels`).
 #   bash benchmarks/gpu_fewer_kernels.sh            (results in $OUT)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -10,4 +11,4 @@ timeout 140 $PY benchmarks/e2e_h200.py --contexts 32768,131072 --variants hispar
 timeout 130 $PY benchmarks/e2e_h200.py --contexts "" --variants hisparse-int4 --batch-context 131072 --hisparse-batch 24 \
   --decode-steps 24 --chunk 32768 --planted 24 --step-graphs --json "$OUT/e2e_batch.json" 2>&1 \
   | tee "$OUT/e2e_batch.txt" | cut -c1-400 | tail -6
-timeout ${SUITE_TIMEOUT:-290} $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/ 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
+timeout ${SUITE_TIMEOUT:-290} $PY -m pytest -q -m gpu -p no:cacheprovider -rs ${SUITE:-tests/} 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
