@@ -121,11 +121,9 @@ def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torc
 
 
 @triton.jit
-def _widen_kernel(p_lo, p_hi, p_k, p_start, D, cell_size, s_lb, s_lh, s_ln, s_hb, s_hh, s_hn, s_kb, s_kh,
-                  BLOCK_D: tl.constexpr):
-    # the bounds of the cell (block or super-block) holding each row's new key take it in
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+def _widen_cell(p_lo, p_hi, p_k, p_start, D, cell_size, s_lb, s_lh, s_ln, s_hb, s_hh, s_hn, s_kb, s_kh, b, h,
+                BLOCK_D: tl.constexpr):
+    # the bounds of the cell (block or super-block) holding row b's new key take it in
     o = tl.arange(0, BLOCK_D)
     m = o < D
     cell = tl.load(p_start + b) // cell_size
@@ -139,12 +137,27 @@ def _widen_kernel(p_lo, p_hi, p_k, p_start, D, cell_size, s_lb, s_lh, s_ln, s_hb
     tl.store(hi, new_hi.to(p_hi.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _widen_kernel(p_lo, p_hi, p_slo, p_shi, p_k, p_start, D, block_size, group, s_lb, s_lh, s_ln, s_hb, s_hh, s_hn,
+                  s_slb, s_slh, s_sln, s_shb, s_shh, s_shn, s_kb, s_kh, BLOCK_D: tl.constexpr):
+    # program (b, h, level): level 0 widens the key's block, level 1 its super-block (one launch)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    if tl.program_id(2) == 0:
+        _widen_cell(p_lo, p_hi, p_k, p_start, D, block_size, s_lb, s_lh, s_ln, s_hb, s_hh, s_hn, s_kb, s_kh, b, h,
+                    BLOCK_D)
+    else:
+        _widen_cell(p_slo, p_shi, p_k, p_start, D, block_size * group, s_slb, s_slh, s_sln, s_shb, s_shh, s_shn,
+                    s_kb, s_kh, b, h, BLOCK_D)
+
+
 def widen(kmin, kmax, smin, smax, k, start, block_size: int, group: int) -> None:
     B, H, _, D = k.shape
     for t in (kmin, kmax, smin, smax, k):
         if t.stride(-1) != 1:
             raise ValueError("bounds and keys need contiguous last dims")
     start = start.contiguous()
-    for lo, hi, size in ((kmin, kmax, block_size), (smin, smax, block_size * group)):
-        _widen_kernel[(B, H)](lo, hi, k, start, D, size, lo.stride(0), lo.stride(1), lo.stride(2), hi.stride(0),
-                              hi.stride(1), hi.stride(2), k.stride(0), k.stride(1), BLOCK_D=next_pow2(D))
+    _widen_kernel[(B, H, 2)](kmin, kmax, smin, smax, k, start, D, block_size, group, kmin.stride(0), kmin.stride(1),
+                             kmin.stride(2), kmax.stride(0), kmax.stride(1), kmax.stride(2), smin.stride(0),
+                             smin.stride(1), smin.stride(2), smax.stride(0), smax.stride(1), smax.stride(2),
+                             k.stride(0), k.stride(1), BLOCK_D=next_pow2(D))
