@@ -114,12 +114,13 @@ class HiSparseConfig:
                                          # a step cannot be planned or with the engine alone; True:
                                          # per-layer graphs only; False: launch the kernels each step
     recycle_grace_s: float = 0.1         # freed blocks stay reclaimable this long
-    decode_kernels: bool = True          # CUDA: the decode step's selection assembly, hot-buffer
-                                         # lookup, prefetch and install, key-bound widening and
-                                         # swap-in rows as Triton kernels (kernels/select.py, lru.py,
-                                         # bounds.py, swap_in.py: 75 launches per layer and step
-                                         # instead of 231; H200, 1 x 32K: 18.0 ms a step against
-                                         # 30.6); False: their torch references. CPU: the references
+    decode_kernels: bool = True          # CUDA: the decode step's selection ranking and assembly,
+                                         # hot-buffer lookup, prefetch and install, key-bound
+                                         # widening, swap-in rows and counters as Triton kernels
+                                         # (kernels/select.py, lru.py, bounds.py, swap_in.py,
+                                         # counts.py: 22 launches per layer and step instead of 231;
+                                         # H200, 1 x 32K at 49: 14.5 ms a step against 30.6); False:
+                                         # their torch references. CPU: the references
     fused_norms: bool | None = None      # transformers models: each RMSNorm module (LlamaRMSNorm's
                                          # math, checked per module first) as one Triton launch
                                          # instead of ~8 kernels (kernels/norm.py, fused_norms.py).
