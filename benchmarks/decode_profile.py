@@ -7,7 +7,13 @@ profiler names every kernel), a few warm steps, and --steps steps under torch.pr
 time per step against the wall time, and the kernels by device time (printed; the full tables
 written to $OUT). Writes $OUT/decode_profile.json.
 
+--batch N profiles N copy-on-write forks of the prompt decoding together (e2e_h200.py's batch
+rows), and --planted P plants the model's heavy hitters and P salient tokens in the prompt, as
+e2e_h200.py --planted does (its high-hit-rate workload: the 24 x 128K row is --batch 24
+--planted 24).
+
     python benchmarks/decode_profile.py --context 32768
+    python benchmarks/decode_profile.py --context 131072 --batch 24 --planted 24
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_h200 import build_model, decode, output_cache, prefill, sync  # noqa: E402
+from e2e_h200 import build_model, decode, output_cache, plant_heavy_hitters, prefill, sync  # noqa: E402
 
 
 def _device_us(e) -> float:
@@ -66,6 +72,9 @@ def main() -> int:
     ap.add_argument("--bits", default="4", help="host_kv_bits: 4, 8, auto or none")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--batch", type=int, default=1, help="forks of the prompt decoding together")
+    ap.add_argument("--planted", type=int, default=0,
+                    help="plant heavy hitters and this many salient tokens in the prompt (e2e_h200.py --planted)")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke run of this script")
     ap.add_argument("--no-decode-kernels", action="store_true",
                     help="decode_kernels=False: the step's small kernels by their torch references")
@@ -86,15 +95,29 @@ def main() -> int:
         results["runs"]["dense-256"] = profiled(model, cache, first, args.steps, "dense-256", args.top, out_dir,
                                                  device)
         del out, cache
-        hs.enable_hisparse_kv_cache(model, max_seq_len=args.context + 64, block_size=64, window_size=1024,
-                                    top_k=2048, host_kv_bits=bits, telemetry=False, audit_every=0,
-                                    decode_graphs=False, decode_kernels=not args.no_decode_kernels)
+        window, block = (64, 16) if args.tiny else (1024, 64)
+        if args.planted:
+            # one salient token in each of `planted` blocks, spread over the prompt before its window
+            salient = plant_heavy_hitters(model)
+            picked = torch.randperm(max(1, (args.context - window) // block), generator=g)[:args.planted]
+            ids[0, picked.to(device) * block + block // 2] = salient
+        extra = 64
+        # copy-on-write forks: the prompt's blocks once, each fork's own from its last one on
+        pool = -(-args.context // block) + args.batch * (-(-extra // block) + 1) if args.batch > 1 else None
+        hs.enable_hisparse_kv_cache(model, max_seq_len=args.context + extra, block_size=block, window_size=window,
+                                    top_k=2 * window, host_kv_bits=bits, telemetry=False, audit_every=0,
+                                    decode_graphs=False, decode_kernels=not args.no_decode_kernels,
+                                    host_pool_blocks=pool)
         out, cache = prefill(model, ids, None, 32768)
         sync(device)
         first = out.logits[:, -1:].argmax(-1)
         cache = output_cache(out)
         del out
-        label = f"hisparse-{args.bits}-{args.context}" + ("-torch" if args.no_decode_kernels else "")
+        if args.batch > 1:
+            cache.batch_repeat_interleave(args.batch)
+            first = first.repeat_interleave(args.batch, 0)
+        label = (f"hisparse-{args.bits}-{args.context}" + (f"x{args.batch}" if args.batch > 1 else "")
+                 + ("-planted" if args.planted else "") + ("-torch" if args.no_decode_kernels else ""))
         results["runs"][label] = profiled(model, cache, first, args.steps, label, args.top, out_dir, device)
     with open(os.path.join(out_dir, "decode_profile.json"), "w") as f:
         json.dump(results, f, indent=1)
