@@ -12,3 +12,8 @@ timeout 130 $PY benchmarks/e2e_h200.py --contexts "" --variants hisparse-int4 --
   --decode-steps 24 --chunk 32768 --planted 24 --step-graphs --json "$OUT/e2e_batch.json" 2>&1 \
   | tee "$OUT/e2e_batch.txt" | cut -c1-400 | tail -6
 timeout ${SUITE_TIMEOUT:-290} $PY -m pytest -q -m gpu -p no:cacheprovider -rs ${SUITE:-tests/} 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
+# PROFILE=1: the batch step's device profile too (graphs off: every kernel named), ~90 s more
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout 150 $PY benchmarks/decode_profile.py --context 131072 --batch 24 --planted 24 2>&1 | tee "$OUT/profile_batch.txt" \
+    | grep -v USDT | tail -40
+fi
