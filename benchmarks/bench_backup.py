@@ -20,6 +20,7 @@ import os
 import sys
 
 import torch
+from graph_timing import graph_us
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -116,26 +117,6 @@ def check(args) -> None:
     print("checks: backup (unquantized, 4-bit), load pair and a replayed backup agree with the separate launches")
 
 
-def timed(fn, reps: int) -> float:
-    """Microseconds per call of fn replayed in a CUDA graph of reps calls."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
-
-
 def bench(args) -> None:
     print(f"\nB={args.batch} Hkv={args.heads} D={args.dim} block={args.block}: us per call, CUDA graph replay")
     print("| op | pool | separate | fused |\n|---|---|---:|---:|")
@@ -152,8 +133,8 @@ def bench(args) -> None:
                "load": lambda: pool.load(0, main, rows if bits else None, dk, dv, dst_rows)}
         for name, fn in ops.items():
             with separate():
-                before = timed(fn, args.reps)
-            after = timed(fn, args.reps)
+                before = graph_us(fn, args.reps, replays=5)
+            after = graph_us(fn, args.reps, replays=5)
             print(f"| {name} | {'4-bit' if bits else 'fp16'} | {before:.2f} | {after:.2f} |")
 
 

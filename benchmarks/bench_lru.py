@@ -17,6 +17,7 @@ import argparse
 import sys
 
 import torch
+from graph_timing import graph_us
 
 
 def main() -> int:
@@ -49,20 +50,7 @@ def main() -> int:
             for _ in range(args.reps):
                 fn()
             return 1e6 * (time.perf_counter() - t0) / args.reps
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(args.reps):
-                fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return 1e3 * start.elapsed_time(end) / args.reps
+        return graph_us(fn, args.reps)
 
     print(f"{args.heads} heads x {args.slots} slots, {dev}")
     print("| k | variant | us per call | same slots as topk |\n|---|---|---:|---|")

@@ -13,27 +13,9 @@ import argparse
 import sys
 
 import torch
+from graph_timing import graph_us as timed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def timed(fn, reps: int) -> float:
-    """Microseconds per call of ``fn`` from a CUDA graph of ``reps`` calls (after a warm-up that
-    compiles the kernel)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps
 
 
 def main() -> int:

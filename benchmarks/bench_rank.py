@@ -22,24 +22,7 @@ import argparse
 import sys
 
 import torch
-
-
-def timed(fn, reps: int) -> float:
-    """Microseconds per call of fn, replayed in a CUDA graph of reps calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps
+from graph_timing import graph_us as timed
 
 
 def rank_candidates(args, dev: torch.device) -> None:
