@@ -27,7 +27,7 @@ import torch
 
 from hi_sparse.kernels import sparse_decode_attention, two_level_pays
 from hi_sparse.kernels._dispatch import use_triton
-from hi_sparse.kernels.counts import tally
+from hi_sparse.kernels.counts import reference_tally, tally
 from hi_sparse.kernels.swap_in import swap_plan
 
 from . import anchors, key_bounds
@@ -36,7 +36,7 @@ from .config import HiSparseConfig
 from .host_pool import HostPool, QuantEvents
 from .hot_buffer import ticks
 from .layers import KVShape, LayerRows
-from .metrics import RuntimeMetrics
+from .metrics import DEVICE_COUNTERS, RuntimeMetrics
 from .page_table import PageTable
 from .recalibration import remember_queries
 from .selection import bound_scores, candidate_blocks, select
@@ -46,6 +46,7 @@ from .trace import phase
 
 APPEND, ATTEND = 0, 1    # the two bodies of a layer's decode step: each reads its own positions and clock
 WINDOW = 2               # beside them in Batch.positions: the attend's first window block (selection blocks)
+SWAP_IN_BYTES = DEVICE_COUNTERS.index("swap_in_bytes")   # the counter a mixed-width pool's load adds to
 
 
 def bucket(n: int) -> int:
@@ -196,13 +197,13 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                                        batch.seq_of_head, batch.kv_head, n_head, tail, bs, H)
     else:
         src, src_tail, dst = _swap_rows(host, batch, sel.both, miss, loaded, slots, prefetch_slots, n_head, tail)
-    sizes = host.row_bytes(layer) if kernels else None
+    sizes = host.row_bytes(layer)      # None: a pool of mixed widths counts its bytes in load
     nbytes = host.load(layer, src, src_tail, rows.k.view(-1, D), rows.v.view(-1, D), dst, count=sizes is None)
-    if sizes is not None:              # every count of the step in one launch (kernels/counts.py)
-        tally(rows.counters.acc, counts, loaded, sel.loaded, src, src_tail, *sizes)
-    else:
-        per = counts.sum(0)            # every selected token is looked up and used
-        rows.counters.add(per[0], per[1], per[2], per[0], sel.loaded, loaded.sum(), nbytes)
+    # every count of the step (kernels/counts.py; with the decode kernels one launch)
+    (tally if kernels else reference_tally)(rows.counters.acc, counts, loaded, sel.loaded, src, src_tail,
+                                            *(sizes or (0, 0)))
+    if nbytes is not None:
+        rows.counters.acc[SWAP_IN_BYTES] += nbytes
     if cfg.streaming:
         bank["importance"][r, :ns] += sel.block_hits.view(B, H, ns).sum(1)
     remember_queries(rows.bank, r, q[:, None])

@@ -406,6 +406,6 @@ class HostPool:
             tail = torch.where(in_tail, self.tail_rows(tail_slot, heads[0], pos[0]), -1)
             rows = torch.where(in_tail, -1, rows)
         idx = torch.arange(pos.numel(), device=device)
-        self.load(layer, rows.to(device), None if tail is None else tail.to(device), out_k, out_v, idx)
+        self.load(layer, rows.to(device), None if tail is None else tail.to(device), out_k, out_v, idx, count=False)
         out_k, out_v = out_k.to(dtype), out_v.to(dtype)
         return out_k.view(*shape, self.head_dim), out_v.view(*shape, self.head_dim)

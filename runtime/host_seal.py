@@ -97,7 +97,7 @@ def _units(pool: Any, layer: int, parts: list[tuple], dev: torch.device) -> tupl
         vo = torch.empty(M, D, dtype=pool.dtype, device=dev)
         tail_d = to_device(tail_rows, dev)
         pool.prepare(layer, dev)
-        pool.load(layer, torch.full_like(tail_d, -1), tail_d, ko, vo, torch.arange(M, device=dev))
+        pool.load(layer, torch.full_like(tail_d, -1), tail_d, ko, vo, torch.arange(M, device=dev), count=False)
     ku, vu, at = [], [], 0
     for (units, k, v, *_), pos in zip(parts, old):
         n_old = H * pos.numel()
