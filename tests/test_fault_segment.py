@@ -38,9 +38,18 @@ def entries(raw: bytes) -> list[tuple]:
 
 def patched_copy(src: str, n: int, name: str, patch) -> str:
     """A copy of segment ``src`` named ``<pid>.<n>.seg`` declaring ``name``, bytes changed by
-    ``patch(bytearray)``."""
-    with open(src, "rb") as f:
-        raw = bytearray(f.read())
+    ``patch(bytearray)``. ``src`` is live (its target keeps publishing): the copy is taken between
+    publishes (an even sequence, the same before and after), or it stays busy forever."""
+    for _ in range(1000):
+        with open(src, "rb") as f:
+            raw = bytearray(f.read())
+            seq = L.U64.unpack_from(raw, L.OFF_SEQ)[0]
+            f.seek(L.OFF_SEQ)
+            if seq % 2 == 0 and L.U64.unpack(f.read(8))[0] == seq:
+                break
+        time.sleep(0.001)
+    else:
+        raise AssertionError(f"{src}: no copy between two publishes in 1,000 tries")
     raw[L.OFF_NAME:L.OFF_NAME + L.NAME_FIELD] = name.encode().ljust(L.NAME_FIELD, b"\0")
     patch(raw)
     pid = segment.pid_of_path(src)
