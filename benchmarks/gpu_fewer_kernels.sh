@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (issue 21, eighth session): the decode step at 23 kernels per layer (was 49)
 # plus fused RMSNorms, timed: one sequence at 32K and 128K, 24 planted forks at 128K; then the
-# gpu tests (the whole suite by default; SUITE="tests/a.py tests/b.py" for a part).
+# gpu tests (the whole suite by default; SUITE="tests/a.py tests/b.py" for a part, SUITE=none for none).
 # Carry .whl (`make device-wheels`).
 #   bash benchmarks/gpu_fewer_kernels.sh            (results in $OUT)
 set -uo pipefail
@@ -11,9 +11,14 @@ timeout 140 $PY benchmarks/e2e_h200.py --contexts 32768,131072 --variants hispar
 timeout 130 $PY benchmarks/e2e_h200.py --contexts "" --variants hisparse-int4 --batch-context 131072 --hisparse-batch 24 \
   --decode-steps 24 --chunk 32768 --planted 24 --step-graphs --json "$OUT/e2e_batch.json" 2>&1 \
   | tee "$OUT/e2e_batch.txt" | cut -c1-400 | tail -6
-timeout ${SUITE_TIMEOUT:-290} $PY -m pytest -q -m gpu -p no:cacheprovider -rs ${SUITE:-tests/} 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
-# PROFILE=1: the batch step's device profile too (graphs off: every kernel named), ~90 s more
+if [ "${SUITE:-tests/}" != none ]; then
+  timeout ${SUITE_TIMEOUT:-290} $PY -m pytest -q -m gpu -p no:cacheprovider -rs ${SUITE:-tests/} 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
+fi
+# PROFILE=1: the device profiles of the 1 x 128K and the 24 x 128K steps too (graphs off: every
+# kernel named), ~200 s more; use it with SUITE=none
 if [ "${PROFILE:-0}" = 1 ]; then
+  timeout 110 $PY benchmarks/decode_profile.py --context 131072 --top 40 2>&1 | tee "$OUT/profile_single.txt" \
+    | grep -v USDT | tail -46
   timeout 150 $PY benchmarks/decode_profile.py --context 131072 --batch 24 --planted 24 2>&1 | tee "$OUT/profile_batch.txt" \
     | grep -v USDT | tail -40
 fi
