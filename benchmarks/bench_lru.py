@@ -3,13 +3,14 @@
 A decode step ranks each layer's slots by stamp (int64, unique per head) to pick the victims of
 its misses (hot_buffer.HotBufferState._lru): the k smallest, oldest first. This times, per call
 on (heads, S) stamps, ``topk(k, largest=False, sorted=True)`` (what the runtime uses),
-``sort().indices[:, :k]``, the same on int32 stamps, and ``argmin`` (k = 1), each checked to give
+``sort().indices[:, :k]``, the same on int32 stamps, one Triton program per head sorting packed
+stamp and slot keys (``lru_order``, on a GPU), and ``argmin`` (k = 1), each checked to give
 the same slots as topk. CUDA graphs hold each variant (the decode step runs in one), so the
 times are of the kernels, not their launches. Then a decode step's append of one token per head
 (rows = batch x KV heads): the least recent slot by ``argmin`` and the install kernel, against
 the one-launch ``insert_one`` kernel (hot_buffer.HotBufferState.insert on CUDA).
 
-    python benchmarks/bench_lru.py [--heads 8] [--slots 4096] [--k 2112,64,1] [--append-rows 8,192]
+    python benchmarks/bench_lru.py [--heads 8,192] [--slots 4096] [--k 2112,64,1] [--append-rows 8,192]
 """
 from __future__ import annotations
 
@@ -17,12 +18,55 @@ import argparse
 import sys
 
 import torch
+import triton
+import triton.language as tl
 from graph_timing import graph_us
+
+from hi_sparse.kernels._launch import next_pow2
+
+
+# One Triton program per head sorting all S packed keys: slower than torch's radix sort on an H200
+# (84 us against 38 at 8 x 4,096, docs/BENCHMARKS.md), kept here as the measured alternative
+@triton.jit
+def _order_kernel(p_stamp, p_order, S, W, s_stamp, s_order, LOG_S: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per head: the slots of the W smallest stamps, oldest first. Stamps are unique per
+    # head, so (stamp - the head's least) << LOG_S | slot sorts as the stamps do (exact while a
+    # head's stamps span < 2**(63 - LOG_S) ticks: ~2e15 at 4,096 slots), and its low bits are the slot
+    h = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < S
+    stamp = tl.load(p_stamp + h * s_stamp + o, mask=m, other=0)
+    least = tl.min(tl.where(m, stamp, (1 << 62)), 0)
+    key = tl.where(m, ((stamp - least) << LOG_S) | o.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+    key = tl.sort(key, 0)
+    tl.store(p_order + h * s_order + o, key & ((1 << LOG_S) - 1), mask=o < W)
+
+
+def lru_order(stamp: torch.Tensor, width: int) -> torch.Tensor:
+    """Slots (H, width) of the ``width`` smallest of each row's stamps (H, S), unique per row,
+    oldest first: ``stamp.sort(dim=1).indices[:, :width]`` in one launch."""
+    H, S = stamp.shape
+    order = torch.empty(H, width, dtype=torch.int64, device=stamp.device)
+    BLOCK = next_pow2(S)
+    _order_kernel[(H,)](stamp, order, S, width, stamp.stride(0), order.stride(0),
+                        LOG_S=max(1, (BLOCK - 1).bit_length()), BLOCK=BLOCK, num_warps=8 if BLOCK > 2048 else 4)
+    return order
+
+
+def variants(stamps: torch.Tensor, k: int) -> dict:
+    out = {"topk sorted": lambda: stamps.topk(k, dim=1, largest=False, sorted=True).indices,
+           "sort int64": lambda: stamps.sort(dim=1).indices[:, :k],
+           "sort int32": lambda: stamps.to(torch.int32).sort(dim=1).indices[:, :k]}
+    if stamps.is_cuda:
+        out["triton sort (lru_order)"] = lambda: lru_order(stamps, k)
+    if k == 1:
+        out["argmin"] = lambda: stamps.argmin(dim=1, keepdim=True)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads", default="8", help="heads (batch x KV heads), comma-separated")
     ap.add_argument("--slots", type=int, default=4096)
     ap.add_argument("--k", default="2112,64,1")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -31,16 +75,6 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    rows = [torch.randperm(4 * args.slots, generator=g)[:args.slots] * 1000 for _ in range(args.heads)]
-    stamps = torch.stack(rows).to(dev)                     # unique per head, as the runtime's
-
-    def variants(k: int) -> dict:
-        out = {"topk sorted": lambda: stamps.topk(k, dim=1, largest=False, sorted=True).indices,
-               "sort int64": lambda: stamps.sort(dim=1).indices[:, :k],
-               "sort int32": lambda: stamps.to(torch.int32).sort(dim=1).indices[:, :k]}
-        if k == 1:
-            out["argmin"] = lambda: stamps.argmin(dim=1, keepdim=True)
-        return out
 
     def timed(fn) -> float:
         """Microseconds per call: in a CUDA graph of --reps calls on a GPU, a plain loop on a CPU."""
@@ -52,16 +86,19 @@ def main() -> int:
             return 1e6 * (time.perf_counter() - t0) / args.reps
         return graph_us(fn, args.reps)
 
-    print(f"{args.heads} heads x {args.slots} slots, {dev}")
-    print("| k | variant | us per call | same slots as topk |\n|---|---|---:|---|")
-    for k in [int(x) for x in args.k.split(",")]:
-        want = None
-        for name, fn in variants(k).items():
-            got = fn()
-            want = got if want is None else want
-            same = torch.equal(got, want)
-            us = timed(fn)
-            print(f"| {k} | {name} | {us:.1f} | {same} |", flush=True)
+    for heads in [int(x) for x in args.heads.split(",")]:
+        rows = [torch.randperm(4 * args.slots, generator=g)[:args.slots] * 1000 for _ in range(heads)]
+        stamps = torch.stack(rows).to(dev)                     # unique per head, as the runtime's
+        print(f"\n{heads} heads x {args.slots} slots, {dev}")
+        print("| k | variant | us per call | same slots as topk |\n|---|---|---:|---|")
+        for k in [int(x) for x in args.k.split(",")]:
+            want = None
+            for name, fn in variants(stamps, k).items():
+                got = fn()
+                want = got if want is None else want
+                same = torch.equal(got, want)
+                us = timed(fn)
+                print(f"| {k} | {name} | {us:.1f} | {same} |", flush=True)
     if dev.type == "cuda":
         append(args, dev, timed)
     return 0
