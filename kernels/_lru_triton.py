@@ -145,7 +145,7 @@ def _insert_one_kernel(
     # value written into the slot's row of the hot K / V ((head0 + h) * S + slot)
     h = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
-    stamp = tl.load(p_stamp + h * s_stamp + o, mask=o < S, other=(1 << 62))
+    stamp = tl.load(p_stamp + h * s_stamp + o, mask=o < S, other=2147483647)      # int32 stamps: their max
     victim = tl.argmin(stamp, 0).to(tl.int64)
     tok = tl.load(p_tok + h * s_tok).to(tl.int64)
     old = tl.load(p_st + h * s_st + victim)

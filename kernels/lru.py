@@ -35,7 +35,7 @@ def reference_install_slots(token_slot: torch.Tensor, slot_token: torch.Tensor, 
     else:
         token_slot.scatter_(1, torch.where(mask, tokens + 1, 0), slots)
         slot_token.scatter_(1, at, torch.where(mask, tokens, -1))          # the spill stays -1
-    slot_stamp.scatter_(1, at, stamps)
+    slot_stamp.scatter_(1, at, stamps.to(slot_stamp.dtype))
     if flag and mask is not None:
         prefetched.scatter_(1, at, mask)                                    # the spill stays False
     else:

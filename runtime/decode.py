@@ -363,7 +363,9 @@ class Decoder:
             if items:                    # the batch's sequences together (they fill blocks together)
                 with phase("prefill.seal", T > 1):
                     self._count_write(*self.host.seal_many(layer, items))
-        batch.set(layer, APPEND, starts, rows.hot.reserve(ticks(inserted=min(T, self.shape.slots))))
+        n = ticks(inserted=min(T, self.shape.slots))
+        rows.hot.room_for(n)
+        batch.set(layer, APPEND, starts, rows.hot.reserve(n))
         body = functools.partial(append_body, rows, self.host, batch, cfg, self.shape)
         if T == 1:
             batch.runner.run((layer, "append"), self.graph_key(rows, batch, T), body, k, v)
@@ -401,6 +403,7 @@ class Decoder:
         batch = self.batch(seqs, rows.device)
         shapes = self._attend_shapes(rows, batch, seqs, lengths)
         self.host.prepare(layer, rows.device)
+        rows.hot.room_for(self._attend_ticks)
         batch.set(layer, ATTEND, lengths, rows.hot.reserve(self._attend_ticks))
         body = functools.partial(attend_body, rows, self.host, batch, self.cfg, self.shape, self.n_super)
         key = self.graph_key(rows, batch, *shapes)
@@ -428,6 +431,7 @@ class Decoder:
         for rows in self.layers:
             self._grow(rows, n_max)
             self.host.prepare(rows.index, rows.device)
+            rows.hot.room_for(ticks(inserted=1) + self._attend_ticks)   # both: else the append's may pass the attend's
             clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))
             keys.append(self.body_key(rows))
         batch = self.batch(seqs, self.layers[0].device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hi_sparse.hot_buffer import HotBufferBank, ticks
+from hi_sparse.hot_buffer import STAMP_MAX, HotBufferBank, ticks
 
 
 class NaiveLRU:
@@ -65,9 +65,29 @@ class NaiveLRU:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), S=st.integers(4, 24), H=st.integers(1, 3))
-def test_lru_matches_naive_oracle(seed, S, H):
-    _against_the_oracle(seed, S, H, "cpu")
+@given(seed=st.integers(0, 10_000), S=st.integers(4, 24), H=st.integers(1, 3), near_limit=st.booleans())
+def test_lru_matches_naive_oracle(seed, S, H, near_limit):
+    """near_limit: the clock jumps to within a few steps of the int32 stamps' end now and then,
+    so room_for renumbers the stamps between operations: the LRU stays the oracle's."""
+    _against_the_oracle(seed, S, H, "cpu", near_limit=near_limit)
+
+
+def test_stamps_are_renumbered_by_rank_before_they_would_pass_int32():
+    bank = HotBufferBank(2, 6, rows=2)
+    hb = bank.rows(0, 2)
+    hb.ensure_tokens(40)
+    bank.clock = STAMP_MAX - 20
+    hb.insert(torch.arange(9), bank.reserve(ticks(inserted=6)))
+    before = bank.slot_stamp.clone()
+    bank.room_for(14)                                    # fits: nothing changes
+    assert torch.equal(bank.slot_stamp, before) and bank.clock == STAMP_MAX - 14
+    with pytest.raises(RuntimeError, match="room_for"):
+        bank.reserve(15)
+    bank.room_for(15)
+    assert bank.clock == 0
+    assert torch.equal(bank.slot_stamp.argsort(dim=1), before.argsort(dim=1))       # the same order
+    assert (bank.slot_stamp.sort(dim=1).values == torch.arange(-6, 0)).all()         # ranks, below 0
+    assert bank.slot_stamp.dtype == torch.int32
 
 
 @pytest.mark.gpu
@@ -78,10 +98,12 @@ def test_on_a_gpu_the_lru_matches_the_naive_oracle(kernels):
     prefetch and install are Triton kernels: the same LRU as the oracle's."""
     rng = random.Random(7)
     for _ in range(12):
-        _against_the_oracle(rng.randint(0, 10_000), rng.randint(4, 24), rng.randint(1, 3), "cuda", kernels)
+        _against_the_oracle(rng.randint(0, 10_000), rng.randint(4, 24), rng.randint(1, 3), "cuda", kernels,
+                            near_limit=rng.random() < 0.5)
 
 
-def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = False) -> None:
+def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = False,
+                        near_limit: bool = False) -> None:
     rng = random.Random(seed)
     bank = HotBufferBank(H, S, device, rows=1, kernels=kernels)
     hb = bank.rows(0)
@@ -89,12 +111,15 @@ def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = 
     n = 0
     lookups = hits = used = 0
     for _ in range(12):
+        if near_limit and rng.random() < 0.4:        # a later clock keeps the order: only the room shrinks
+            bank.clock = max(bank.clock, STAMP_MAX - rng.randint(0, 4 * S))
         op = rng.random()
         if op < 0.3 or n == 0:  # append new tokens (prefill chunk or decode token)
             T = rng.randint(1, S + 3)
             pos = torch.arange(n, n + T, device=device)
             n += T
             hb.ensure_tokens(n)
+            bank.room_for(ticks(inserted=min(T, S)))
             slots = hb.insert(pos, bank.reserve(ticks(inserted=min(T, S))))
             for h, o in enumerate(oracles):
                 assert slots[h].tolist() == o.insert(pos[-S:].tolist())
@@ -108,6 +133,7 @@ def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = 
             # decode's way: the prefetch continues the lookup's stamps and takes the room it left
             implicit = shared and rng.random() < 0.5
             cand_w = min(P, n)
+            bank.room_for(ticks(selected=sel.shape[1], prefetched=cand_w))     # the lookup's and the prefetch's
             clock = bank.reserve(ticks(selected=sel.shape[1], prefetched=cand_w if implicit else 0))
             slots, miss, counts = hb.lookup(sel, clock, P if shared else 0)
             n_look, n_hit, n_used = counts.unbind(1)
@@ -202,4 +228,34 @@ def test_on_a_gpu_the_decode_kernels_decode_like_the_reference(graphs):
     (a_out, a_state, a_hits, a_look), (b_out, b_state, b_hits, b_look) = runs
     assert (a_hits, a_look) == (b_hits, b_look) and 0 < a_hits < a_look
     assert all(torch.equal(x, y) for x, y in zip(a_state, b_state))
+    assert all(torch.equal(x, y) for x, y in zip(a_out, b_out))
+
+
+def test_an_engine_decodes_the_same_across_a_renumbering_of_its_stamps():
+    """Every layer's clock a few steps from the int32 end: the decode step renumbers the stamps
+    (decode.Decoder calls room_for before it reserves) and decodes exactly as with room to spare."""
+    from hi_sparse.config import HiSparseConfig
+    from hi_sparse.engine import HiSparseEngine
+    from hi_sparse.workloads import run_decode, run_prefill
+
+    cfg = HiSparseConfig(max_seq_len=1024, cache_block_size=16, window_size=32, global_tokens=4, top_k=96,
+                         audit_every=0, telemetry=False, recalibrate_every=1 << 20)
+    g = torch.Generator().manual_seed(3)
+    L, HQ, HKV, D, T = 2, 4, 2, 32, 400
+    k, v, q = (torch.randn(1, h, T, D, generator=g) for h in (HKV, HKV, HQ))
+    steps = [tuple(torch.randn(1, h, 1, D, generator=g) for h in (HQ, HKV, HKV)) for _ in range(6)]
+    runs = []
+    for near in (False, True):
+        eng = HiSparseEngine(cfg, L, HQ, HKV, D)
+        sid = eng.add_sequences(1)
+        run_prefill(eng, sid, k, v, q)
+        if near:
+            for layer in eng.layers:
+                layer.hot.clock = STAMP_MAX - 3 * layer.hot.num_slots
+        outs = [run_decode(eng, sid, *s) for s in steps]
+        runs.append((outs, [layer.hot.slot_token.clone() for layer in eng.layers],
+                     [layer.hot.clock for layer in eng.layers], eng.stats.hot_buffer_hits))
+    (a_out, a_tok, _, a_hits), (b_out, b_tok, b_clock, b_hits) = runs
+    assert all(c < 1 << 20 for c in b_clock)                  # renumbered: the clocks started again
+    assert a_hits == b_hits and all(torch.equal(x, y) for x, y in zip(a_tok, b_tok))
     assert all(torch.equal(x, y) for x, y in zip(a_out, b_out))
