@@ -36,15 +36,20 @@ def _bounds_kernel(
 
 @triton.jit
 def _scores_kernel(
-    p_q, p_kmin, p_kmax, p_idx, p_blocks, p_out, NB, M, NSUP, D, LIMIT,
+    p_q, p_kmin, p_kmax, p_idx, p_blocks, p_out, NB, M, NSUP, D, LIMIT, p_limit, s_lim_o, s_lim_h, HKV, LIMIT_DIV,
     G: tl.constexpr, MODE: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_LIMIT: tl.constexpr,
 ):
     """Scores of M entries per (batch, KV head) row. MODE 0: blocks 0..M-1 (M = NB); 1: the block
     indices listed in p_idx (M per row); 2: the GROUP blocks of each of the NSUP super-blocks listed
     in p_idx (M = NSUP * GROUP), block numbers also written to p_blocks. Blocks < 0 or >= LIMIT
-    score -inf (and are written as -1)."""
+    score -inf (and are written as -1); ROW_LIMIT: LIMIT is each row's own, ceil(limit / LIMIT_DIV)
+    of row (o, h) = divmod(row, HKV) at p_limit + o * s_lim_o + h * s_lim_h."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_nb = tl.program_id(1)
+    if ROW_LIMIT:
+        LIMIT = tl.load(p_limit + (i_bh // HKV) * s_lim_o + (i_bh % HKV) * s_lim_h)
+        LIMIT = (LIMIT + LIMIT_DIV - 1) // LIMIT_DIV
     o_nb = i_nb * BLOCK_NB + tl.arange(0, BLOCK_NB)
     o_d = tl.arange(0, BLOCK_D)
     m_out = o_nb < M
@@ -87,12 +92,14 @@ def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torch.Tensor | None = None,
-           limit: int | None = None, super_idx: torch.Tensor | None = None, group: int = 1,
-           block_values: int = 4096, num_warps: int = 4):
+           limit: int | torch.Tensor | None = None, super_idx: torch.Tensor | None = None, group: int = 1,
+           limit_div: int = 1, block_values: int = 4096, num_warps: int = 4):
     """q (..., Hkv, G, D), kmin/kmax (..., Hkv, NB, D) -> (..., Hkv, M) fp32: every block (M = NB),
     the listed `blocks` (..., Hkv, M), or with `super_idx` (..., Hkv, S) the blocks of those
     super-blocks of `group` blocks (M = S * group; returns (blocks, scores) then). Blocks >= limit
-    score -inf. Keywords after group: benchmark tuning."""
+    score -inf; a tensor limit broadcastable to (..., Hkv) is each row's, in units of
+    ``limit_div`` blocks (rounded up: a super-block's limit from a block limit). Keywords after
+    limit_div: benchmark tuning."""
     lead = q.shape[:-2]
     g, d = q.shape[-2:]
     nb = kmin.shape[-2]
@@ -111,12 +118,20 @@ def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torc
         m = nb
     out = torch.empty(lead + (m,), device=q.device, dtype=torch.float32)
     blk = torch.empty(lead + (m,), device=q.device, dtype=torch.int64) if mode == 2 else out
+    row_limit = isinstance(limit, torch.Tensor)
+    if row_limit:        # a view (B, 1) -> (B, Hkv) with a 0 stride: no copy, no launch
+        lim = limit.expand(lead).reshape(-1, lead[-1])
+        host_limit, lim_args = 0, (lim, lim.stride(0), lim.stride(1), lead[-1], limit_div)
+    else:
+        host_limit = nb if limit is None else -(-limit // limit_div)
+        lim_args = (out, 0, 0, 1, 1)
     if out.numel():
         BLOCK_D = next_pow2(d)
         BLOCK_NB = max(16, min(256, block_values // BLOCK_D))
         _scores_kernel[(qf.shape[0], triton.cdiv(m, BLOCK_NB))](
-            qf, lo, hi, out if idx is None else idx, blk, out, nb, m, nsup, d, nb if limit is None else limit,
-            G=g, MODE=mode, GROUP=group, BLOCK_NB=BLOCK_NB, BLOCK_D=BLOCK_D, num_warps=num_warps)
+            qf, lo, hi, out if idx is None else idx, blk, out, nb, m, nsup, d, host_limit, *lim_args,
+            G=g, MODE=mode, GROUP=group, BLOCK_NB=BLOCK_NB, BLOCK_D=BLOCK_D, ROW_LIMIT=row_limit,
+            num_warps=num_warps)
     return (blk, out) if mode == 2 else out
 
 

@@ -104,18 +104,21 @@ def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
     per_row = isinstance(limit, torch.Tensor)
     host_limit = nb if limit is None or per_row else max(0, min(limit, nb))
     n_super = min(n_super, ns)
+    if use_triton(q, kmin, kmax):
+        # two scoring launches and the ranking between them; a per-row limit is read in the
+        # kernels (as torch ops it took ~9 small launches a layer)
+        mod = kernel_module("_bounds_triton")
+        row_limit = limit if per_row else host_limit
+        sup = top_blocks(mod.scores(q, smin, smax, limit=row_limit, limit_div=group), n_super)
+        return mod.scores(q, kmin, kmax, limit=row_limit, super_idx=sup, group=group)
     sup_scores = block_scores(q, smin, smax, limit=-(-host_limit // group))           # (..., Hkv, NS)
     if per_row:
         sup_limit = torch.div(limit + group - 1, group, rounding_mode="floor")[..., None]
         sup_scores = torch.where(torch.arange(ns, device=q.device) < sup_limit, sup_scores, float("-inf"))
     sup = top_blocks(sup_scores, n_super)                                              # (..., Hkv, n_super)
-    if use_triton(q, kmin, kmax):   # one launch: candidate numbers and their scores
-        blocks, sc = kernel_module("_bounds_triton").scores(q, kmin, kmax, limit=host_limit, super_idx=sup,
-                                                             group=group)
-    else:
-        blocks = (sup[..., None] * group + torch.arange(group, device=sup.device)).flatten(-2)
-        blocks = torch.where(blocks < host_limit, blocks, -1)
-        sc = reference_block_scores(q, kmin, kmax, blocks)
+    blocks = (sup[..., None] * group + torch.arange(group, device=sup.device)).flatten(-2)
+    blocks = torch.where(blocks < host_limit, blocks, -1)
+    sc = reference_block_scores(q, kmin, kmax, blocks)
     if per_row:
         blocks = torch.where(blocks < limit[..., None], blocks, -1)
         sc = torch.where(blocks >= 0, sc, float("-inf"))
