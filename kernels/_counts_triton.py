@@ -9,10 +9,10 @@ from ._launch import next_pow2
 
 
 @triton.jit
-def _tally_kernel(p_acc, p_counts, p_loaded, p_touched, p_src, p_tail, R, NL, N, row_bytes, tail_bytes, s_counts,
-                  HAS_TAIL: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr):
+def _tally_kernel(p_acc, p_counts, p_loaded, p_touched, p_src, p_tail, R, NT, NL, N, row_bytes, tail_bytes,
+                  s_counts, HAS_TAIL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BLOCK: tl.constexpr):
     # every program: the bytes of its share of the swap-in rows and its share of the loaded
-    # prefetches; program 0 also the per-head counts and the touched tokens
+    # prefetches; program 0 also the per-head counts and the touched tokens (per row)
     pid = tl.program_id(0)
     o = pid * BLOCK + tl.arange(0, BLOCK)
     m = o < N
@@ -29,17 +29,19 @@ def _tally_kernel(p_acc, p_counts, p_loaded, p_touched, p_src, p_tail, R, NL, N,
         tl.atomic_add(p_acc + 1, tl.sum(tl.load(p_counts + r * s_counts + 1, mask=rm, other=0), 0))
         tl.atomic_add(p_acc + 2, tl.sum(tl.load(p_counts + r * s_counts + 2, mask=rm, other=0), 0))
         tl.atomic_add(p_acc + 3, selected)                                  # every selected token is used
-        tl.atomic_add(p_acc + 4, tl.load(p_touched))
+        t = tl.arange(0, BT)
+        tl.atomic_add(p_acc + 4, tl.sum(tl.load(p_touched + t, mask=t < NT, other=0).to(tl.int64), 0))
 
 
 def tally(acc: torch.Tensor, counts: torch.Tensor, loaded: torch.Tensor, touched: torch.Tensor,
           src: torch.Tensor, src_tail: torch.Tensor | None, row_bytes: int, tail_bytes: int) -> None:
     R = counts.shape[0]
     N, NL = src.numel(), loaded.numel()
-    if counts.stride(1) != 1 or not loaded.is_contiguous() or not src.is_contiguous():
-        raise ValueError("tally needs counts with contiguous rows, and loaded and src contiguous")
+    if counts.stride(1) != 1 or not (loaded.is_contiguous() and touched.is_contiguous() and src.is_contiguous()):
+        raise ValueError("tally needs counts with contiguous rows, and loaded, touched and src contiguous")
     tail = src if src_tail is None else src_tail.contiguous()
     BLOCK = min(next_pow2(max(N, NL, 1)), 4096)
     _tally_kernel[(max(1, triton.cdiv(max(N, NL), BLOCK)),)](
-        acc, counts, loaded.view(torch.uint8), touched, src, tail, R, NL, N, row_bytes, tail_bytes, counts.stride(0),
-        HAS_TAIL=src_tail is not None, BR=next_pow2(max(R, 1)), BLOCK=BLOCK, num_warps=8)
+        acc, counts, loaded.view(torch.uint8), touched, src, tail, R, touched.numel(), NL, N, row_bytes, tail_bytes,
+        counts.stride(0), HAS_TAIL=src_tail is not None, BR=next_pow2(max(R, 1)), BT=next_pow2(touched.numel()),
+        BLOCK=BLOCK, num_warps=8)

@@ -10,19 +10,58 @@ from .select import RANK_MAX
 
 
 @triton.jit
+def _run_in_blocks(lo, hi, b_lo, sb):
+    """Tokens of the run [lo, hi) in each storage block starting at b_lo."""
+    return tl.maximum(tl.minimum(hi, b_lo + sb) - tl.maximum(lo, b_lo), 0)
+
+
+@triton.jit
 def _assemble_kernel(
     p_top, p_s, p_n, p_first, p_anc, p_both, p_blocks, p_loaded,
     s_top, s_s, s_n, s_first, s_anc, s_both, s_blocks,
     window, top_k, bs, sinks, A, take, w_keep, w_pf, sb, NBS,
-    BW: tl.constexpr, BA: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-    BB: tl.constexpr,
+    BW: tl.constexpr, BA: tl.constexpr, CA: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
+    BG: tl.constexpr, BB: tl.constexpr,
 ):
+    # A few programs a launch (one per row): latency bound. So every input is read up front (the
+    # loads overlap, no loop of loads), the window's and the sinks' tokens are counted per block
+    # arithmetically and the ranked ones with one atomic per group of lanes (no run of
+    # same-address atomics per token), and the atomics are relaxed (the barriers order them)
     r = tl.program_id(0).to(tl.int64)
     n = tl.load(p_n + r * s_n)
     first = tl.load(p_first + r * s_first)
+    o_q = tl.arange(0, BQ)
+    m_q = o_q < take * bs
+    blk = tl.load(p_top + r * s_top + o_q // bs, mask=m_q, other=0)
+    o_g = tl.arange(0, BQ // BG) * BG                  # each group's first lane
+    g_blk = tl.load(p_top + r * s_top + o_g // bs, mask=o_g < take * bs, other=0)
+    o_a = tl.arange(0, BA)
+    m_a = o_a < A
+    anc = tl.load(p_anc + r * s_anc + o_a, mask=m_a, other=-1)
     w0 = n - window
     rest = first + sinks
+    pos = blk * bs + o_q % bs
+    score = tl.load(p_s + r * s_s + blk, mask=m_q, other=float("-inf"))
+    # the positions that are none of the kept anchors (pos >= 0 never matches the -1 of the
+    # others): a (CA, BQ) tile at a time, each thread holding every anchor of it (the reduction
+    # over them stays within the thread, pos keeps its layout)
+    not_anc = m_q
+    for c in tl.static_range(BA // CA):
+        o_c = c * CA + tl.arange(0, CA)
+        a = tl.load(p_anc + r * s_anc + o_c, mask=o_c < A, other=-1)
+        a = tl.where((a >= rest) & (a < w0), a, -1)
+        not_anc = not_anc & (tl.max((a[:, None] == pos[None, :]).to(tl.int32), 0) == 0)
     row = p_both + r * s_both
+    counts = p_blocks + r * s_blocks
+    # the selected tokens per storage block start from the window's and the sinks' (runs of
+    # positions; every block written: no zero fill before the launch), the anchors and the
+    # ranked tokens are added after the barrier
+    sink_end = tl.minimum(rest, w0)
+    for b0 in range(0, NBS, BB):
+        o_b = b0 + tl.arange(0, BB)
+        b_lo = o_b.to(tl.int64) * sb
+        runs = _run_in_blocks(tl.maximum(w0, first), n, b_lo, sb) + _run_in_blocks(first, sink_end, b_lo, sb)
+        tl.store(counts + o_b, runs, mask=o_b < NBS)
     # the window
     o_w = tl.arange(0, BW)
     m_w = o_w < window
@@ -30,9 +69,6 @@ def _assemble_kernel(
     win_ok = m_w & (win >= first)
     tl.store(row + o_w, tl.where(win_ok, win, -1), mask=m_w)
     # the anchors
-    o_a = tl.arange(0, BA)
-    m_a = o_a < A
-    anc = tl.load(p_anc + r * s_anc + o_a, mask=m_a, other=-1)
     anc_ok = m_a & (anc >= rest) & (anc < w0)
     tl.store(row + window + o_a, tl.where(anc_ok, anc, -1), mask=m_a)
     # the sinks
@@ -42,40 +78,31 @@ def _assemble_kernel(
     n_sink = tl.sum(sink_ok.to(tl.int64), 0)
     budget = top_k - tl.sum(win_ok.to(tl.int64), 0) - tl.sum(anc_ok.to(tl.int64), 0) - n_sink
     budget = tl.minimum(tl.maximum(budget, 0), w_keep - n_sink)
+    # the ranked tokens: candidates, none of the kept anchors
+    ok = m_q & (pos >= rest) & (pos < w0) & (score > float("-inf")) & not_anc
+    rank = tl.cumsum(ok.to(tl.int64), 0)              # 1-based among the ok positions
+    dest = tl.where(rank <= budget, rank + n_sink - 1, rank + w_keep - 1 - budget)
+    # the kept ones per group of BG lanes (BG divides bs: one selection block, so one storage block)
+    kept = tl.sum(tl.reshape((ok & (rank <= budget)).to(tl.int64), [BQ // BG, BG]), 1)
     # the packed part: sinks, the kept ranked tokens, then the prefetch, -1 where none
     packed = row + window + A
     o_p = tl.arange(0, BP)
     tl.store(packed + o_p, tl.full([BP], -1, tl.int64), mask=o_p < w_keep + w_pf)
     tl.debug_barrier()
     tl.store(packed + o_s, sink, mask=sink_ok)        # sink_ok holds for a prefix: column i
-    o_q = tl.arange(0, BQ)
-    m_q = o_q < take * bs
-    blk = tl.load(p_top + r * s_top + o_q // bs, mask=m_q, other=0)
-    pos = blk * bs + o_q % bs
-    score = tl.load(p_s + r * s_s + blk, mask=m_q, other=float("-inf"))
-    ok = m_q & (pos >= rest) & (pos < w0) & (score > float("-inf"))
-    for i in range(0, A):                             # not one of the (kept) anchors
-        a = tl.load(p_anc + r * s_anc + i)
-        a = tl.where((a >= rest) & (a < w0), a, -1)
-        ok = ok & (pos != a)
-    rank = tl.cumsum(ok.to(tl.int64), 0)              # 1-based among the ok positions
-    dest = tl.where(rank <= budget, rank + n_sink - 1, rank + w_keep - 1 - budget)
     tl.store(packed + dest, pos, mask=ok & (rank <= budget + w_pf))
+    tl.atomic_add(counts + anc // sb, tl.full([BA], 1, tl.int64), mask=anc_ok, sem="relaxed")
+    tl.atomic_add(counts + (g_blk * bs + o_g % bs) // sb, kept, mask=kept > 0, sem="relaxed")
     tl.debug_barrier()
-    # selected tokens per storage block, and the tokens of the touched blocks
-    o_k = tl.arange(0, BK)
-    m_k = o_k < window + A + w_keep
-    tok = tl.load(row + o_k, mask=m_k, other=-1, volatile=True)
-    tl.atomic_add(p_blocks + r * s_blocks + tok // sb, tl.full([BK], 1, tl.int64), mask=m_k & (tok >= 0))
-    tl.debug_barrier()
+    # the tokens of the touched blocks, this row's (summed where they are counted)
     loaded = tl.zeros([BB], tl.int64)
     for b0 in range(0, NBS, BB):
         o_b = b0 + tl.arange(0, BB)
         m_b = o_b < NBS
-        hits = tl.load(p_blocks + r * s_blocks + o_b, mask=m_b, other=0, volatile=True)
-        size = tl.minimum(tl.maximum(n - o_b * sb, 0), sb)
+        hits = tl.load(counts + o_b, mask=m_b, other=0, volatile=True)
+        size = _run_in_blocks(0, n, o_b.to(tl.int64) * sb, sb)
         loaded += tl.where(hits > 0, size, 0)
-    tl.atomic_add(p_loaded, tl.sum(loaded, 0))
+    tl.store(p_loaded + r, tl.sum(loaded, 0))
 
 
 def assemble(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, anchors: torch.Tensor,
@@ -87,15 +114,19 @@ def assemble(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: 
         if t.shape[1] and t.stride(1) != 1:
             raise ValueError("top, scores and anchors need contiguous rows")
     both = torch.empty(R, window + A + w_keep + w_pf, dtype=torch.int64, device=top.device)
-    counts = torch.zeros(R * n_store_blocks + 1, dtype=torch.int64, device=top.device)
-    blocks, loaded = counts[:-1].view(R, n_store_blocks), counts[-1]
+    # every element written by the kernel: no fill launch before it
+    blocks = torch.empty(R, n_store_blocks, dtype=torch.int64, device=top.device)
+    loaded = torch.empty(R, dtype=torch.int64, device=top.device)
+    BA, BQ = next_pow2(A), next_pow2(take * bs)
     _assemble_kernel[(R,)](
         top, s, n_tokens, first, anchors, both, blocks, loaded,
         top.stride(0), s.stride(0), n_tokens.stride(0), first.stride(0), anchors.stride(0), both.stride(0),
         blocks.stride(0),
         window, top_k, bs, sinks, A, take, w_keep, w_pf, sb, n_store_blocks,
-        BW=next_pow2(window), BA=next_pow2(A), BS=next_pow2(sinks), BP=next_pow2(w_keep + w_pf),
-        BQ=next_pow2(take * bs), BK=next_pow2(window + A + w_keep), BB=min(next_pow2(n_store_blocks), 1024),
+        # the anchor test's (CA, BQ) tiles of at most 16K elements; groups of lanes of the largest
+        # power of 2 dividing bs
+        BW=next_pow2(window), BA=BA, CA=max(1, min(BA, 16384 // BQ)), BS=next_pow2(sinks),
+        BP=next_pow2(w_keep + w_pf), BQ=BQ, BG=min(bs & -bs, BQ), BB=min(next_pow2(n_store_blocks), 4096),
         num_warps=8,
     )
     return both, blocks, loaded

@@ -2,11 +2,11 @@
 
 The step's counts come from several places: the hot-buffer lookup's per-head (selected, hits,
 used prefetches) counts (R, 3), the prefetch's loaded mask (R, P), the selection's touched tokens
-(0-dim) and the swap-in's host rows (main pool ``src`` and float tail ``src_tail``, -1 where a
+per row (R,) and the swap-in's host rows (main pool ``src`` and float tail ``src_tail``, -1 where a
 row copies nothing). The reference sums each and adds the seven values (about ten small kernels
 on a GPU); the Triton kernel reads them all and adds atomically (one launch, no host sync):
 
-    acc += (sum selected, sum hits, sum used prefetches, sum selected, touched, sum loaded,
+    acc += (sum selected, sum hits, sum used prefetches, sum selected, sum touched, sum loaded,
             (src >= 0).sum() * row_bytes + (src_tail >= 0).sum() * tail_bytes)
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ def reference_tally(acc: torch.Tensor, counts: torch.Tensor, loaded: torch.Tenso
     if src_tail is not None:
         nbytes = nbytes + (src_tail >= 0).sum() * tail_bytes
     per = counts.sum(0)
-    acc[:7].add_(torch.stack([per[0], per[1], per[2], per[0], touched.reshape(()).to(torch.int64),
+    acc[:7].add_(torch.stack([per[0], per[1], per[2], per[0], touched.sum().to(torch.int64),
                               loaded.sum(), nbytes]))
 
 

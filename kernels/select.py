@@ -6,7 +6,7 @@ count and first position (R, 1) and its anchors (R, A): writes the row's selecti
 (R, window + A + w_keep + w_pf): the window (-1 before ``first``), the anchors (-1 unless before
 the window and past the sinks), then the sinks, the kept ranked tokens (up to the budget left by
 the others) and the prefetch, -1 padded; the selected tokens per storage block of ``sb`` tokens
-(R, NBS), and the tokens of the touched blocks summed over rows (0-dim).
+(R, NBS), and the tokens of each row's touched blocks (R,).
 
 The ranking before it: ``candidate_scores`` (the masked scores ``s``) then ``s.topk(take)``, or
 both in one launch, ``ranked_candidates``, where a row holds at most ``RANK_MAX`` blocks.

@@ -69,7 +69,8 @@ class Selection:
     prefetch: (R, prefetch_blocks * block_size) positions predicted for the next step (the
     next-ranked blocks), -1 padded.
     block_hits: (R, NS) selected tokens per storage block (importance for streaming).
-    loaded: 0-dim, tokens in the storage blocks the selection touched, summed over rows.
+    loaded: (R,) tokens in the storage blocks each row's selection touched (per row: the kernel's
+    programs write their own rows, no zeroed sum; kernels/counts.py sums them).
     both: (R, top_k + A + prefetch width): tokens then prefetch in one tensor (they are its views).
     """
     tokens: torch.Tensor
@@ -183,7 +184,7 @@ def _not_in(anc: torch.Tensor, pos: torch.Tensor, n_pos: int) -> torch.Tensor:
 def _per_block(tokens: torch.Tensor, n_tokens: torch.Tensor, nb: int,
                bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Selected tokens per block of ``bs`` tokens (R, nb), and the tokens of every touched block
-    (a scalar tensor).
+    per row (R,).
 
     Column 0 of a (R, 1 + NB) count collects the -1 padding."""
     blk0 = torch.arange(nb, device=tokens.device) * bs                          # each block's first token
@@ -191,7 +192,7 @@ def _per_block(tokens: torch.Tensor, n_tokens: torch.Tensor, nb: int,
     per_block.scatter_add_(1, (tokens + bs) // bs, torch.ones_like(tokens))
     per_block = per_block[:, 1:]
     sizes = (n_tokens - blk0).clamp(0, bs)                                      # (R, NB) tokens held
-    return per_block, torch.where(per_block > 0, sizes, 0).sum()
+    return per_block, torch.where(per_block > 0, sizes, 0).sum(1)
 
 
 def _in_hole(holes: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:

@@ -433,8 +433,8 @@ def _hot_buffer_oracle() -> None:
     init = HotBufferBank.__init__
     HotBufferBank.__init__ = lambda self, *a, **kw: init(self, *a, **{**kw, "kernels": True})
     try:
-        for seed, S, H in ((1, 6, 2), (7, 17, 3), (42, 24, 1), (99, 9, 3)):
-            oracle.hypothesis.inner_test(seed=seed, S=S, H=H)
+        for seed, S, H, near in ((1, 6, 2, False), (7, 17, 3, True), (42, 24, 1, False), (99, 9, 3, True)):
+            oracle.hypothesis.inner_test(seed=seed, S=S, H=H, near_limit=near)
     finally:
         HotBufferBank.__init__ = init
 
@@ -515,7 +515,7 @@ def _tally(tail: bool, R: int, P: int, N: int) -> None:
     g = torch.Generator().manual_seed(R * 7 + N)
     counts = torch.randint(0, 50, (R, 3), generator=g)
     loaded = torch.rand(R, P, generator=g) < 0.4
-    touched = torch.randint(0, 900, (R + 1,), generator=g)[-1]            # a 0-dim view, as select's
+    touched = torch.randint(0, 900, (R,), generator=g)                    # per row, as select's
     src = torch.where(torch.rand(N, generator=g) < 0.6, torch.randint(0, 99, (N,), generator=g), -1)
     src_tail = torch.where(src < 0, torch.randint(-1, 9, (N,), generator=g), -1) if tail else None
     start = torch.arange(7, dtype=torch.int64) * 1000
@@ -525,24 +525,25 @@ def _tally(tail: bool, R: int, P: int, N: int) -> None:
     _need(torch.equal(got, want), f"counters {got.tolist()} against {want.tolist()}")
 
 
-def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int, fused: bool = True) -> None:
+def _select(sinks: int, sb_mult: int, prefetch: int, anchors: int, seed: int, fused: bool = True, bs: int = 8,
+            top_k: int = 72, n_max: int = 400) -> None:
     """selection.select's Triton ranking and assembly (kernels=True) against its torch path: every
-    field equal, on rows of different lengths and paddings, anchors inside and outside the
-    candidates, NaN scores past a row's tokens. fused: the mask and ranking in one launch
+    field equal, on rows of different lengths (up to n_max) and paddings, anchors inside and outside
+    the candidates, NaN scores past a row's tokens. fused: the mask and ranking in one launch
     (ranked_candidates), else as for rows over RANK_MAX blocks (candidate_scores + topk)."""
     import hi_sparse.selection as selection
     from hi_sparse.selection import candidate_blocks, select
 
     g = torch.Generator().manual_seed(seed)
-    R, bs, window, top_k = 5, 8, 16, 72
-    n = torch.randint(100, 400, (R, 1), generator=g)
+    R, window = 5, 16
+    n = torch.randint(100, n_max, (R, 1), generator=g)
     n[0] = 30                                           # shorter than the budget: everything visible
     first = torch.randint(0, 20, (R, 1), generator=g)
     first[1] = 0
     nb = -(-int(n.max()) // bs)
     scores = torch.randn(R, nb, generator=g)
     scores[torch.arange(nb)[None] * bs >= n] = float("nan")
-    anc = torch.randint(-1, 400, (R, anchors), generator=g)
+    anc = torch.randint(-1, n_max, (R, anchors), generator=g)
     n_cand = candidate_blocks(nb, int(n.max()) - window, int(first.min()), bs)
     kw = dict(sinks=sinks, store_block=bs * sb_mult)
     want = select(scores, n, first, window, top_k, bs, anc, None, prefetch, n_cand, **kw)
@@ -966,6 +967,10 @@ CASES: dict[str, Callable[[], None]] = {
     "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
     "select-assembly-many-anchors": lambda: _select(2, 1, 2, 20, 3),
     "select-assembly-unfused-rank": lambda: _select(4, 1, 1, 6, 0, fused=False),
+    # the anchor test over 8 chunks of anchors (a (2048, 8) tile each), groups of 4 lanes (the
+    # largest power of 2 dividing bs = 12); over 4096 storage blocks (two tiles of the counts)
+    "select-assembly-anchor-chunks-bs12": lambda: _select(4, 2, 1, 40, 4, bs=12, top_k=1000, n_max=3000),
+    "select-assembly-many-storage-blocks": lambda: _select(2, 1, 1, 6, 9, fused=False, bs=2, n_max=10000),
     "select-candidates-fp32": lambda: _candidates(torch.float32),
     **{f"rank-candidates-nb{nb}-take{t}{'-ties' if ties else ''}": (lambda nb=nb, t=t, ties=ties:
                                                                      _rank_candidates(nb, t, ties, nb + t))
