@@ -1,7 +1,8 @@
 """Triton block quantize (whole-word, two-pass and relay kernels; a general one for any D) and row dequantize.
 
 The dequantize kernel serves both `dequantize_blocks` (rows in order) and the fused
-`swap_in_dequant` (rows gathered through index tensors, source possibly pinned host memory).
+`swap_in_dequant` (rows gathered through index tensors, source possibly pinned host memory);
+`swap_in_dequant_pair` runs the words kernel's programs for a layer's keys and values in one launch.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import next_pow2
+from ._launch import next_pow2, on_device
 from .quant import PARAM_DTYPES, param_shape
 
 
@@ -532,15 +533,13 @@ def _dequant_grouped_kernel(
 
 
 @triton.jit
-def _dequant_words_kernel(
-    p_words, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
+def _dequant_words_program(
+    i_m, p_words, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
     BITS: tl.constexpr, GATHER: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """4 and 8 bits, rows of whole 32-bit words (p_words: the packed rows as int32, stride in
-    words): each word is one load and 32 / BITS codes, so a row is read in wide vector loads as
-    the plain swap-in reads its rows."""
+    """Program i_m of _dequant_words_kernel (rows i_m * BLOCK_M on), which the pair kernel runs
+    for keys and values in turn."""
     CPW: tl.constexpr = 32 // BITS
-    i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_src, o_dst, m_m = _gathered_rows(p_src_rows, p_dst_rows, o_m, o_m < M, GATHER)
     if tl.max(m_m.to(tl.int32), 0) > 0:     # rows that all copy nothing (a decode step's hits) stop here
@@ -556,6 +555,37 @@ def _dequant_words_kernel(
                             cols, m_row & m_w, D, LAYOUT)
         b_x = b_c.to(tl.float32) * b_s + b_z
         tl.store(p_dst + o_dst[:, None, None] * stride_dst + cols, b_x.to(p_dst.dtype.element_ty), mask=m_row & m_w)
+
+
+@triton.jit
+def _dequant_words_kernel(
+    p_words, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D, rows_per_block, stride_src, stride_dst,
+    BITS: tl.constexpr, GATHER: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """4 and 8 bits, rows of whole 32-bit words (p_words: the packed rows as int32, stride in
+    words): each word is one load and 32 / BITS codes, so a row is read in wide vector loads as
+    the plain swap-in reads its rows."""
+    _dequant_words_program(tl.program_id(0), p_words, p_scale, p_zero, p_src_rows, p_dst, p_dst_rows, M, D,
+                           rows_per_block, stride_src, stride_dst, BITS, GATHER, LAYOUT, BLOCK_M, BLOCK_W)
+
+
+@triton.jit
+def _dequant_words_pair_kernel(
+    p_words_k, p_scale_k, p_zero_k, p_dst_k, p_words_v, p_scale_v, p_zero_v, p_dst_v, p_src_rows, p_dst_rows,
+    M, D, rows_per_block, stride_src_k, stride_dst_k, stride_src_v, stride_dst_v,
+    BITS: tl.constexpr, LAYOUT_K: tl.constexpr, LAYOUT_V: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """_dequant_words_kernel of a layer's keys (axis 1 == 0) and values (axis 1 == 1), each in its
+    own layout, at the same gathered rows: one launch keeps both tensors' reads in flight (the
+    swap-in of a decode step is latency bound over PCIe)."""
+    i_m = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _dequant_words_program(i_m, p_words_k, p_scale_k, p_zero_k, p_src_rows, p_dst_k, p_dst_rows, M, D,
+                               rows_per_block, stride_src_k, stride_dst_k, BITS, True, LAYOUT_K, BLOCK_M, BLOCK_W)
+    else:
+        _dequant_words_program(i_m, p_words_v, p_scale_v, p_zero_v, p_src_rows, p_dst_v, p_dst_rows, M, D,
+                               rows_per_block, stride_src_v, stride_dst_v, BITS, True, LAYOUT_V, BLOCK_M, BLOCK_W)
 
 
 _SPAN = {4: 2, 5: 3, 6: 3, 8: 1}
@@ -745,15 +775,31 @@ ROWS_TILE_VALUES = {"block": 2048, "token": 8192, "channel": 8192}
 ROWS_WARPS = {"block": 0, "token": 0, "channel": 4}
 
 
+def _rows_warps(layout: str) -> int:
+    """Warps of a row dequant program of the layout (ROWS_WARPS, else by its tile's size)."""
+    return ROWS_WARPS[layout] or (4 if ROWS_TILE_VALUES[layout] <= 2048 else 8)
+
+
+def _words_of(packed2d: torch.Tensor, d: int, bits: int) -> torch.Tensor | None:
+    """The packed rows as int32 words where _dequant_words_kernel reads them (4 and 8 bits, rows of
+    whole words: D % 8 == 0, aligned rows), else None."""
+    return _int32_rows(packed2d) if d % 8 == 0 and bits in (4, 8) else None
+
+
+def _words_tiles(d: int, bits: int, tile: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_W) of _dequant_words_kernel: rows of about ``tile`` values, at most 64."""
+    block_w = next_pow2(d * bits // 32)
+    return max(1, min(64, tile // (block_w * (32 // bits)))), block_w
+
+
 def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, dst_rows, m, gather, layout):
     d, p = dst2d.shape[1], packed2d.shape[1]
     lid = LAYOUT_IDS[layout]
     tile = ROWS_TILE_VALUES[layout]
-    warps = ROWS_WARPS[layout] or (4 if tile <= 2048 else 8)
-    words = _int32_rows(packed2d) if d % 8 == 0 and bits in (4, 8) else None
+    warps = _rows_warps(layout)
+    words = _words_of(packed2d, d, bits)
     if words is not None:
-        BLOCK_W = next_pow2(d * bits // 32)
-        BLOCK_M = max(1, min(64, tile // (BLOCK_W * (32 // bits))))
+        BLOCK_M, BLOCK_W = _words_tiles(d, bits, tile)
         _dequant_words_kernel[(triton.cdiv(m, BLOCK_M),)](
             words, scale, zero, src_rows, dst2d, dst_rows, m, d, rows_per_block, words.stride(0), dst2d.stride(0),
             BITS=bits, GATHER=gather, LAYOUT=lid, BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=warps)
@@ -772,6 +818,30 @@ def _launch_rows(packed2d, scale, zero, bits, rows_per_block, src_rows, dst2d, d
     _dequant_rows_kernel[grid](packed2d, scale, zero, src_rows, dst2d, dst_rows, m, d, p, rows_per_block,
                                packed2d.stride(0), dst2d.stride(0), BITS=bits, GATHER=gather, LAYOUT=lid,
                                BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=warps)
+
+
+def _launch_rows_pair(packed_k, scale_k, zero_k, layout_k, packed_v, scale_v, zero_v, layout_v, bits,
+                      rows_per_block, src_rows, dst_k, dst_v, dst_rows):
+    """_launch_rows of keys and values at the same gathered rows as one launch of
+    _dequant_words_pair_kernel (grid axis 1: keys, values) where both take the words path with
+    one D; False, nothing launched, otherwise (the caller then launches each)."""
+    d = dst_k.shape[1]
+    words_k = _words_of(packed_k, d, bits) if dst_v.shape[1] == d else None
+    words_v = _words_of(packed_v, d, bits) if words_k is not None else None
+    if words_k is None or words_v is None:
+        return False
+    # one geometry for both: the smaller of the two layouts' row tiles (a program's tile then fits
+    # either layout's budget; the pool's channel keys and token values both take 64 rows at
+    # D = 128) and the fewer warps (channel programs of 64 rows ran 9 points slower at 8 warps than
+    # at 4, docs/BENCHMARKS.md; token programs at 4 warps are not measured)
+    BLOCK_M, BLOCK_W = _words_tiles(d, bits, min(ROWS_TILE_VALUES[layout_k], ROWS_TILE_VALUES[layout_v]))
+    m = src_rows.numel()
+    _dequant_words_pair_kernel[(triton.cdiv(m, BLOCK_M), 2)](
+        words_k, scale_k, zero_k, dst_k, words_v, scale_v, zero_v, dst_v, src_rows, dst_rows, m, d, rows_per_block,
+        words_k.stride(0), dst_k.stride(0), words_v.stride(0), dst_v.stride(0), BITS=bits,
+        LAYOUT_K=LAYOUT_IDS[layout_k], LAYOUT_V=LAYOUT_IDS[layout_v], BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W,
+        num_warps=min(_rows_warps(layout_k), _rows_warps(layout_v)))
+    return True
 
 
 def _int32_rows(packed2d: torch.Tensor) -> torch.Tensor | None:
@@ -810,3 +880,20 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     """dst[dst_rows[i]] = dequant(packed[src_rows[i]]); packed may be pinned host memory (UVA)."""
     _launch_rows(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows, src_rows.numel(), gather=True,
                  layout=layout)
+
+
+def dequantize_rows_pair(packed_k: torch.Tensor, scale_k: torch.Tensor, zero_k: torch.Tensor, layout_k: str,
+                         packed_v: torch.Tensor, scale_v: torch.Tensor, zero_v: torch.Tensor, layout_v: str,
+                         bits: int, rows_per_block: int, src_rows: torch.Tensor, dst_k: torch.Tensor,
+                         dst_v: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dequantize_rows of keys into dst_k and of values into dst_v at the same rows (swap_in.py
+    swap_in_dequant_pair; index tensors may be on the host): one launch where both read whole
+    words (4 / 8 bits, D % 8 == 0), else one each."""
+    if any(t.stride(-1) != 1 for t in (packed_k, packed_v, dst_k, dst_v)):
+        raise ValueError("swap_in_dequant_pair needs unit stride in the last dim; pass .contiguous() tensors")
+    src_rows, dst_rows = on_device(src_rows, dst_k.device), on_device(dst_rows, dst_k.device)
+    if _launch_rows_pair(packed_k, scale_k, zero_k, layout_k, packed_v, scale_v, zero_v, layout_v, bits,
+                         rows_per_block, src_rows, dst_k, dst_v, dst_rows):
+        return
+    dequantize_rows(packed_k, scale_k, zero_k, bits, rows_per_block, src_rows, dst_k, dst_rows, layout_k)
+    dequantize_rows(packed_v, scale_v, zero_v, bits, rows_per_block, src_rows, dst_v, dst_rows, layout_v)

@@ -12,6 +12,8 @@ swap_in_dequant:  packed (R, P) uint8 rows of `bits`-bit codes (one row = one to
                   D) fp16 ("channel") or (R,) fp16 ("token", one pair per row);
                   dst (S, D) float: dst[dst_rows[i]] = code * scale + zero, the pair of row
                   src_rows[i] (its block blk = src_rows[i] // rows_per_block, and column).
+swap_in_dequant_pair: swap_in_dequant of a layer's K and V (each its own layout) at the same rows
+                  in one launch where both read whole words (4 / 8 bits, D % 8 == 0).
 """
 from __future__ import annotations
 
@@ -137,10 +139,9 @@ def backup_token(k: torch.Tensor, v: torch.Tensor, dst_k: torch.Tensor, dst_v: t
                                                   block_size)
 
 
-def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
-                    layout: str = "block") -> None:
-    """Fused swap-in and dequantization of quantized host rows into dst (S, D) float, in place."""
+def _check_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                   rows_per_block: int, dst: torch.Tensor, layout: str) -> None:
+    """swap_in_dequant's checks of one tensor's rows, pairs and destination."""
     check(bits in SUPPORTED_BITS, f"bits={bits} unsupported; use one of {SUPPORTED_BITS}")
     check(layout in LAYOUTS, f"layout={layout!r} unknown; use one of {LAYOUTS}")
     check(packed.dim() == 2 and packed.dtype == torch.uint8,
@@ -161,15 +162,50 @@ def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     check(ok(scale) and scale.shape == zero.shape and scale.dtype == zero.dtype == PARAM_DTYPES[layout],
           f"scale and zero of layout {layout!r} must be {want} {PARAM_DTYPES[layout]}, got {tuple(scale.shape)} "
           f"{scale.dtype} and {tuple(zero.shape)} {zero.dtype}")
+
+
+def _dequant_on_device(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, src_rows: torch.Tensor,
+                       dst: torch.Tensor, dst_rows: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs: rows and their pairs where the GPU reads them."""
+    gpu_readable = all(t.is_cuda or t.is_pinned() for t in (scale, zero)) or not dst.is_cuda
+    return device_path(packed, dst, src_rows, dst_rows) and gpu_readable
+
+
+def swap_in_dequant(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    rows_per_block: int, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
+                    layout: str = "block") -> None:
+    """Fused swap-in and dequantization of quantized host rows into dst (S, D) float, in place."""
+    _check_dequant(packed, scale, zero, bits, rows_per_block, dst, layout)
     _check_rows(src_rows, dst_rows)
     if src_rows.numel() == 0:
         return
-    gpu_readable = all(t.is_cuda or t.is_pinned() for t in (scale, zero)) or not dst.is_cuda
-    if device_path(packed, dst, src_rows, dst_rows) and gpu_readable:
+    if _dequant_on_device(packed, scale, zero, src_rows, dst, dst_rows):
         kernel_module("_swap_in_triton").swap_in_dequant(packed, scale, zero, bits, rows_per_block,
                                                          src_rows, dst, dst_rows, layout)
         return
     reference_swap_in_dequant(packed, scale, zero, bits, rows_per_block, src_rows, dst, dst_rows, layout)
+
+
+def swap_in_dequant_pair(packed_k: torch.Tensor, scale_k: torch.Tensor, zero_k: torch.Tensor, layout_k: str,
+                         packed_v: torch.Tensor, scale_v: torch.Tensor, zero_v: torch.Tensor, layout_v: str,
+                         bits: int, rows_per_block: int, src_rows: torch.Tensor, dst_k: torch.Tensor,
+                         dst_v: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """:func:`swap_in_dequant` of keys (packed_k, their pairs in layout_k) into dst_k and of values
+    into dst_v at the same rows (a layer of a pool of one bit width), in one launch where Triton
+    runs and both read whole words (4 / 8 bits, D % 8 == 0), else in one call each."""
+    _check_dequant(packed_k, scale_k, zero_k, bits, rows_per_block, dst_k, layout_k)
+    _check_dequant(packed_v, scale_v, zero_v, bits, rows_per_block, dst_v, layout_v)
+    _check_rows(src_rows, dst_rows)
+    if src_rows.numel() == 0:
+        return
+    if (_dequant_on_device(packed_k, scale_k, zero_k, src_rows, dst_k, dst_rows)
+            and _dequant_on_device(packed_v, scale_v, zero_v, src_rows, dst_v, dst_rows)):
+        kernel_module("_quant_triton").dequantize_rows_pair(packed_k, scale_k, zero_k, layout_k, packed_v, scale_v,
+                                                            zero_v, layout_v, bits, rows_per_block, src_rows,
+                                                            dst_k, dst_v, dst_rows)
+        return
+    swap_in_dequant(packed_k, scale_k, zero_k, bits, rows_per_block, src_rows, dst_k, dst_rows, layout_k)
+    swap_in_dequant(packed_v, scale_v, zero_v, bits, rows_per_block, src_rows, dst_v, dst_rows, layout_v)
 
 
 def swap_plan(both: torch.Tensor, miss: torch.Tensor, loaded: torch.Tensor, slots: torch.Tensor,

@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
-from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_pair
+from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_dequant_pair, swap_in_pair
 
 from .host_seal import QuantEvents, seal_many, to_device as _to_device
 from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits
@@ -354,9 +354,10 @@ class HostPool:
         tail_bytes = 2 * D * store["k_tail"].element_size()
         if self.fixed_bits is not None:
             P = packed_width(D, self.fixed_bits)
-            for prefix, dst in (("k", dst_k), ("v", dst_v)):
-                swap_in_dequant(store[f"{prefix}_packed"][:, :P], store[f"{prefix}_scale"], store[f"{prefix}_zero"],
-                                self.fixed_bits, self.block_size, rows, dst, dst_rows, LAYOUT[prefix])
+            # keys and values in one launch: twice the reads in flight over PCIe, one launch less
+            swap_in_dequant_pair(store["k_packed"][:, :P], store["k_scale"], store["k_zero"], LAYOUT["k"],
+                                 store["v_packed"][:, :P], store["v_scale"], store["v_zero"], LAYOUT["v"],
+                                 self.fixed_bits, self.block_size, rows, dst_k, dst_v, dst_rows)
             if not count:
                 return None
             row, tail_bytes = self._uniform_row_bytes(layer)

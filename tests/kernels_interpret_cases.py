@@ -707,6 +707,53 @@ def _swap_pair(dtype: torch.dtype, W: int) -> None:
           else bool((got[0][dst_rows[[1, 7, 33]]] == 7).all()), "a -1 source row wrote its destination")
 
 
+def _swap_dequant_pair(bits: int, layout_k: str = "channel", layout_v: str = "token", d: int = 64) -> None:
+    """swap_in_dequant_pair (a layer's K and V, each in its layout, in one launch) bit-equal to two
+    swap_in_dequant calls: a run of one block's rows and rows of others, -1 rows and a whole
+    program of them (3 programs of 64 rows), keys from a view [:, :P] of wider rows and values
+    into a slice (row strides that differ between K and V), fp32 keys and fp16 values. 4 / 8 bits
+    take the pair kernel (no launch per tensor); 5 bits falls back to one launch each."""
+    from hi_sparse.kernels import _quant_triton
+    from hi_sparse.kernels.swap_in import swap_in_dequant_pair
+    n, t = 3, 8
+    g = torch.Generator().manual_seed(bits)
+    sets = []
+    for layout, wide in ((layout_k, True), (layout_v, False)):
+        packed, scale, zero = K.reference_quantize_blocks(torch.randn(n, t, d, generator=g) * 4 + 1, bits, layout)
+        flat = packed.reshape(n * t, -1)
+        if wide:
+            rows = torch.zeros(n * t, flat.shape[1] + 8, dtype=torch.uint8)
+            rows[:, : flat.shape[1]] = flat
+            flat = rows[:, : flat.shape[1]]
+        if layout == "token":
+            scale, zero = scale.reshape(-1), zero.reshape(-1)
+        sets.append((flat, scale, zero, layout))
+    src_rows = torch.tensor([-1] * 64 + [9, 10, 11, 12, 23, -1, 0, 16] + [-1] * 60 + [5, -1, 17, 2])
+    dst_rows = torch.randperm(140, generator=g)[: len(src_rows)]
+    got = [torch.full((140, d), float("nan")), torch.full((140, d + 8), float("nan"), dtype=torch.float16)[:, 4:d + 4]]
+    want = [x.clone() for x in got]
+    launches = []
+    launch_rows = _quant_triton._launch_rows
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs["layout"])
+        return launch_rows(*args, **kwargs)
+
+    _quant_triton._launch_rows = counted
+    try:
+        swap_in_dequant_pair(*sets[0], *sets[1], bits, t, src_rows, got[0], got[1], dst_rows)
+    finally:
+        _quant_triton._launch_rows = launch_rows
+    _need(len(launches) == (0 if bits in (4, 8) else 2), f"launches per tensor: {launches}")
+    for (flat, scale, zero, layout), dst in zip(sets, want):
+        K.swap_in_dequant(flat, scale, zero, bits, t, src_rows, dst, dst_rows, layout)
+    for name, a, b in zip("kv", got, want):
+        _need(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"dst_{name} differs")
+    present = int((src_rows >= 0).sum())
+    counts = [(int((~x.isnan()).all(1).sum()), int(x.isnan().all(1).sum())) for x in got]
+    _need(counts == [(present, 140 - present)] * 2, f"(rows written, rows left) of K and V: {counts}")
+
+
 def _backup_token(bits: int | None) -> None:
     """HostPool.backup of a decode token (B=2 sequences at different positions, one the first of its
     block, then the last ones of their blocks, then one in a hole of its table) in one launch
@@ -985,6 +1032,10 @@ CASES: dict[str, Callable[[], None]] = {
     "swap_in_pair-fp16-w16": lambda: _swap_pair(torch.float16, 16),
     "swap_in_pair-uint8-w7": lambda: _swap_pair(torch.uint8, 7),
     "swap_in_pair-uint8-w34": lambda: _swap_pair(torch.uint8, 34),
+    # K (channel) and V (token) pairs of a 4 / 8-bit pool in one launch; block pairs; 5 bits: two launches
+    **{f"swap_in_dequant_pair-{b}bit": (lambda b=b: _swap_dequant_pair(b)) for b in (4, 8)},
+    "swap_in_dequant_pair-8bit-token-block": lambda: _swap_dequant_pair(8, "token", "block"),
+    "swap_in_dequant_pair-5bit-two-launches": lambda: _swap_dequant_pair(5),
     "backup_token-unquantized": lambda: _backup_token(None),
     "backup_token-4bit": lambda: _backup_token(4),
     # RMSNorm (kernels/norm.py): rows packed several to a program (a ragged last one), a wide row

@@ -320,6 +320,33 @@ def test_swap_in_dequant_in_a_layout_equals_dequantize_blocks(layout):
         swap_in_dequant(packed.reshape(n * t, -1), scale[:1], zero[:1], 4, t, rows, dst, rows, layout)
 
 
+def test_swap_in_dequant_pair_equals_two_swap_ins_and_checks_both():
+    """Keys (channel pairs) and values (token pairs) at the same rows, -1 included, as two
+    swap_in_dequant calls; a bad argument of either set is rejected."""
+    from hi_sparse.kernels.swap_in import swap_in_dequant_pair
+    torch.manual_seed(7)
+    n, t, d = 3, 8, 64
+    sets = []
+    for layout in ("channel", "token"):
+        packed, scale, zero = quantize_blocks(torch.randn(n, t, d), 4, layout)
+        if layout == "token":                                              # one pair per row
+            scale, zero = scale.reshape(-1), zero.reshape(-1)
+        sets.append((packed.reshape(n * t, -1), scale, zero, layout))
+    rows, dst_rows = torch.tensor([23, -1, 0, 9, 16]), torch.tensor([4, 3, 0, 1, 2])
+    got = [torch.full((6, d), float("nan")) for _ in range(2)]
+    want = [x.clone() for x in got]
+    swap_in_dequant_pair(*sets[0], *sets[1], 4, t, rows, got[0], got[1], dst_rows)
+    for (packed, scale, zero, layout), dst in zip(sets, want):
+        swap_in_dequant(packed, scale, zero, 4, t, rows, dst, dst_rows, layout)
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(got, want))
+    assert bool(got[1][[3, 5]].isnan().all())
+    k, (pv, sv, zv, lv) = sets
+    with pytest.raises(ValueError, match="scale and zero of layout 'token' must be"):
+        swap_in_dequant_pair(*k, pv, sv[:1], zv[:1], lv, 4, t, rows, got[0], got[1], dst_rows)
+    with pytest.raises(ValueError, match="bits=3 unsupported"):
+        swap_in_dequant_pair(*k, *sets[1], 3, t, rows, got[0], got[1], dst_rows)
+
+
 def test_swap_in_rejects_bad_input():
     with pytest.raises(ValueError, match="row widths differ"):
         swap_in(torch.randn(3, 4), torch.tensor([0]), torch.randn(3, 5), torch.tensor([0]))
