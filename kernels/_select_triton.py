@@ -21,7 +21,7 @@ def _assemble_kernel(
     s_top, s_s, s_n, s_first, s_anc, s_both, s_blocks,
     window, top_k, bs, sinks, A, take, w_keep, w_pf, sb, NBS,
     BW: tl.constexpr, BA: tl.constexpr, CA: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
-    BG: tl.constexpr, BB: tl.constexpr,
+    BG: tl.constexpr, BB: tl.constexpr, HAS_S: tl.constexpr,
 ):
     # A few programs a launch (one per row): latency bound. So every input is read up front (the
     # loads overlap, no loop of loads), the window's and the sinks' tokens are counted per block
@@ -41,7 +41,10 @@ def _assemble_kernel(
     w0 = n - window
     rest = first + sinks
     pos = blk * bs + o_q % bs
-    score = tl.load(p_s + r * s_s + blk, mask=m_q, other=float("-inf"))
+    if HAS_S:
+        score = tl.load(p_s + r * s_s + blk, mask=m_q, other=float("-inf"))
+    else:        # a listed ranking's top: -1 where a rank holds no candidate
+        score = tl.where(m_q & (blk >= 0), 0.0, float("-inf"))
     # the positions that are none of the kept anchors (pos >= 0 never matches the -1 of the
     # others): a (CA, BQ) tile at a time, each thread holding every anchor of it (the reduction
     # over them stays within the thread, pos keeps its layout)
@@ -105,12 +108,12 @@ def _assemble_kernel(
     tl.store(p_loaded + r, tl.sum(loaded, 0))
 
 
-def assemble(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, anchors: torch.Tensor,
-             window: int, top_k: int, bs: int, sinks: int, w_keep: int, w_pf: int, sb: int,
+def assemble(top: torch.Tensor, s: torch.Tensor | None, n_tokens: torch.Tensor, first: torch.Tensor,
+             anchors: torch.Tensor, window: int, top_k: int, bs: int, sinks: int, w_keep: int, w_pf: int, sb: int,
              n_store_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     R, take = top.shape
     A = anchors.shape[1]
-    for t in (top, s, anchors):
+    for t in (top, anchors) if s is None else (top, s, anchors):
         if t.shape[1] and t.stride(1) != 1:
             raise ValueError("top, scores and anchors need contiguous rows")
     both = torch.empty(R, window + A + w_keep + w_pf, dtype=torch.int64, device=top.device)
@@ -119,15 +122,16 @@ def assemble(top: torch.Tensor, s: torch.Tensor, n_tokens: torch.Tensor, first: 
     loaded = torch.empty(R, dtype=torch.int64, device=top.device)
     BA, BQ = next_pow2(A), next_pow2(take * bs)
     _assemble_kernel[(R,)](
-        top, s, n_tokens, first, anchors, both, blocks, loaded,
-        top.stride(0), s.stride(0), n_tokens.stride(0), first.stride(0), anchors.stride(0), both.stride(0),
+        top, top if s is None else s, n_tokens, first, anchors, both, blocks, loaded,
+        top.stride(0), 0 if s is None else s.stride(0), n_tokens.stride(0), first.stride(0), anchors.stride(0),
+        both.stride(0),
         blocks.stride(0),
         window, top_k, bs, sinks, A, take, w_keep, w_pf, sb, n_store_blocks,
         # the anchor test's (CA, BQ) tiles of at most 16K elements; groups of lanes of the largest
         # power of 2 dividing bs
         BW=next_pow2(window), BA=BA, CA=max(1, min(BA, 16384 // BQ)), BS=next_pow2(sinks),
         BP=next_pow2(w_keep + w_pf), BQ=BQ, BG=min(bs & -bs, BQ), BB=min(next_pow2(n_store_blocks), 4096),
-        num_warps=8,
+        HAS_S=s is not None, num_warps=8,
     )
     return both, blocks, loaded
 
@@ -181,29 +185,41 @@ def _merge_rows(v, desc, M: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
 
 @triton.jit
 def _rank_kernel(p_scores, p_n, p_first, p_s, p_top, NB, s_sc, s_n, s_first, s_s, s_top, window, bs, take,
-                 MASKED: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, LOG_C: tl.constexpr,
+                 p_blocks, s_blk, MODE: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, LOG_C: tl.constexpr,
                  LOG_W: tl.constexpr):
-    """Row r's ``take`` (<= W) best columns, best first, ties to the lower column, NaN last;
-    MASKED: of the candidate scores (_candidate_row, stored to p_s), else of the scores as they are.
+    """Row r's ``take`` (<= W) best columns, best first, ties to the lower column, NaN last. MODE
+    0: of the scores as they are; 1: of the candidate scores (_candidate_row, stored to p_s); 2:
+    of a list of NB blocks per row (p_blocks, -1 for none) and their scores, the candidates among
+    them: the best blocks' numbers, ties to the lower block, -1 where a rank holds no candidate.
 
     Each score becomes an int64 whose order is the ranking: the fp32 bits made order-preserving as
     an int32 (negative floats' low 31 bits flipped; NaN the lowest, -0 as +0) in the high word,
-    BLOCK - 1 - column in the low word (the lower column wins a tie). The row's C = BLOCK / W
-    chunks are sorted (ascending in odd chunks: ~ reverses the int64 order), then halved LOG_C
-    times: the elementwise max of a descending and an ascending chunk holds their best W, as a
-    bitonic sequence, which a merge sorts (alternately, then descending at the last)."""
+    ID - 1 - id in the low word (id: the column, or in MODE 2 the block; the lower one wins a
+    tie). The row's C = BLOCK / W chunks are sorted (ascending in odd chunks: ~ reverses the int64
+    order), then halved LOG_C times: the elementwise max of a descending and an ascending chunk
+    holds their best W, as a bitonic sequence, which a merge sorts (alternately, then descending
+    at the last)."""
     r = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     m = o < NB
-    if MASKED:
+    if MODE == 1:
         x = _candidate_row(p_scores, p_n, p_first, r, o, m, s_sc, s_n, s_first, window, bs)
         tl.store(p_s + r * s_s + o, x, mask=m)
+    elif MODE == 2:
+        ids = tl.load(p_blocks + r * s_blk + o, mask=m, other=-1)
+        w0 = tl.load(p_n + r * s_n) - window
+        b0 = ids * bs
+        cand = (ids >= 0) & (b0 < w0) & (b0 + bs > tl.load(p_first + r * s_first))
+        x = tl.where(cand, tl.load(p_scores + r * s_sc + o, mask=m & cand, other=0).to(tl.float32), float("-inf"))
     else:
         x = tl.load(p_scores + r * s_sc + o, mask=m, other=0).to(tl.float32)
+    if MODE != 2:
+        ids = o.to(tl.int64)
+    ID: tl.constexpr = BLOCK if MODE != 2 else 2147483647     # a listed block is < 2**31 - 1: -1 fits too
     bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where((x != x) | ~m, -2147483648, key)          # NaN, then the padding, below -inf
-    packed = (key.to(tl.int64) << 32) | (BLOCK - 1 - o).to(tl.int64)
+    packed = (key.to(tl.int64) << 32) | (ID - 1 - ids)
     v = tl.reshape(packed, [BLOCK // W, W])
     odd = (tl.arange(0, BLOCK // W) % 2 == 1)[:, None]
     u = tl.sort(tl.where(odd, ~v, v), dim=1, descending=True)
@@ -213,16 +229,21 @@ def _rank_kernel(p_scores, p_n, p_first, p_s, p_top, NB, s_sc, s_n, s_first, s_s
         v = _merge_rows(half, (tl.arange(0, BLOCK // W // (2 << i)) % 2 == 0)[:, None], BLOCK // W // (2 << i), W,
                         LOG_W)
     ow = tl.arange(0, W)
-    col = (BLOCK - 1) - tl.reshape(v, [W]).to(tl.int32)       # the low word (< BLOCK: no sign)
-    tl.store(p_top + r * s_top + ow, col.to(tl.int64), mask=ow < take)
+    best = tl.reshape(v, [W])
+    col = (ID - 1) - best.to(tl.int32).to(tl.int64)          # the low word (< 2**31: no sign)
+    if MODE == 2:        # the key of -inf: -inf's bits (0xFF800000) ^ 0x7FFFFFFF, as an int32
+        col = tl.where((best >> 32) > -2139095041, col, -1)
+    tl.store(p_top + r * s_top + ow, col, mask=ow < take)
 
 
 def _rank(scores: torch.Tensor, take: int, s: torch.Tensor | None, n_tokens: torch.Tensor, first: torch.Tensor,
-          window: int, block_size: int, chunk: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """top (R, take) of scores (R, NB); with s, of the candidate scores, written to s (R, NB)
-    (n_tokens, first, window and block_size are read only then). chunk, num_warps: the launch's
-    (default: chunks of next_pow2(take), at least 16; the warps fastest on an H200 at take 48 and
-    4, R 8 and 192: 8 from 2048 blocks, bench_rank.py)."""
+          window: int, block_size: int, chunk: int | None = None, num_warps: int | None = None,
+          blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """top (R, take) of scores (R, NB); with s, of the candidate scores, written to s (R, NB); with
+    blocks (R, NB), of the candidates among those listed blocks (their numbers, -1 for none)
+    (n_tokens, first, window and block_size are read only with s or blocks). chunk, num_warps: the
+    launch's (default: chunks of next_pow2(take), at least 16; the warps fastest on an H200 at
+    take 48 and 4, R 8 and 192: 8 from 2048 blocks, bench_rank.py)."""
     R, NB = scores.shape
     if NB > RANK_MAX or not 0 <= take <= NB:
         raise ValueError(f"the ranking sorts rows of 0..{RANK_MAX} blocks for 0..NB of them, got NB={NB}, "
@@ -237,9 +258,12 @@ def _rank(scores: torch.Tensor, take: int, s: torch.Tensor | None, n_tokens: tor
     W = min(chunk or max(next_pow2(take), 16), BLOCK)
     if W < take or W & (W - 1):
         raise ValueError(f"chunks of {W} blocks: a power of 2 of at least take={take} (or the whole row)")
+    if blocks is not None and blocks.stride(1) != 1:
+        blocks = blocks.contiguous()
     _rank_kernel[(R,)](scores, n_tokens, first, out, top, NB, scores.stride(0), n_tokens.stride(0), first.stride(0),
-                       out.stride(0), top.stride(0), window, block_size, take, MASKED=s is not None, BLOCK=BLOCK,
-                       W=W, LOG_C=(BLOCK // W).bit_length() - 1, LOG_W=W.bit_length() - 1,
+                       out.stride(0), top.stride(0), window, block_size, take, top if blocks is None else blocks,
+                       0 if blocks is None else blocks.stride(0), MODE=2 if blocks is not None else int(s is not None),
+                       BLOCK=BLOCK, W=W, LOG_C=(BLOCK // W).bit_length() - 1, LOG_W=W.bit_length() - 1,
                        num_warps=num_warps or (2 if BLOCK <= 256 else 4 if BLOCK <= 1024 else 8))
     return top
 
@@ -248,6 +272,11 @@ def ranked_candidates(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch
                       block_size: int, take: int) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
     return s, _rank(scores, take, s, n_tokens, first, window, block_size)
+
+
+def ranked_listed(blocks: torch.Tensor, scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor,
+                  window: int, block_size: int, take: int) -> torch.Tensor:
+    return _rank(scores, take, None, n_tokens, first, window, block_size, blocks=blocks)
 
 
 def row_topk(scores: torch.Tensor, take: int) -> torch.Tensor:

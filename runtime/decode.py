@@ -177,13 +177,16 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     n, n_head = batch.starts(layer, ATTEND), batch.head_starts(layer, ATTEND)          # (B,), (B*H, 1)
     window_block = batch.window_blocks(layer)      # the first selection block of each window (B,)
     row_blocks = torch.div(n + ps - 1, ps, rounding_mode="floor")[:, None] if mixed_levels else None
+    # with the decode kernels at long context: two-level scoring's listed blocks, ranked as they
+    # are (not scattered over every block and ranked there)
     scores = bound_scores(q.view(B, H, shape.group_size, D), bank["kmin"][r, :, :nb], bank["kmax"][r, :, :nb],
                           bank["smin"][r], bank["smax"][r], cfg.bound_group, n_super, window_block[:, None],
-                          row_blocks)
-    sel = select(scores.reshape(B * H, nb), n_head, batch.first_of_head, cfg.window_size, cfg.top_k, ps,
-                 bank["anchors"][r].reshape(B * H, -1),
+                          row_blocks, listed=cfg.decode_kernels and not holes)
+    flat = [t.reshape(B * H, t.shape[-1]) for t in (scores if isinstance(scores, tuple) else (scores,))]
+    sel = select((flat[0], flat[1]) if isinstance(scores, tuple) else flat[0], n_head,
+                 batch.first_of_head, cfg.window_size, cfg.top_k, ps, bank["anchors"][r].reshape(B * H, -1),
                  bank["holes"][r, :ns].repeat_interleave(H, 0) if holes else None, cfg.prefetch_units,
-                 n_cand, cfg.sink_tokens, store_block=bs, kernels=cfg.decode_kernels)
+                 n_cand, cfg.sink_tokens, store_block=bs, kernels=cfg.decode_kernels, nb=nb)
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[ATTEND, layer]
     slots, miss, counts = state.lookup(sel.tokens, clock, sel.prefetch.shape[1])   # counts: (B*H, 3)

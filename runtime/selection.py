@@ -30,12 +30,12 @@ import torch
 
 from hi_sparse.kernels import block_scores, two_level_candidates, two_level_pays
 from hi_sparse.kernels._dispatch import use_triton
-from hi_sparse.kernels.select import RANK_MAX, assemble_selection, candidate_scores, ranked_candidates
+from hi_sparse.kernels.select import RANK_MAX, assemble_selection, candidate_scores, ranked_candidates, ranked_listed
 
 
 def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor,
-                 group: int, n_super: int, limit: int | torch.Tensor,
-                 row_blocks: torch.Tensor | None = None) -> torch.Tensor:
+                 group: int, n_super: int, limit: int | torch.Tensor, row_blocks: torch.Tensor | None = None,
+                 listed: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Quest upper bounds (..., Hkv, NB) of the blocks for q (..., Hkv, G, D) against key bounds
     kmin / kmax (..., Hkv, NB, D). When two-level scoring pays (long context) only the blocks of
     the best super-blocks (smin / smax (..., Hkv, >= NS, D)) before block ``limit`` (an int, or a
@@ -46,6 +46,9 @@ def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: 
     row_blocks: for a batch whose shorter sequences hold too few blocks for two-level scoring to
     pay on their own, each sequence's block count (broadcastable to (..., Hkv)); those rows are
     scored one-level, as they would be alone (the whole batch's bounds are read then).
+
+    listed: where two-level scoring applies to every row, return its candidates as they are,
+    (blocks (..., Hkv, M), -1 for none, and their scores), for :func:`select` to rank.
     """
     nb = kmin.shape[-2]
     if not two_level_pays(nb, group, n_super):
@@ -53,9 +56,9 @@ def bound_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: 
     ns = -(-nb // group)
     blocks, sc = two_level_candidates(q, kmin, kmax, smin[..., :ns, :], smax[..., :ns, :], group, n_super,
                                       limit=limit)
-    # column 0 collects the -1 padding of the candidate list and is cut off
-    full = torch.full((*sc.shape[:-1], nb + 1), float("-inf"), device=sc.device)
-    two = full.scatter_(-1, blocks + 1, sc)[..., 1:]
+    if listed and row_blocks is None:
+        return blocks, sc
+    two = _scatter(blocks.reshape(-1, blocks.shape[-1]), sc.reshape(-1, sc.shape[-1]), nb).view(*sc.shape[:-1], nb)
     if row_blocks is None:
         return two
     pays = two_level_pays(row_blocks, group, n_super)                      # the same rule, per row
@@ -87,13 +90,17 @@ def candidate_blocks(nb: int, w0: int, first_lo: int, bs: int) -> int:
     return max(0, min(nb, -(-w0 // bs)) - first_lo // bs)
 
 
-def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, window: int, top_k: int,
-           block_size: int, anchors: torch.Tensor, holes: torch.Tensor | None, prefetch_blocks: int,
-           n_cand: int, sinks: int = 0, store_block: int | None = None, kernels: bool = False) -> Selection:
+def select(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], n_tokens: torch.Tensor, first: torch.Tensor,
+           window: int, top_k: int, block_size: int, anchors: torch.Tensor, holes: torch.Tensor | None,
+           prefetch_blocks: int, n_cand: int, sinks: int = 0, store_block: int | None = None, kernels: bool = False,
+           nb: int | None = None) -> Selection:
     """Select tokens for each row (a KV head of a sequence).
 
     scores: (R, NB) upper bounds of selection blocks of ``block_size`` tokens (NaN allowed past a
-    row's tokens); n_tokens, first: (R, 1) int64 device tensors, the row's token count and first
+    row's tokens), or listed blocks (blocks (R, M) int64, -1 for none, unique per row; their
+    bounds (R, M)) with ``nb`` the row width NB, every block not listed scoring -inf (what
+    bound_scores(listed=True) gives at long context: ranked as they are, not over NB);
+    n_tokens, first: (R, 1) int64 device tensors, the row's token count and first
     visible position; anchors: (R, A) positions, -1 padded; holes: (R, NS) bool per storage block
     of ``store_block`` tokens (a multiple of block_size; default equal), or None; block_hits and
     loaded count storage blocks too; n_cand: a host upper bound on the candidate blocks of every
@@ -103,11 +110,29 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     RANK_MAX blocks a row) and assembled in another (kernels/select.py; this function's torch code
     is their reference).
     """
-    nb, bs, sb, device = scores.shape[1], block_size, store_block or block_size, scores.device
+    listed = scores if isinstance(scores, tuple) else None
+    if listed is not None:
+        if nb is None:
+            raise ValueError("select of listed blocks needs nb, the number of blocks of a row")
+        if not (kernels and holes is None and use_triton(listed[1]) and listed[0].shape[1] <= RANK_MAX):
+            scores = _scatter(*listed, nb)              # the path below ranks every block
+            listed = None
+    if listed is None:
+        nb = scores.shape[1]
+    assert nb is not None
+    bs, sb, device = block_size, store_block or block_size, n_tokens.device
     w_keep, w_pf = top_k - window, prefetch_blocks * bs
     # enough ranked blocks for the largest budget (top_k - window bounds it on the host: no sync),
     # anchors that may overlap them, a partial first block and the prefetch
     take = min(n_cand, -(-(w_keep + anchors.shape[1]) // bs) + 2 + prefetch_blocks)
+    if listed is not None and take > listed[0].shape[1]:
+        scores, listed = _scatter(*listed, nb), None
+    if listed is not None:        # the candidates among the listed blocks, ranked in one launch
+        top = ranked_listed(*listed, n_tokens, first, window, bs, take)
+        both, per_block, loaded = assemble_selection(top, None, n_tokens, first, anchors, window, top_k, bs, sinks,
+                                                     w_keep, w_pf, sb, -(-nb * bs // sb))
+        K = both.shape[1] - w_pf
+        return Selection(both[:, :K], both[:, K:], per_block, loaded, both)
     if kernels and holes is None and use_triton(scores):
         if nb <= RANK_MAX:                                                      # the mask below and its ranking
             s, top = ranked_candidates(scores, n_tokens, first, window, bs, take)
@@ -122,6 +147,12 @@ def select(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, wi
     blk0 = torch.arange(nb, device=device) * bs                                 # each block's first token
     cand_blk = (blk0 < w0) & (blk0 + bs > first)                                # (R, NB)
     return _assemble(scores, n_tokens, first, w0, cand_blk, window, top_k, bs, sb, anchors, holes, sinks, w_pf, take)
+
+
+def _scatter(blocks: torch.Tensor, sc: torch.Tensor, nb: int) -> torch.Tensor:
+    """Listed blocks' scores over every block of a row (R, nb), -inf where none is listed."""
+    full = torch.full((blocks.shape[0], nb + 1), float("-inf"), device=sc.device)
+    return full.scatter_(-1, blocks + 1, sc.float())[:, 1:]     # column 0 takes the -1 padding
 
 
 def _assemble(scores: torch.Tensor, n_tokens: torch.Tensor, first: torch.Tensor, w0: torch.Tensor,

@@ -460,20 +460,21 @@ def _prefetch_room() -> None:
           "the kernel's stamps or slots differ from the torch path's")
 
 
-def _engine_decode_kernels(bits: int | None = None) -> None:
+def _engine_decode_kernels(bits: int | None = None, T: int = 200, group: int = 16) -> None:
     """Decode steps of an engine with decode_kernels (the selection's assembly and the hot buffer's
     lookup, prefetch and install as Triton kernels) leave the same LRU state, hit counts and
-    outputs as one on the torch reference."""
+    outputs as one on the torch reference. T 800 and group 2: two-level scoring applies (48
+    blocks and more), and its listed blocks are ranked as they are (selection.select)."""
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
     from hi_sparse.metrics import DEVICE_COUNTERS
     from hi_sparse.workloads import run_decode, run_prefill
 
-    base = dict(max_seq_len=512, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
-                audit_every=0, telemetry=False, recalibrate_every=1 << 20, host_kv_bits=bits)
+    base = dict(max_seq_len=1024, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
+                audit_every=0, telemetry=False, recalibrate_every=1 << 20, host_kv_bits=bits, bound_group=group)
     g = torch.Generator().manual_seed(3)
-    k, v, q = torch.randn(1, 2, 200, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g), torch.randn(
-        1, 4, 200, 16, generator=g)
+    k, v, q = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g), torch.randn(
+        1, 4, T, 16, generator=g)
     steps = [(torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g),
               torch.randn(1, 2, 1, 16, generator=g)) for _ in range(10)]   # crosses a block at 208
     results = []
@@ -626,6 +627,49 @@ def _rank_candidates(nb: int, take: int, ties: bool, seed: int) -> None:
           f"against {ref[(top != ref).any(1)][:2].tolist()}")
     _need(bool((vals[2] == float("-inf")).any()) and bool((vals[0] == float("-inf")).all()),
           "the case has no row with fewer candidates than take")
+
+
+def _rank_listed(nb: int, M: int, take: int, ties: bool, seed: int) -> None:
+    """ranked_listed (the candidates among listed blocks, two-level scoring's, ranked as they are)
+    against ranked_candidates of the same scores scattered over every block: the same blocks in
+    the same order, -1 where that ranking reaches blocks of score -inf (or NaN). Blocks listed in
+    random order with -1 padding, NaN past a row's tokens, rows with fewer candidates than take,
+    none; ties: scores of a few values, -0 and +0 among them. Then select over the listed blocks
+    (kernels) against select over the scattered scores (its torch path; with ties its kernels):
+    every field equal."""
+    from hi_sparse.kernels.select import ranked_candidates, ranked_listed
+    from hi_sparse.selection import candidate_blocks, select
+    g = torch.Generator().manual_seed(seed)
+    R, bs, window = 6, 8, 16
+    n = torch.randint(window + bs, nb * bs + 1, (R, 1), generator=g)
+    n[0], n[1] = 10, window + (take // 2) * bs + 3                          # none; fewer than take
+    n[2] = nb * bs
+    first = torch.randint(0, 3 * bs, (R, 1), generator=g)
+    blocks = torch.stack([torch.randperm(nb, generator=g)[:M] for _ in range(R)])
+    blocks[:, -3:] = -1                                                     # padding of the list
+    blocks[3, 5:9] = -1
+    sc = torch.randn(R, M, generator=g)
+    if ties:
+        sc = torch.randint(-2, 3, (R, M), generator=g).float()
+        sc[sc == 0] = torch.tensor([0.0, -0.0])[torch.randint(0, 2, (int((sc == 0).sum()),), generator=g)]
+    sc[blocks * bs >= n] = float("nan")
+    sc[blocks < 0] = float("-inf")
+    full = torch.full((R, nb + 1), float("-inf")).scatter_(1, blocks + 1, sc)[:, 1:]
+    top = ranked_listed(blocks, sc, n, first, window, bs, take)
+    s, want = ranked_candidates(full, n, first, window, bs, take)
+    want = torch.where(s.gather(1, want) > float("-inf"), want, -1)
+    _need(torch.equal(top, want), f"top {top[(top != want).any(1)][:2].tolist()} against "
+          f"{want[(top != want).any(1)][:2].tolist()}")
+    _need(bool((want[0] == -1).all()) and bool((want[1] == -1).any()), "the case lacks a row of too few candidates")
+    anc = torch.randint(-1, nb * bs, (R, 5), generator=g)
+    n_cand = candidate_blocks(nb, int(n.max()) - window, int(first.min()), bs)
+    kw = dict(sinks=2, store_block=2 * bs)
+    # ties: against the kernels over every block (torch's topk orders ties as it likes)
+    ref = select(full, n, first, window, 72, bs, anc, None, 1, n_cand, kernels=ties, **kw)
+    got = select((blocks, sc), n, first, window, 72, bs, anc, None, 1, n_cand, kernels=True, nb=nb, **kw)
+    for name in ("tokens", "prefetch", "block_hits", "loaded", "both"):
+        a, b = getattr(got, name), getattr(ref, name)
+        _need(a.shape == b.shape and torch.equal(a, b), f"select: {name} differs")
 
 
 def _row_topk(nb: int, dtype: torch.dtype) -> None:
@@ -994,6 +1038,8 @@ CASES: dict[str, Callable[[], None]] = {
     "block_scores-listed-d60": _scores_listed,
     "two_level_candidates-d60": _two_level,
     "two_level_candidates-per-row-limit": _two_level_per_row,
+    "ranked_listed-nb300-m64-take12": lambda: _rank_listed(300, 64, 12, False, 1),
+    "ranked_listed-nb90-m40-take9-ties": lambda: _rank_listed(90, 40, 9, True, 2),
     **{f"install_slots-{'masked' if m else 'all'}-{'flag' if f else 'noflag'}-{'bcast' if b else 'rows'}":
        (lambda m=m, f=f, b=b: _install(m, f, b)) for m in (False, True) for f in (False, True) for b in (False, True)},
     "install_slots-hot-buffer-oracle": _hot_buffer_oracle,
@@ -1009,6 +1055,7 @@ CASES: dict[str, Callable[[], None]] = {
     "tally-no-tail-one-program": lambda: _tally(False, 3, 5, 40),
     "decode-kernels-in-an-engine": _engine_decode_kernels,
     "decode-kernels-in-an-engine-int4": lambda: _engine_decode_kernels(4),
+    "decode-kernels-in-an-engine-two-level": lambda: _engine_decode_kernels(4, T=800, group=2),
     "select-assembly-sinks4-prefetch1-anchors6": lambda: _select(4, 1, 1, 6, 0),
     "select-assembly-nosinks-noprefetch-noanchors": lambda: _select(0, 1, 0, 0, 1),
     "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
