@@ -107,26 +107,23 @@ def select(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], n_tokens: t
     row (:func:`candidate_blocks`); sinks: the first visible tokens always kept (<= top_k - window,
     the first columns of the ranked part). No host sync: widths come from the budget, not the data.
     ``kernels``: on CUDA, rows without holes are masked and ranked in one Triton launch (up to
-    RANK_MAX blocks a row) and assembled in another (kernels/select.py; this function's torch code
-    is their reference).
+    RANK_MAX blocks a row), listed blocks ranked as they are, and assembled in another launch
+    (kernels/select.py; this function's torch code is their reference).
     """
-    listed = scores if isinstance(scores, tuple) else None
-    if listed is not None:
-        if nb is None:
-            raise ValueError("select of listed blocks needs nb, the number of blocks of a row")
-        if not (kernels and holes is None and use_triton(listed[1]) and listed[0].shape[1] <= RANK_MAX):
-            scores = _scatter(*listed, nb)              # the path below ranks every block
-            listed = None
-    if listed is None:
-        nb = scores.shape[1]
-    assert nb is not None
     bs, sb, device = block_size, store_block or block_size, n_tokens.device
     w_keep, w_pf = top_k - window, prefetch_blocks * bs
     # enough ranked blocks for the largest budget (top_k - window bounds it on the host: no sync),
     # anchors that may overlap them, a partial first block and the prefetch
     take = min(n_cand, -(-(w_keep + anchors.shape[1]) // bs) + 2 + prefetch_blocks)
-    if listed is not None and take > listed[0].shape[1]:
-        scores, listed = _scatter(*listed, nb), None
+    listed = scores if isinstance(scores, tuple) else None
+    if listed is not None:
+        if nb is None:
+            raise ValueError("select of listed blocks needs nb, the number of blocks of a row")
+        if not (kernels and holes is None and use_triton(listed[1]) and take <= listed[0].shape[1] <= RANK_MAX):
+            scores, listed = _scatter(*listed, nb), None            # the paths below rank every block
+    if listed is None:
+        nb = scores.shape[1]
+    assert nb is not None
     if listed is not None:        # the candidates among the listed blocks, ranked in one launch
         top = ranked_listed(*listed, n_tokens, first, window, bs, take)
         both, per_block, loaded = assemble_selection(top, None, n_tokens, first, anchors, window, top_k, bs, sinks,
