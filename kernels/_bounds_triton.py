@@ -36,7 +36,8 @@ def _bounds_kernel(
 
 @triton.jit
 def _scores_kernel(
-    p_q, p_kmin, p_kmax, p_idx, p_blocks, p_out, NB, M, NSUP, D, LIMIT, p_limit, s_lim_o, s_lim_h, HKV, LIMIT_DIV,
+    p_q, p_kmin, p_kmax, p_idx, p_blocks, p_out, M, NSUP, D, LIMIT, p_limit, s_lim_o, s_lim_h, HKV, LIMIT_DIV,
+    s_lo_r, s_lo_n, s_hi_r, s_hi_n,
     G: tl.constexpr, MODE: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
     ROW_LIMIT: tl.constexpr,
 ):
@@ -62,9 +63,10 @@ def _scores_kernel(
         o_blk = o_nb.to(tl.int64)
     m_nb = m_out & (o_blk >= 0) & (o_blk < LIMIT)
     m = m_nb[:, None] & (o_d < D)[None, :]
-    o_kv = (i_bh * NB + o_blk)[:, None] * D + o_d[None, :]
-    b_lo = tl.load(p_kmin + o_kv, mask=m, other=0.0).to(tl.float32)
-    b_hi = tl.load(p_kmax + o_kv, mask=m, other=0.0).to(tl.float32)
+    # the bounds through their strides (row, block; D contiguous): a bank's bounds sliced to the
+    # blocks in use are read in place (a copy to contiguous rows cost a launch per tensor per step)
+    b_lo = tl.load(p_kmin + i_bh * s_lo_r + o_blk[:, None] * s_lo_n + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_hi = tl.load(p_kmax + i_bh * s_hi_r + o_blk[:, None] * s_hi_n + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
     for g in tl.static_range(G):
         b_q = tl.load(p_q + (i_bh * G + g) * D + o_d, mask=o_d < D, other=0.0).to(tl.float32)
@@ -91,6 +93,16 @@ def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor
     return kmin, kmax
 
 
+def _rows_of_blocks(t: torch.Tensor, nb: int, d: int) -> torch.Tensor:
+    """(..., NB, D) bounds as (rows, NB, D), a view where the strides allow (D contiguous; a bank's
+    bounds sliced to the blocks in use are), else a contiguous copy."""
+    try:
+        v = t.view(-1, nb, d)
+    except RuntimeError:
+        v = t.reshape(-1, nb, d)
+    return v if v.stride(2) == 1 else v.contiguous()
+
+
 def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torch.Tensor | None = None,
            limit: int | torch.Tensor | None = None, super_idx: torch.Tensor | None = None, group: int = 1,
            limit_div: int = 1, block_values: int = 4096, num_warps: int = 4):
@@ -104,8 +116,7 @@ def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torc
     g, d = q.shape[-2:]
     nb = kmin.shape[-2]
     qf = q.reshape(-1, g, d).contiguous()
-    lo = kmin.reshape(-1, nb, d).contiguous()
-    hi = kmax.reshape(-1, nb, d).contiguous()
+    lo, hi = (_rows_of_blocks(t, nb, d) for t in (kmin, kmax))
     mode, nsup, idx = 0, 1, None
     if super_idx is not None:
         mode, nsup = 2, super_idx.shape[-1]
@@ -129,7 +140,8 @@ def scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, blocks: torc
         BLOCK_D = next_pow2(d)
         BLOCK_NB = max(16, min(256, block_values // BLOCK_D))
         _scores_kernel[(qf.shape[0], triton.cdiv(m, BLOCK_NB))](
-            qf, lo, hi, out if idx is None else idx, blk, out, nb, m, nsup, d, host_limit, *lim_args,
+            qf, lo, hi, out if idx is None else idx, blk, out, m, nsup, d, host_limit, *lim_args,
+            lo.stride(0), lo.stride(1), hi.stride(0), hi.stride(1),
             G=g, MODE=mode, GROUP=group, BLOCK_NB=BLOCK_NB, BLOCK_D=BLOCK_D, ROW_LIMIT=row_limit,
             num_warps=num_warps)
     return (blk, out) if mode == 2 else out

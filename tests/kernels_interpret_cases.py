@@ -285,6 +285,27 @@ def _two_level_per_row() -> None:
                 _need(b < 0 and x == float("-inf") or abs(x - y) <= 1e-4 * max(1.0, abs(y)), f"row {r}: scores")
 
 
+def _strided_bounds() -> None:
+    """Bounds sliced out of wider ones (a bank's, holding more blocks than are in use) are read in
+    place through their strides: the same scores as from contiguous copies, every mode."""
+    q, full = torch.randn(2, 3, 2, 60), torch.randn(2, 3, 57, 60)
+    wider = torch.cat([full, full[:, :, :5]], 2) + torch.rand(2, 3, 62, 60)          # strides of its own
+    kmin, kmax = full[:, :, :45], wider[:, :, :45]
+    _need(not kmin.is_contiguous(), "the case needs strided bounds")
+    idx = torch.randint(-1, 45, (2, 3, 7))
+    for mode, blocks in (("every block", None), ("listed blocks", idx)):
+        got = K.block_scores(q, kmin, kmax, blocks)
+        want = K.block_scores(q, kmin.contiguous(), kmax.contiguous(), blocks)
+        _need(torch.equal(got, want), f"scores of strided bounds differ ({mode})")
+    smin, smax = K.superblock_bounds(kmin.contiguous(), kmax.contiguous(), 4)
+    wide_s = torch.randn(2, 3, 15, 60)
+    wide_s[:, :, :12], wide_s2 = smin, torch.randn(2, 3, 15, 60)
+    wide_s2[:, :, :12] = smax
+    a = K.two_level_candidates(q, kmin, kmax, wide_s[:, :, :12], wide_s2[:, :, :12], 4, n_super=3, limit=40)
+    b = K.two_level_candidates(q, kmin.contiguous(), kmax.contiguous(), smin, smax, 4, n_super=3, limit=40)
+    _need(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "two-level candidates of strided bounds differ")
+
+
 def _two_level() -> None:
     q, kmin = torch.randn(2, 2, 3, 60), torch.randn(2, 2, 45, 60)
     kmax = kmin + torch.rand(2, 2, 45, 60)
@@ -1038,6 +1059,7 @@ CASES: dict[str, Callable[[], None]] = {
     "block_scores-listed-d60": _scores_listed,
     "two_level_candidates-d60": _two_level,
     "two_level_candidates-per-row-limit": _two_level_per_row,
+    "block_scores-strided-bounds": _strided_bounds,
     "ranked_listed-nb300-m64-take12": lambda: _rank_listed(300, 64, 12, False, 1),
     "ranked_listed-nb90-m40-take9-ties": lambda: _rank_listed(90, 40, 9, True, 2),
     **{f"install_slots-{'masked' if m else 'all'}-{'flag' if f else 'noflag'}-{'bcast' if b else 'rows'}":
