@@ -96,10 +96,7 @@ def bounds(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor
 def _rows_of_blocks(t: torch.Tensor, nb: int, d: int) -> torch.Tensor:
     """(..., NB, D) bounds as (rows, NB, D), a view where the strides allow (D contiguous; a bank's
     bounds sliced to the blocks in use are), else a contiguous copy."""
-    try:
-        v = t.view(-1, nb, d)
-    except RuntimeError:
-        v = t.reshape(-1, nb, d)
+    v = t.reshape(-1, nb, d)                 # a view where the strides allow one
     return v if v.stride(2) == 1 else v.contiguous()
 
 

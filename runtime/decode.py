@@ -182,9 +182,12 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     scores = bound_scores(q.view(B, H, shape.group_size, D), bank["kmin"][r, :, :nb], bank["kmax"][r, :, :nb],
                           bank["smin"][r], bank["smax"][r], cfg.bound_group, n_super, window_block[:, None],
                           row_blocks, listed=cfg.decode_kernels and not holes)
-    flat = [t.reshape(B * H, t.shape[-1]) for t in (scores if isinstance(scores, tuple) else (scores,))]
-    sel = select((flat[0], flat[1]) if isinstance(scores, tuple) else flat[0], n_head,
-                 batch.first_of_head, cfg.window_size, cfg.top_k, ps, bank["anchors"][r].reshape(B * H, -1),
+    if isinstance(scores, tuple):                       # (the listed blocks, their scores)
+        scores = (scores[0].reshape(B * H, -1), scores[1].reshape(B * H, -1))
+    else:
+        scores = scores.reshape(B * H, nb)
+    sel = select(scores, n_head, batch.first_of_head, cfg.window_size, cfg.top_k, ps,
+                 bank["anchors"][r].reshape(B * H, -1),
                  bank["holes"][r, :ns].repeat_interleave(H, 0) if holes else None, cfg.prefetch_units,
                  n_cand, cfg.sink_tokens, store_block=bs, kernels=cfg.decode_kernels, nb=nb)
     state = rows.hot.rows(batch.first_row, B)
