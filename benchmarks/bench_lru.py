@@ -8,7 +8,8 @@ stamp and slot keys (``lru_order``, on a GPU), and ``argmin`` (k = 1), each chec
 the same slots as topk. CUDA graphs hold each variant (the decode step runs in one), so the
 times are of the kernels, not their launches. Then a decode step's append of one token per head
 (rows = batch x KV heads): the least recent slot by ``argmin`` and the install kernel, against
-the one-launch ``insert_one`` kernel (hot_buffer.HotBufferState.insert on CUDA).
+the one-launch ``insert_one`` kernel (hot_buffer.HotBufferState.insert on CUDA). On a GPU also
+the lookup's ranking taken from the bank's kept order (``ranked``) against the sort.
 
     python benchmarks/bench_lru.py [--heads 8,192] [--slots 4096] [--k 2112,64,1] [--append-rows 8,192]
 """
@@ -100,8 +101,37 @@ def main() -> int:
                 us = timed(fn)
                 print(f"| {k} | {name} | {us:.1f} | {same} |", flush=True)
     if dev.type == "cuda":
+        kept_order(args, g, dev, timed)
         append(args, dev, timed)
     return 0
+
+
+def kept_order(args, g: torch.Generator, dev: torch.device, timed) -> None:
+    """The lookup's ranking from the bank's kept LRU order (kernels/_lru_triton.py ``ranked``: the
+    order without the hits, then the hits; no sort) against sorting the stamps, after a lookup
+    stamped half of its K selected tokens' slots as hits; checked equal to the sort."""
+    from hi_sparse.kernels._lru_triton import ranked
+    K = min(2064, args.slots // 2)
+    print("\n| heads | ranking after a lookup (S 4,096, K 2,064, half hits) | us per call | same as the sort |\n"
+          "|---|---|---:|---|")
+    for heads in [int(x) for x in args.heads.split(",")]:
+        S = args.slots
+        stamps = torch.stack([torch.randperm(4 * S, generator=g)[:S] for _ in range(heads)]).to(torch.int32)
+        order = stamps.argsort(dim=1).to(torch.int32)
+        clock = int(stamps.max()) + 1
+        slot = torch.full((heads, K), -1, dtype=torch.int64)
+        for h in range(heads):
+            hits = torch.randperm(S, generator=g)[:K // 2]
+            at = torch.randperm(K, generator=g)[:K // 2].sort().values
+            slot[h, at] = hits
+            stamps[h, hits] = (clock + K + at).to(torch.int32)
+        stamps, order, slot = stamps.to(dev), order.to(dev), slot.to(dev)
+        clock_t = torch.tensor(clock, device=dev)
+        want = stamps.sort(dim=1).indices
+        same = torch.equal(ranked(order, stamps, slot, clock_t), want)
+        for name, fn in (("sort of the int32 stamps", lambda: stamps.sort(dim=1).indices),
+                         ("kept order (ranked)", lambda: ranked(order, stamps, slot, clock_t))):
+            print(f"| {heads} | {name} | {timed(fn):.1f} | {same} |", flush=True)
 
 
 def append(args, dev: torch.device, timed) -> None:

@@ -78,10 +78,48 @@ def _lookup_hits_kernel(
 
 
 @triton.jit
+def _commit_order(p_ranked, s_ranked, p_ord, s_ord, h, S, a, b, hits, BS: tl.constexpr):
+    """Head h's LRU order after a lookup and its prefetch (least recent first), from the lookup's
+    ranking (the order without the hits, then the hits): the slots nothing took (ranked past the
+    a misses' and b prefetches' victims), the misses' victims, the hits, the prefetched slots, as
+    their new stamps order them (misses clock + o, hits clock + K + o, prefetches after)."""
+    j = tl.arange(0, BS)
+    m = j < S
+    r = tl.load(p_ranked + h * s_ranked + j, mask=m, other=0)
+    rest = S - hits - a - b
+    dest = tl.where(j < a, rest + j,
+                    tl.where(j < a + b, rest + a + hits + (j - a),
+                             tl.where(j < S - hits, j - a - b, rest + a + (j - (S - hits)))))
+    tl.store(p_ord + h * s_ord + dest, r.to(p_ord.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ranked_kernel(p_ord, p_stamp, p_slot, p_clock, p_ranked, S, K, s_ord, s_stamp, s_slot, s_ranked,
+                   BS: tl.constexpr, BK: tl.constexpr):
+    # one program per head: the LRU ranking after the lookup's hits took their stamps, without a
+    # sort: the bank's order (least recent first) without the hits (stamped clock + K + o, above
+    # every other stamp), then the hits in selection order
+    h = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BS)
+    m = j < S
+    slot = tl.load(p_ord + h * s_ord + j, mask=m, other=0).to(tl.int64)
+    stamp = tl.load(p_stamp + h * s_stamp + slot, mask=m, other=0)
+    keep = m & (stamp < tl.load(p_clock) + K)
+    k = keep.to(tl.int32)
+    tl.store(p_ranked + h * s_ranked + tl.cumsum(k, 0) - k, slot, mask=keep)
+    o = tl.arange(0, BK)
+    hs = tl.load(p_slot + h * s_slot + o, mask=o < K, other=-1)
+    hit = hs >= 0
+    c = hit.to(tl.int32)
+    tl.store(p_ranked + h * s_ranked + tl.sum(k, 0) + tl.cumsum(c, 0) - c, hs, mask=hit)
+
+
+@triton.jit
 def _lookup_install_kernel(
     p_sel, p_miss, p_slot, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, p_n_miss, K,
     s_sel, s_miss, s_slot, s_order, s_ts, s_st, s_stamp, s_pf,
-    BLOCK: tl.constexpr,
+    p_ord, s_ord, p_counts, s_counts, S,
+    COMMIT: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr,
 ):
     # one program per head: the r-th miss takes the r-th least recent slot of the ranking
     h = tl.program_id(0).to(tl.int64)
@@ -100,13 +138,16 @@ def _lookup_install_kernel(
     tl.store(p_pf + h * s_pf + victim, tl.zeros([BLOCK], tl.uint8), mask=is_miss)
     tl.store(p_slot + h * s_slot + o, victim, mask=is_miss)
     tl.store(p_n_miss + h, tl.sum(miss, 0))
+    if COMMIT:           # no prefetch follows: the bank's order now
+        _commit_order(p_order, s_order, p_ord, s_ord, h, S, tl.sum(miss, 0), 0, tl.load(p_counts + h * s_counts + 1),
+                      BS)
 
 
 @triton.jit
 def _prefetch_kernel(
     p_tok, p_limit, p_counts, S, p_skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, c0, p_loaded, p_victim, P,
-    W, s_tok, s_counts, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim,
-    HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+    W, s_tok, s_counts, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim, p_ord, s_ord,
+    HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr, COMMIT: tl.constexpr, BS: tl.constexpr,
 ):
     # one program per head: non-resident tokens, up to the limit and the room the lookup left,
     # take the slots of the lookup's ranking past its misses' victims
@@ -131,14 +172,17 @@ def _prefetch_kernel(
     tl.store(p_pf + h * s_pf + victim, tl.full([BLOCK], 1, tl.uint8), mask=cand)
     tl.store(p_loaded + h * s_loaded + o, cand.to(tl.uint8), mask=m)
     tl.store(p_victim + h * s_victim + o, victim, mask=m)
+    if COMMIT:           # the lookup's ranking is the whole order: the bank's order now
+        _commit_order(p_order, s_order, p_ord, s_ord, h, S, tl.load(p_skip + h), tl.sum(cand.to(tl.int64), 0),
+                      tl.load(p_counts + h * s_counts + 1), BS)
 
 
 @triton.jit
 def _insert_one_kernel(
     p_tok, p_ts, p_st, p_stamp, p_pf, p_clock, p_victim, S,
     s_tok, s_ts, s_st, s_stamp, s_pf,
-    p_k, p_v, p_kd, p_vd, s_k, s_v, s_kd, s_vd, head0, D,
-    HAS_KV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+    p_k, p_v, p_kd, p_vd, s_k, s_v, s_kd, s_vd, head0, D, p_ord, s_ord,
+    HAS_KV: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, ORDER: tl.constexpr,
 ):
     # one program per head: one appended token takes the least recent slot (stamps are unique per
     # head: one minimum), the ranking and the install in one launch; with HAS_KV also its key and
@@ -155,6 +199,14 @@ def _insert_one_kernel(
     tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock))
     tl.store(p_pf + h * s_pf + victim, tl.zeros([], tl.uint8))
     tl.store(p_victim + h, victim)
+    if ORDER:            # the bank's order: the victim (its least recent slot) becomes the most recent
+        ordv = tl.load(p_ord + h * s_ord + o, mask=o < S, other=0)
+        keep = (o < S) & (ordv != victim)
+        k = keep.to(tl.int32)
+        pos = tl.cumsum(k, 0) - k
+        tl.debug_barrier()                        # every thread's read before any write
+        tl.store(p_ord + h * s_ord + pos, ordv, mask=keep)
+        tl.store(p_ord + h * s_ord + S - 1, victim.to(p_ord.dtype.element_ty))
     if HAS_KV:
         d = tl.arange(0, BD)
         dm = d < D
@@ -182,36 +234,61 @@ def lookup_hits(sel, token_slot, prefetched, slot_stamp, clock):
     return slot, miss, counts
 
 
-def lookup_install(sel, miss, slot, order, token_slot, slot_token, slot_stamp, prefetched, clock):
+def ranked(order_s, slot_stamp, slot, clock):
+    """The LRU ranking (H, S) int64 of the heads whose order (H, S) is ``order_s`` (least recent
+    first), after lookup_hits stamped the hits ``slot`` (H, K) (-1 for none) from clock + K."""
+    H, S = order_s.shape
+    K = slot.shape[1]
+    _rows(order_s, slot_stamp, slot)
+    out = torch.empty(H, S, dtype=torch.int64, device=slot.device)
+    _ranked_kernel[(H,)](order_s, slot_stamp, slot, clock, out, S, K, order_s.stride(0), slot_stamp.stride(0),
+                         slot.stride(0), out.stride(0), BS=next_pow2(S), BK=next_pow2(K),
+                         num_warps=8 if S > 2048 else 4)
+    return out
+
+
+def lookup_install(sel, miss, slot, order, token_slot, slot_token, slot_stamp, prefetched, clock, commit=None):
+    """commit: (order_s (H, S), counts (H, 3)) to write the bank's new order (no prefetch follows;
+    ``order`` is then the whole ranking from :func:`ranked`), or None."""
     H, K = sel.shape
     _rows(sel, order, token_slot, slot_token, slot_stamp, prefetched)
     n_miss = torch.empty(H, dtype=torch.int64, device=sel.device)
     pf = prefetched.view(torch.uint8)
+    ord_s, counts = commit if commit is not None else (order, n_miss[:, None])
+    S = ord_s.shape[1]
     _lookup_install_kernel[(H,)](sel, miss.view(torch.uint8), slot, order, token_slot, slot_token, slot_stamp, pf,
                                  clock, n_miss, K, sel.stride(0), K, slot.stride(0), order.stride(0),
                                  token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0), pf.stride(0),
-                                 BLOCK=next_pow2(K), num_warps=8 if K > 2048 else 4)
+                                 ord_s, ord_s.stride(0), counts, counts.stride(0), S, COMMIT=commit is not None,
+                                 BLOCK=next_pow2(K), BS=next_pow2(S), num_warps=8 if max(K, S) > 2048 else 4)
     return n_miss
 
 
 def prefetch_install(tokens, limit, counts, num_slots, skip, order, token_slot, slot_token, slot_stamp, prefetched,
-                     clock, offset):
+                     clock, offset, order_s=None):
+    """order_s: the bank's order (H, S) to write after the prefetch (``order`` is then the whole
+    ranking from :func:`ranked`), or None."""
     H, P = tokens.shape
     _rows(tokens, order, token_slot, slot_token, slot_stamp, prefetched)
     loaded = torch.empty(H, P, dtype=torch.bool, device=tokens.device)
     victims = torch.empty(H, P, dtype=torch.int64, device=tokens.device)
     pf = prefetched.view(torch.uint8)
+    ord_s = order if order_s is None else order_s
     _prefetch_kernel[(H,)](tokens, tokens if limit is None else limit, counts, num_slots, skip, order, token_slot,
                            slot_token, slot_stamp, pf, clock, offset, loaded.view(torch.uint8), victims, P,
                            order.shape[1], tokens.stride(0), counts.stride(0), order.stride(0),
                            token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0), pf.stride(0), P, P,
-                           HAS_LIMIT=limit is not None, BLOCK=next_pow2(P))
+                           ord_s, ord_s.stride(0), HAS_LIMIT=limit is not None, BLOCK=next_pow2(P),
+                           COMMIT=order_s is not None, BS=next_pow2(num_slots),
+                           num_warps=8 if num_slots > 2048 else 4)
     return loaded, victims
 
 
-def insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched, clock, num_slots, kv=None, head0=0):
+def insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched, clock, num_slots, kv=None, head0=0,
+               order_s=None):
     """One token per head, tokens (H, 1) (may broadcast), into each head's least recent slot:
-    returns the slots (H, 1). kv: (k (H, D), v (H, D), k_dst (N, D), v_dst (N, D)) or None."""
+    returns the slots (H, 1). kv: (k (H, D), v (H, D), k_dst (N, D), v_dst (N, D)) or None.
+    order_s: the heads' LRU order (H, S) to keep (the victim moves to its end), or None."""
     H = tokens.shape[0]
     _rows(token_slot, slot_token, slot_stamp, prefetched)
     victims = torch.empty(H, 1, dtype=torch.int64, device=tokens.device)
@@ -223,6 +300,8 @@ def insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched, clock, nu
     _insert_one_kernel[(H,)](tokens, token_slot, slot_token, slot_stamp, pf, clock, victims, num_slots,
                              tokens.stride(0), token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0),
                              pf.stride(0), k, v, kd, vd, k.stride(0), v.stride(0), kd.stride(0), vd.stride(0),
-                             head0, D, HAS_KV=kv is not None, BD=next_pow2(D), BLOCK=next_pow2(num_slots),
+                             head0, D, victims if order_s is None else order_s,
+                             0 if order_s is None else order_s.stride(0), HAS_KV=kv is not None, BD=next_pow2(D),
+                             BLOCK=next_pow2(num_slots), ORDER=order_s is not None,
                              num_warps=8 if num_slots > 2048 else 4)
     return victims

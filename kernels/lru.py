@@ -64,38 +64,45 @@ def install_slots(token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp
 
 
 def lookup_triton(sel: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp: torch.Tensor,
-                  prefetched: torch.Tensor, clock: torch.Tensor, rank_lru) -> tuple[torch.Tensor, ...]:
+                  prefetched: torch.Tensor, clock: torch.Tensor, order_s: torch.Tensor,
+                  commit: bool) -> tuple[torch.Tensor, ...]:
     """The hot buffer's lookup (runtime/hot_buffer.HotBufferState.lookup, whose torch code is the
-    reference) in two Triton launches around the LRU ranking: hit detection and the hits' new
-    stamps, then ``rank_lru()`` (the ranking of the state as the first left it), then the
-    misses' install. Returns (slots, miss, counts (H, 3): selected, hits, used prefetches per
-    head, misses per head (H,), the ranking)."""
+    reference) in three Triton launches: hit detection and the hits' new stamps; the LRU ranking
+    of the state the first left, from the heads' kept order ``order_s`` (H, S) (least recent
+    first: the same slots as a sort of the stamps, without one); the misses' install, which also
+    writes the heads' new order when ``commit`` (no prefetch follows; else the prefetch does).
+    Returns (slots, miss, counts (H, 3): selected, hits, used prefetches per head, misses per
+    head (H,), the ranking (H, S))."""
     mod = kernel_module("_lru_triton")
     slot, miss, counts = mod.lookup_hits(sel, token_slot, prefetched, slot_stamp, clock)
-    order = rank_lru()
-    n_miss = mod.lookup_install(sel, miss, slot, order, token_slot, slot_token, slot_stamp, prefetched, clock)
+    order = mod.ranked(order_s, slot_stamp, slot, clock)
+    n_miss = mod.lookup_install(sel, miss, slot, order, token_slot, slot_token, slot_stamp, prefetched, clock,
+                                (order_s, counts) if commit else None)
     return slot, miss, counts, n_miss, order
 
 
 def prefetch_triton(tokens: torch.Tensor, limit: torch.Tensor | None, counts: torch.Tensor, num_slots: int,
                     skip: torch.Tensor, order: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor,
                     slot_stamp: torch.Tensor, prefetched: torch.Tensor, clock: torch.Tensor,
-                    offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    offset: int, order_s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefetch that follows a lookup's shared ranking (HotBufferState.prefetch), in one
     launch: at most min(limit, the room the lookup left: num_slots - counts[:, 0]) tokens per head
-    (limit None: the room), past the lookup's ``skip`` (H,) victims, stamped from clock + offset."""
+    (limit None: the room), past the lookup's ``skip`` (H,) victims, stamped from clock + offset;
+    with ``order_s`` (the ranking is then the lookup's whole one) the heads' new order written."""
     return kernel_module("_lru_triton").prefetch_install(tokens, None if limit is None else limit.contiguous(),
                                                          counts, num_slots, skip.contiguous(), order, token_slot,
-                                                         slot_token, slot_stamp, prefetched, clock, offset)
+                                                         slot_token, slot_stamp, prefetched, clock, offset, order_s)
 
 
 def insert_one_triton(tokens: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor,
                       slot_stamp: torch.Tensor, prefetched: torch.Tensor, clock: torch.Tensor,
-                      num_slots: int, kv: tuple[torch.Tensor, ...] | None = None, head0: int = 0) -> torch.Tensor:
+                      num_slots: int, kv: tuple[torch.Tensor, ...] | None = None, head0: int = 0,
+                      order_s: torch.Tensor | None = None) -> torch.Tensor:
     """One appended token per head (HotBufferState.insert with T = 1, whose torch code is the
     reference: the least recent slot, then the install) in one launch. tokens (H, 1), may be a
     broadcast view; the state tensors with their spill columns. Returns the slots (H, 1). kv: the
     token's key and value per head (k (H, D), v (H, D)) and the hot K / V rows (k_dst, v_dst
-    (N, D)) where they go, at row (head0 + h) * num_slots + slot (cast to k_dst's dtype)."""
+    (N, D)) where they go, at row (head0 + h) * num_slots + slot (cast to k_dst's dtype). order_s:
+    the heads' LRU order (H, S), kept (the slot moves to its end), or None."""
     return kernel_module("_lru_triton").insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched,
-                                                   clock, num_slots, kv, head0)
+                                                   clock, num_slots, kv, head0, order_s)

@@ -17,6 +17,12 @@ the host), so a CUDA graph can hold it. It stamps from a ``clock`` argument (an 
 device tensor); the bank's host clock hands out those stamps (:meth:`HotBufferBank.reserve`), as
 many as :func:`ticks` says a step uses.
 
+With the kernels (CUDA) the bank also keeps each head's slots in LRU order (``order``), updated
+by the decode step's kernels (the append moves its victim to the end; the lookup ranks from it
+and its install or the following prefetch writes the new order), so no step sorts the stamps;
+any other update marks it stale, and :meth:`HotBufferBank.sync_order` rebuilds it from the
+stamps before the next step (``room_for`` calls it).
+
 Stamps are int32: a GPU sorts them in 25 us against 38 for int64 (8 x 4,096; 38 against 60 at
 192 heads; bench_lru.py, H200), the LRU ranking every step and layer makes. Before the clock
 would pass the int32 range (:meth:`HotBufferBank.room_for`, every ~300K decode steps at a top_k
@@ -74,6 +80,11 @@ class HotBufferBank:
         self.slot_stamp_s = torch.empty(0, S1, dtype=STAMP, device=self.device)
         self.prefetched_s = torch.empty(0, S1, dtype=torch.bool, device=self.device)
         self.token_slot_s = torch.empty(0, 1, dtype=torch.int64, device=self.device)     # (N, 1 + tokens)
+        # with the kernels: each head's slots from least to most recently used (the stamps' order,
+        # kept by the decode step's kernels so that no step sorts the stamps); order_valid False
+        # after an operation that does not keep it, until sync_order rebuilds it from the stamps
+        self.order = torch.empty(0, num_slots, dtype=torch.int32, device=self.device)
+        self.order_valid = True
         self.grow_rows(rows)
         self.ensure_tokens(token_capacity)
 
@@ -97,8 +108,10 @@ class HotBufferBank:
         self.slot_stamp_s = grown(self.slot_stamp_s, 0)
         self.prefetched_s = grown(self.prefetched_s, False)
         self.token_slot_s = grown(self.token_slot_s, -1)
+        self.order = grown(self.order, 0)
         self.num_rows = rows
         self.slot_stamp[n0:] = self._empty_stamps()          # the rest is filled empty above
+        self.order[n0:] = torch.arange(self.num_slots, dtype=torch.int32, device=self.device)
 
     def _empty_stamps(self) -> torch.Tensor:
         """An empty head's stamps: every slot older than any stamp handed out, lowest first."""
@@ -111,6 +124,7 @@ class HotBufferBank:
         self.slot_stamp[h] = self._empty_stamps()
         self.prefetched_s[h] = False
         self.token_slot_s[h] = -1
+        self.order[h] = torch.arange(self.num_slots, dtype=torch.int32, device=self.device)
 
     def ensure_tokens(self, n: int) -> None:
         """Make the token -> slot map cover positions [0, n) in every row (grows by doubling,
@@ -152,7 +166,9 @@ class HotBufferBank:
         """Make sure the next ``n`` stamps fit in int32, before a step reserves any (renumbering
         between two reservations of one step would put the first one's stamps above the second's):
         when they would not, every head's stamps become their rank among the head's (-S .. -1,
-        the order kept exactly) and the clock restarts at 0. Outside a CUDA graph capture only."""
+        the order kept exactly) and the clock restarts at 0. Also rebuilds a stale LRU order
+        (:meth:`sync_order`). Outside a CUDA graph capture only."""
+        self.sync_order()
         if self.clock + n <= STAMP_MAX:
             return
         if n > STAMP_MAX // 2:
@@ -167,9 +183,18 @@ class HotBufferBank:
             self.slot_stamp.copy_(rank)
         self.clock = 0
 
+    def sync_order(self) -> None:
+        """Rebuild each head's LRU order from the stamps where an operation left it stale (the
+        decode step's kernels keep it; a prefill, a reset of stamps by streaming mode or the torch
+        path do not). Outside a CUDA graph capture; a no-op without the kernels."""
+        if self.order_valid or not (self.kernels and use_triton(self.slot_stamp_s)):
+            return
+        self.order.copy_(self.slot_stamp.argsort(dim=1))
+        self.order_valid = True
+
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The tensors the operations read and write (their addresses key a captured step)."""
-        return self.slot_token_s, self.slot_stamp_s, self.prefetched_s, self.token_slot_s
+        return self.slot_token_s, self.slot_stamp_s, self.prefetched_s, self.token_slot_s, self.order
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
@@ -197,6 +222,7 @@ class HotBufferState:
     slot_stamp = property(lambda self: self._rows(self._bank.slot_stamp))
     prefetched = property(lambda self: self._rows(self._bank.prefetched))
     token_slot = property(lambda self: self._rows(self._bank.token_slot))
+    order = property(lambda self: self._rows(self._bank.order))
 
     def ensure_tokens(self, n: int) -> None:
         """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
@@ -232,7 +258,7 @@ class HotBufferState:
         if T == 1 and self._kernels(tok):         # a decode step's append: the minimum and the install, one launch
             one = None if kv is None else (kv[0][:, -1], kv[1][:, -1], kv[2], kv[3])
             return insert_one_triton(tok, self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s,
-                                     self._clock(clock), self.num_slots, one, self._h0)
+                                     self._clock(clock), self.num_slots, one, self._h0, self.order)
         victims = self._lru(self.slot_stamp, T)                                 # (H, T) LRU first
         stamps = (clock + torch.arange(T, device=self.device, dtype=STAMP))[None].expand(self.num_heads, -1)
         self._install(None, tok, victims, stamps, prefetched=False)
@@ -254,6 +280,7 @@ class HotBufferState:
         into them with ``stamps``. Masked-out entries write to the spill columns (their slots and
         tokens may be anything); masked-in slots are distinct per head, and no token is both
         evicted and installed (installed tokens are not resident)."""
+        self._bank.order_valid = False            # the generic install does not keep the order
         install = install_slots if self._bank.kernels else reference_install_slots
         install(self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s, mask, tokens, slots,
                 stamps, prefetched)
@@ -269,15 +296,20 @@ class HotBufferState:
         ``prefetch``: the width P of a :meth:`prefetch` that follows at once. One ranking of the
         K + P least recent slots then serves both: after the install the least recent slots are
         the ranking's, past the misses' victims, in the same order (the victims and hits are
-        stamped above every older stamp), so the prefetch needs no second one.
+        stamped above every older stamp), so the prefetch needs no second one. With the kernels
+        the ranking is not sorted from the stamps but taken from the bank's kept order (the order
+        without the hits, then the hits), and the new order is written by the install, or by the
+        prefetch when one follows.
         """
         S = self.num_slots
         K = sel.shape[1]
-        if self._kernels(sel):                       # the same steps in two kernels around the ranking
+        if self._kernels(sel):   # the same steps in kernels, the ranking from the kept order (no sort)
+            self._bank.sync_order()
             slot, miss, counts, n_miss, order = lookup_triton(
                 sel, self.token_slot_s, self.slot_token_s, self.slot_stamp_s, self.prefetched_s,
-                self._clock(clock), lambda: self._lru(self.slot_stamp, K + prefetch))
-            if prefetch:
+                self._clock(clock), self.order, commit=not prefetch)
+            if prefetch:         # the prefetch writes the new order
+                self._bank.order_valid = False
                 self._after_lookup = (order, n_miss, counts, clock, K)
             return slot, miss, counts
         valid = sel >= 0
@@ -329,8 +361,10 @@ class HotBufferState:
         if after is not None and self._kernels(tokens):
             order, skip, counts, clock0, K = after
             at, offset = (self._clock(clock0), ticks(selected=K)) if clock is None else (self._clock(clock), 0)
-            return prefetch_triton(tokens, limit, counts, self.num_slots, skip, order, self.token_slot_s,
-                                   self.slot_token_s, self.slot_stamp_s, self.prefetched_s, at, offset)
+            out = prefetch_triton(tokens, limit, counts, self.num_slots, skip, order, self.token_slot_s,
+                                  self.slot_token_s, self.slot_stamp_s, self.prefetched_s, at, offset, self.order)
+            self._bank.order_valid = True
+            return out
         cand = (tokens >= 0) & (self.token_slot_s.gather(1, tokens + 1) < 0)
         rank = self._rank(cand, P)
         if after is None:
@@ -349,6 +383,7 @@ class HotBufferState:
 
     def invalidate(self, start: int, end: int) -> None:
         """Forget tokens in [start, end) (their host block was overwritten by streaming mode)."""
+        self._bank.order_valid = False
         span = self.token_slot[:, start:end]
         h, t = (span >= 0).nonzero(as_tuple=True)
         slots = span[h, t]

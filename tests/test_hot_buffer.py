@@ -159,6 +159,8 @@ def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = 
         for h, o in enumerate(oracles):
             assert hb.slot_token[h].tolist() == o.slot_tok
             assert hb.prefetched[h].tolist() == o.flag
+        if bank.order_valid and bank.kernels:     # the kernels' kept order is the stamps' (no sort made it)
+            assert torch.equal(bank.order.long(), bank.slot_stamp.argsort(dim=1)), "the kept LRU order went stale"
     assert lookups == sum(o.lookups for o in oracles)
     assert hits == sum(o.hits for o in oracles)
     assert used == sum(o.used for o in oracles)
