@@ -52,13 +52,10 @@ def install_slots(token_slot: torch.Tensor, slot_token: torch.Tensor, slot_stamp
 
 
 @triton.jit
-def _lookup_hits_kernel(
-    p_sel, p_ts, p_pf, p_stamp, p_clock, p_slot, p_miss, p_counts, K,
-    s_sel, s_ts, s_pf, s_stamp, s_slot, s_miss,
-    BLOCK: tl.constexpr,
-):
-    # one program per head: hit detection; hits lose the prefetch flag and become the most recent
-    h = tl.program_id(0).to(tl.int64)
+def _hits_body(h, p_sel, p_ts, p_pf, p_stamp, p_clock, p_slot, p_miss, p_counts, K,
+               s_sel, s_ts, s_pf, s_stamp, s_slot, s_miss, BLOCK: tl.constexpr):
+    """Head h's hit detection; hits lose the prefetch flag and become the most recent. Returns
+    the hits."""
     o = tl.arange(0, BLOCK)
     m = o < K
     sel = tl.load(p_sel + h * s_sel + o, mask=m, other=-1)
@@ -72,9 +69,22 @@ def _lookup_hits_kernel(
     tl.store(p_stamp + h * s_stamp + slot, clock + K + o, mask=hit)
     tl.store(p_slot + h * s_slot + o, slot, mask=m)
     tl.store(p_miss + h * s_miss + o, miss.to(tl.uint8), mask=m)
+    n_hits = tl.sum(hit.to(tl.int64), 0)
     tl.store(p_counts + h * 3, tl.sum(valid.to(tl.int64), 0))
-    tl.store(p_counts + h * 3 + 1, tl.sum(hit.to(tl.int64), 0))
+    tl.store(p_counts + h * 3 + 1, n_hits)
     tl.store(p_counts + h * 3 + 2, tl.sum(used_pf, 0))
+    return n_hits
+
+
+@triton.jit
+def _lookup_hits_kernel(
+    p_sel, p_ts, p_pf, p_stamp, p_clock, p_slot, p_miss, p_counts, K,
+    s_sel, s_ts, s_pf, s_stamp, s_slot, s_miss,
+    BLOCK: tl.constexpr,
+):
+    # one program per head
+    _hits_body(tl.program_id(0).to(tl.int64), p_sel, p_ts, p_pf, p_stamp, p_clock, p_slot, p_miss, p_counts, K,
+               s_sel, s_ts, s_pf, s_stamp, s_slot, s_miss, BLOCK)
 
 
 @triton.jit
@@ -85,7 +95,7 @@ def _commit_order(p_ranked, s_ranked, p_ord, s_ord, h, S, a, b, hits, BS: tl.con
     their new stamps order them (misses clock + o, hits clock + K + o, prefetches after)."""
     j = tl.arange(0, BS)
     m = j < S
-    r = tl.load(p_ranked + h * s_ranked + j, mask=m, other=0)
+    r = tl.load(p_ranked + h * s_ranked + j, mask=m, other=0, volatile=True)
     rest = S - hits - a - b
     dest = tl.where(j < a, rest + j,
                     tl.where(j < a + b, rest + a + hits + (j - a),
@@ -94,24 +104,56 @@ def _commit_order(p_ranked, s_ranked, p_ord, s_ord, h, S, a, b, hits, BS: tl.con
 
 
 @triton.jit
-def _ranked_kernel(p_ord, p_stamp, p_slot, p_clock, p_ranked, S, K, s_ord, s_stamp, s_slot, s_ranked,
-                   BS: tl.constexpr, BK: tl.constexpr):
-    # one program per head: the LRU ranking after the lookup's hits took their stamps, without a
-    # sort: the bank's order (least recent first) without the hits (stamped clock + K + o, above
-    # every other stamp), then the hits in selection order
-    h = tl.program_id(0).to(tl.int64)
+def _ranked_body(h, p_ord, p_stamp, p_slot, p_clock, p_ranked, S, K, s_ord, s_stamp, s_slot, s_ranked,
+                 BS: tl.constexpr, BK: tl.constexpr):
+    """Head h's LRU ranking after the lookup's hits took their stamps, without a sort: the bank's
+    order (least recent first) without the hits (stamped clock + K + o, above every other stamp),
+    then the hits in selection order. (Volatile loads: in the fused step other threads of the
+    program wrote them.)"""
     j = tl.arange(0, BS)
     m = j < S
     slot = tl.load(p_ord + h * s_ord + j, mask=m, other=0).to(tl.int64)
-    stamp = tl.load(p_stamp + h * s_stamp + slot, mask=m, other=0)
+    stamp = tl.load(p_stamp + h * s_stamp + slot, mask=m, other=0, volatile=True)
     keep = m & (stamp < tl.load(p_clock) + K)
     k = keep.to(tl.int32)
     tl.store(p_ranked + h * s_ranked + tl.cumsum(k, 0) - k, slot, mask=keep)
     o = tl.arange(0, BK)
-    hs = tl.load(p_slot + h * s_slot + o, mask=o < K, other=-1)
+    hs = tl.load(p_slot + h * s_slot + o, mask=o < K, other=-1, volatile=True)
     hit = hs >= 0
     c = hit.to(tl.int32)
     tl.store(p_ranked + h * s_ranked + tl.sum(k, 0) + tl.cumsum(c, 0) - c, hs, mask=hit)
+
+
+@triton.jit
+def _ranked_kernel(p_ord, p_stamp, p_slot, p_clock, p_ranked, S, K, s_ord, s_stamp, s_slot, s_ranked,
+                   BS: tl.constexpr, BK: tl.constexpr):
+    # one program per head
+    _ranked_body(tl.program_id(0).to(tl.int64), p_ord, p_stamp, p_slot, p_clock, p_ranked, S, K, s_ord, s_stamp,
+                 s_slot, s_ranked, BS, BK)
+
+
+@triton.jit
+def _install_body(h, p_sel, p_miss, p_slot, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, p_n_miss, K,
+                  s_sel, s_miss, s_slot, s_order, s_ts, s_st, s_stamp, s_pf, BLOCK: tl.constexpr):
+    """Head h's misses: the r-th takes the r-th least recent slot of the ranking. Returns the
+    misses."""
+    o = tl.arange(0, BLOCK)
+    m = o < K
+    miss = tl.load(p_miss + h * s_miss + o, mask=m, other=0, volatile=True).to(tl.int64)
+    rank = tl.cumsum(miss, 0) - miss
+    is_miss = miss != 0
+    victim = tl.load(p_order + h * s_order + rank, mask=is_miss, other=0, volatile=True)
+    tok = tl.load(p_sel + h * s_sel + o, mask=is_miss, other=0)
+    old = tl.load(p_st + h * s_st + victim, mask=is_miss, other=-1)
+    tl.store(p_ts + h * s_ts + 1 + old, tl.full([BLOCK], -1, tl.int64), mask=is_miss & (old >= 0))
+    tl.store(p_ts + h * s_ts + 1 + tok, victim, mask=is_miss)
+    tl.store(p_st + h * s_st + victim, tok, mask=is_miss)
+    tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock) + o, mask=is_miss)
+    tl.store(p_pf + h * s_pf + victim, tl.zeros([BLOCK], tl.uint8), mask=is_miss)
+    tl.store(p_slot + h * s_slot + o, victim, mask=is_miss)
+    n_miss = tl.sum(miss, 0)
+    tl.store(p_n_miss + h, n_miss)
+    return n_miss
 
 
 @triton.jit
@@ -121,49 +163,29 @@ def _lookup_install_kernel(
     p_ord, s_ord, p_counts, s_counts, S,
     COMMIT: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr,
 ):
-    # one program per head: the r-th miss takes the r-th least recent slot of the ranking
+    # one program per head
     h = tl.program_id(0).to(tl.int64)
-    o = tl.arange(0, BLOCK)
-    m = o < K
-    miss = tl.load(p_miss + h * s_miss + o, mask=m, other=0).to(tl.int64)
-    rank = tl.cumsum(miss, 0) - miss
-    is_miss = miss != 0
-    victim = tl.load(p_order + h * s_order + rank, mask=is_miss, other=0)
-    tok = tl.load(p_sel + h * s_sel + o, mask=is_miss, other=0)
-    old = tl.load(p_st + h * s_st + victim, mask=is_miss, other=-1)
-    tl.store(p_ts + h * s_ts + 1 + old, tl.full([BLOCK], -1, tl.int64), mask=is_miss & (old >= 0))
-    tl.store(p_ts + h * s_ts + 1 + tok, victim, mask=is_miss)
-    tl.store(p_st + h * s_st + victim, tok, mask=is_miss)
-    tl.store(p_stamp + h * s_stamp + victim, tl.load(p_clock) + o, mask=is_miss)
-    tl.store(p_pf + h * s_pf + victim, tl.zeros([BLOCK], tl.uint8), mask=is_miss)
-    tl.store(p_slot + h * s_slot + o, victim, mask=is_miss)
-    tl.store(p_n_miss + h, tl.sum(miss, 0))
+    n_miss = _install_body(h, p_sel, p_miss, p_slot, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, p_n_miss, K,
+                           s_sel, s_miss, s_slot, s_order, s_ts, s_st, s_stamp, s_pf, BLOCK)
     if COMMIT:           # no prefetch follows: the bank's order now
-        _commit_order(p_order, s_order, p_ord, s_ord, h, S, tl.sum(miss, 0), 0, tl.load(p_counts + h * s_counts + 1),
-                      BS)
+        tl.debug_barrier()
+        _commit_order(p_order, s_order, p_ord, s_ord, h, S, n_miss, 0, tl.load(p_counts + h * s_counts + 1), BS)
 
 
 @triton.jit
-def _prefetch_kernel(
-    p_tok, p_limit, p_counts, S, p_skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, c0, p_loaded, p_victim, P,
-    W, s_tok, s_counts, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim, p_ord, s_ord,
-    HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr, COMMIT: tl.constexpr, BS: tl.constexpr,
-):
-    # one program per head: non-resident tokens, up to the limit and the room the lookup left,
-    # take the slots of the lookup's ranking past its misses' victims
-    h = tl.program_id(0).to(tl.int64)
+def _prefetch_body(h, p_tok, room, skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, c0, p_loaded, p_victim, P,
+                   W, s_tok, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim, BLOCK: tl.constexpr):
+    """Head h's prefetch: non-resident tokens, up to ``room``, take the slots of the lookup's
+    ranking past its ``skip`` misses' victims. Returns the loaded ones."""
     o = tl.arange(0, BLOCK)
     m = o < P
     tok = tl.load(p_tok + h * s_tok + o, mask=m, other=-1)
     cand = m & (tok >= 0)
-    cand = cand & (tl.load(p_ts + h * s_ts + 1 + tok, mask=cand, other=0) < 0)
+    cand = cand & (tl.load(p_ts + h * s_ts + 1 + tok, mask=cand, other=0, volatile=True) < 0)
     c = cand.to(tl.int64)
     rank = tl.cumsum(c, 0) - c
-    room = S - tl.load(p_counts + h * s_counts)
-    if HAS_LIMIT:
-        room = tl.minimum(tl.load(p_limit + h), room)
     cand = cand & (rank < room)
-    victim = tl.load(p_order + h * s_order + tl.minimum(tl.load(p_skip + h) + rank, W - 1), mask=m, other=0)
+    victim = tl.load(p_order + h * s_order + tl.minimum(skip + rank, W - 1), mask=m, other=0, volatile=True)
     old = tl.load(p_st + h * s_st + victim, mask=cand, other=-1)
     tl.store(p_ts + h * s_ts + 1 + old, tl.full([BLOCK], -1, tl.int64), mask=cand & (old >= 0))
     tl.store(p_ts + h * s_ts + 1 + tok, victim, mask=cand)
@@ -172,9 +194,52 @@ def _prefetch_kernel(
     tl.store(p_pf + h * s_pf + victim, tl.full([BLOCK], 1, tl.uint8), mask=cand)
     tl.store(p_loaded + h * s_loaded + o, cand.to(tl.uint8), mask=m)
     tl.store(p_victim + h * s_victim + o, victim, mask=m)
+    return tl.sum(cand.to(tl.int64), 0)
+
+
+@triton.jit
+def _prefetch_kernel(
+    p_tok, p_limit, p_counts, S, p_skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, c0, p_loaded, p_victim, P,
+    W, s_tok, s_counts, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim, p_ord, s_ord,
+    HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr, COMMIT: tl.constexpr, BS: tl.constexpr,
+):
+    # one program per head: at most the room the lookup left (and the limit)
+    h = tl.program_id(0).to(tl.int64)
+    room = S - tl.load(p_counts + h * s_counts)
+    if HAS_LIMIT:
+        room = tl.minimum(tl.load(p_limit + h), room)
+    skip = tl.load(p_skip + h)
+    n_pf = _prefetch_body(h, p_tok, room, skip, p_order, p_ts, p_st, p_stamp, p_pf, p_clock, c0, p_loaded, p_victim,
+                          P, W, s_tok, s_order, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim, BLOCK)
     if COMMIT:           # the lookup's ranking is the whole order: the bank's order now
-        _commit_order(p_order, s_order, p_ord, s_ord, h, S, tl.load(p_skip + h), tl.sum(cand.to(tl.int64), 0),
-                      tl.load(p_counts + h * s_counts + 1), BS)
+        tl.debug_barrier()
+        _commit_order(p_order, s_order, p_ord, s_ord, h, S, skip, n_pf, tl.load(p_counts + h * s_counts + 1), BS)
+
+
+@triton.jit
+def _lru_step_kernel(
+    p_sel, p_ts, p_st, p_stamp, p_pf, p_clock, p_slot, p_miss, p_counts, p_n_miss, p_ord, p_ranked,
+    p_tok, p_loaded, p_victim, K, S, P,
+    s_sel, s_ts, s_st, s_stamp, s_pf, s_slot, s_miss, s_ord, s_ranked, s_tok, s_loaded, s_victim,
+    BLOCK: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
+):
+    # one program per head: a decode step's lookup and the prefetch after it in one launch (the
+    # phases of the four kernels above, a barrier between each: each reads what the last wrote)
+    h = tl.program_id(0).to(tl.int64)
+    n_hits = _hits_body(h, p_sel, p_ts, p_pf, p_stamp, p_clock, p_slot, p_miss, p_counts, K,
+                        s_sel, s_ts, s_pf, s_stamp, s_slot, s_miss, BLOCK)
+    tl.debug_barrier()
+    _ranked_body(h, p_ord, p_stamp, p_slot, p_clock, p_ranked, S, K, s_ord, s_stamp, s_slot, s_ranked, BS, BLOCK)
+    tl.debug_barrier()
+    n_miss = _install_body(h, p_sel, p_miss, p_slot, p_ranked, p_ts, p_st, p_stamp, p_pf, p_clock, p_n_miss, K,
+                           s_sel, s_miss, s_slot, s_ranked, s_ts, s_st, s_stamp, s_pf, BLOCK)
+    tl.debug_barrier()
+    n_valid = tl.load(p_counts + h * 3, volatile=True)
+    n_pf = _prefetch_body(h, p_tok, S - n_valid, n_miss, p_ranked, p_ts, p_st, p_stamp, p_pf, p_clock, 2 * K,
+                          p_loaded, p_victim, P, S, s_tok, s_ranked, s_ts, s_st, s_stamp, s_pf, s_loaded, s_victim,
+                          BP)
+    tl.debug_barrier()
+    _commit_order(p_ranked, s_ranked, p_ord, s_ord, h, S, n_miss, n_pf, n_hits, BS)
 
 
 @triton.jit
@@ -305,3 +370,30 @@ def insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched, clock, nu
                              BLOCK=next_pow2(num_slots), ORDER=order_s is not None,
                              num_warps=8 if num_slots > 2048 else 4)
     return victims
+
+
+def lru_step(sel, tokens, token_slot, slot_token, slot_stamp, prefetched, order_s, clock):
+    """A lookup of sel (H, K) and the prefetch of tokens (H, P) after it, with the heads' kept
+    order, in one launch: (slot, miss, counts, loaded, victims) as lookup_hits / lookup_install
+    and prefetch_install give them (the prefetch at most the room the lookup left, stamped from
+    clock + 2K)."""
+    H, K = sel.shape
+    P = tokens.shape[1]
+    S = order_s.shape[1]
+    _rows(sel, tokens, token_slot, slot_token, slot_stamp, prefetched, order_s)
+    dev = sel.device
+    slot = torch.empty(H, K, dtype=torch.int64, device=dev)
+    miss = torch.empty(H, K, dtype=torch.bool, device=dev)
+    counts = torch.empty(H, 3, dtype=torch.int64, device=dev)
+    n_miss = torch.empty(H, dtype=torch.int64, device=dev)
+    ranked_ = torch.empty(H, S, dtype=torch.int64, device=dev)
+    loaded = torch.empty(H, P, dtype=torch.bool, device=dev)
+    victims = torch.empty(H, P, dtype=torch.int64, device=dev)
+    pf = prefetched.view(torch.uint8)
+    _lru_step_kernel[(H,)](sel, token_slot, slot_token, slot_stamp, pf, clock, slot, miss.view(torch.uint8), counts,
+                           n_miss, order_s, ranked_, tokens, loaded.view(torch.uint8), victims, K, S, P,
+                           sel.stride(0), token_slot.stride(0), slot_token.stride(0), slot_stamp.stride(0),
+                           pf.stride(0), K, K, order_s.stride(0), S, tokens.stride(0), P, P,
+                           BLOCK=next_pow2(max(K, 1)), BS=next_pow2(S), BP=next_pow2(max(P, 1)),
+                           num_warps=8 if max(K, S) > 2048 else 4)
+    return slot, miss, counts, loaded, victims

@@ -106,3 +106,14 @@ def insert_one_triton(tokens: torch.Tensor, token_slot: torch.Tensor, slot_token
     the heads' LRU order (H, S), kept (the slot moves to its end), or None."""
     return kernel_module("_lru_triton").insert_one(tokens, token_slot, slot_token, slot_stamp, prefetched,
                                                    clock, num_slots, kv, head0, order_s)
+
+
+def lru_step_triton(sel: torch.Tensor, tokens: torch.Tensor, token_slot: torch.Tensor, slot_token: torch.Tensor,
+                    slot_stamp: torch.Tensor, prefetched: torch.Tensor, order_s: torch.Tensor,
+                    clock: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A decode step's lookup of sel (H, K) and its prefetch of tokens (H, P) in one launch
+    (HotBufferState.lookup_prefetch; lookup then prefetch is the reference), with the heads' kept
+    LRU order ``order_s`` (H, S), which it updates. Returns (slots, miss, counts, loaded,
+    prefetch slots)."""
+    return kernel_module("_lru_triton").lru_step(sel, tokens, token_slot, slot_token, slot_stamp, prefetched, order_s,
+                                                 clock)

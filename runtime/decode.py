@@ -192,9 +192,9 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
                  n_cand, cfg.sink_tokens, store_block=bs, kernels=cfg.decode_kernels, nb=nb)
     state = rows.hot.rows(batch.first_row, B)
     clock = batch.clock[ATTEND, layer]
-    slots, miss, counts = state.lookup(sel.tokens, clock, sel.prefetch.shape[1])   # counts: (B*H, 3)
-    # as many as the lookup left room for (S - selected), stamped after its stamps
-    loaded, prefetch_slots = state.prefetch(sel.prefetch)
+    # the lookup (counts: (B*H, 3)), then as many prefetches as it left room for (S - selected),
+    # stamped after its stamps; with the kernels one launch
+    slots, miss, counts, loaded, prefetch_slots = state.lookup_prefetch(sel.tokens, sel.prefetch, clock)
     # swap-in of misses and prefetches at fixed width (-1 rows copy nothing)
     tail = batch.tail_units.view(-1, 1) if host.quantized else None
     kernels = cfg.decode_kernels and use_triton(q)

@@ -38,6 +38,7 @@ from hi_sparse.kernels.lru import (
     insert_one_triton,
     install_slots,
     lookup_triton,
+    lru_step_triton,
     prefetch_triton,
     reference_install_slots,
 )
@@ -330,6 +331,19 @@ class HotBufferState:
         if prefetch:
             self._after_lookup = (order, miss.sum(1), counts, clock, K)
         return torch.where(miss, victims, slot), miss, counts
+
+    def lookup_prefetch(self, sel: torch.Tensor, tokens: torch.Tensor,
+                        clock: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A decode step's :meth:`lookup` of sel (H, K) and the :meth:`prefetch` of tokens (H, P)
+        that follows it (as many as the lookup left room for, stamped after its stamps): with the
+        kernels one launch, else the two calls. Returns (slots, miss, counts, loaded, prefetch
+        slots)."""
+        if self._kernels(sel, tokens):
+            self._bank.sync_order()
+            return lru_step_triton(sel, tokens, self.token_slot_s, self.slot_token_s, self.slot_stamp_s,
+                                   self.prefetched_s, self.order, self._clock(clock))
+        slot, miss, counts = self.lookup(sel, clock, tokens.shape[1])
+        return (slot, miss, counts, *self.prefetch(tokens))
 
     def _kernels(self, *index: torch.Tensor) -> bool:
         return self._bank.kernels and use_triton(self.slot_stamp_s, *index)

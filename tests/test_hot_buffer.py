@@ -135,7 +135,12 @@ def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = 
             cand_w = min(P, n)
             bank.room_for(ticks(selected=sel.shape[1], prefetched=cand_w))     # the lookup's and the prefetch's
             clock = bank.reserve(ticks(selected=sel.shape[1], prefetched=cand_w if implicit else 0))
-            slots, miss, counts = hb.lookup(sel, clock, P if shared else 0)
+            cand = torch.tensor([rng.sample(range(n), cand_w) for _ in range(H)], device=device) if P else None
+            fused = implicit and rng.random() < 0.5           # lookup_prefetch: with the kernels one launch
+            if fused:
+                slots, miss, counts, loaded, ps = hb.lookup_prefetch(sel, cand, clock)
+            else:
+                slots, miss, counts = hb.lookup(sel, clock, P if shared else 0)
             n_look, n_hit, n_used = counts.unbind(1)
             assert n_look.tolist() == [K] * H                # selected tokens per head
             lookups += int(n_look.sum())
@@ -147,8 +152,9 @@ def _against_the_oracle(seed: int, S: int, H: int, device: str, kernels: bool = 
             # the misses the caller copies in are exactly the selected tokens that were absent
             assert int(miss.sum()) == int(n_look.sum() - n_hit.sum())
             if P:
-                cand = torch.tensor([rng.sample(range(n), cand_w) for _ in range(H)], device=device)
-                if implicit:
+                if fused:
+                    pass
+                elif implicit:
                     loaded, ps = hb.prefetch(cand)
                 else:
                     limit = torch.tensor([S - K] * H, device=device)
