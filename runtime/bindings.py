@@ -31,6 +31,8 @@ class Binding:
         self.finalizer: weakref.finalize | None = None
         # the RMSNorm modules whose forward fused_norms.install replaced (weakly: the model owns them)
         self.fused_norms: list[weakref.ref] = []
+        # the modeling modules whose apply_rotary_pos_emb runs fused for this model (fused_rotary)
+        self.fused_rotary: list[str] = []
         self._module_ids = frozenset(id(m) for m in modules)
 
     @property

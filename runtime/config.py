@@ -126,6 +126,12 @@ class HiSparseConfig:
                                          # instead of ~8 kernels (kernels/norm.py, fused_norms.py).
                                          # None or True: where its weight is on CUDA (the CPU runs
                                          # the module's own torch code either way); False: never
+    fused_rotary: bool | None = None     # transformers models: the rotary embedding of each layer's
+                                         # q and k (the modeling module's apply_rotary_pos_emb,
+                                         # checked bit for bit first) as one Triton launch instead
+                                         # of ~10 kernels, inside the model's forwards only
+                                         # (kernels/rotary.py, fused_rotary.py). None or True: where
+                                         # the model is on CUDA; False: never
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True
@@ -220,6 +226,8 @@ class HiSparseConfig:
              f"decode_kernels must be True or False, got {self.decode_kernels!r}")
         need(self.fused_norms is None or isinstance(self.fused_norms, bool),
              f"fused_norms must be True, False or None (fused on CUDA), got {self.fused_norms!r}")
+        need(self.fused_rotary is None or isinstance(self.fused_rotary, bool),
+             f"fused_rotary must be True, False or None (fused on CUDA), got {self.fused_rotary!r}")
         need(self.audit_measure in AUDIT_MEASURES,
              f"audit_measure must be one of {', '.join(map(repr, AUDIT_MEASURES))}, got {self.audit_measure!r}")
         need(0.0 <= self.drift_floor <= 1.0, f"drift_floor must be in [0, 1], got {self.drift_floor}")

@@ -29,7 +29,17 @@ from typing import Any
 
 import torch
 
-from . import fused_norms, hf_attention, hf_cache, hf_compat, hf_generate, hf_options, hf_support, step_graph
+from . import (
+    fused_norms,
+    fused_rotary,
+    hf_attention,
+    hf_cache,
+    hf_compat,
+    hf_generate,
+    hf_options,
+    hf_support,
+    step_graph,
+)
 from .bindings import BINDINGS as _BINDINGS, Binding, binding_of
 from .hf_options import HiSparseOptionError
 from .hf_support import UnsupportedModelError
@@ -165,7 +175,7 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     Options (HiSparseConfig fields, docs/runtime.md): max_seq_len, block_size (alias
     cache_block_size), window_size, global_tokens, top_k, device_buffer_tokens, kv_dtype,
     host_kv_bits, metadata_device, recalibrate_every, recalibrate_topk, streaming, telemetry,
-    fused_norms, name. Supported: Llama, Mistral, Qwen2 and Qwen3 models (GQA included) in
+    fused_norms, fused_rotary, name. Supported: Llama, Mistral, Qwen2 and Qwen3 models (GQA included) in
     float32, float16 or bfloat16, batch size 1 or left-padded batches, greedy or sampled
     generation.
     Raises UnsupportedModelError / HiSparseOptionError (both ValueError) naming the problem.
@@ -201,15 +211,18 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
                             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                             device=device, dtype=dtype, model_name=family,
                             layer_devices=_layer_devices(modules, device))
-    _attach(model, base_model, Binding(engine, cfg, shape, modules, previous_attn))
+    _attach(model, base_model, Binding(engine, cfg, shape, modules, previous_attn), modules)
     return model
 
 
-def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Binding) -> None:
-    """Switch ``model``'s attention to HiSparse, fuse its RMSNorms and hook its forward; closes
-    ``binding`` (and puts the norms back) if the model refuses the switch."""
+def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Binding,
+            modules: list[torch.nn.Module]) -> None:
+    """Switch ``model``'s attention to HiSparse, fuse its RMSNorms and rotary embedding and hook
+    its forward; closes ``binding`` (and puts the norms and the rotary function back) if the model
+    refuses the switch."""
     try:
         binding.fused_norms = fused_norms.install(model, binding.config.fused_norms)
+        binding.fused_rotary = fused_rotary.install(binding, modules, binding.config.fused_rotary)
         model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != hf_attention.ATTN_IMPLEMENTATION:
             raise UnsupportedModelError(
@@ -218,6 +231,8 @@ def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Bindin
     except Exception:
         fused_norms.uninstall(binding.fused_norms)
         binding.fused_norms = []
+        fused_rotary.uninstall(binding, binding.fused_rotary)
+        binding.fused_rotary = []
         binding.close()
         raise
     hooks = _Hooks(binding, base_model)
@@ -245,6 +260,8 @@ def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
     step_graph.uninstall(getattr(model, "base_model", model))
     fused_norms.uninstall(binding.fused_norms)
     binding.fused_norms = []
+    fused_rotary.uninstall(binding, binding.fused_rotary)
+    binding.fused_rotary = []
     if binding.previous_attn and binding.previous_attn != hf_attention.ATTN_IMPLEMENTATION:
         model.set_attn_implementation(binding.previous_attn)
     binding.close()

@@ -974,6 +974,89 @@ def _fused_norms_in_a_model(dtype: torch.dtype) -> None:
     _need(not any("forward" in vars(m) for m in norms), "disable left a fused forward behind")
 
 
+def _rotary(dtype: torch.dtype, B: int, Hq: int, Hk: int, T: int, D: int, cos_b: int) -> None:
+    """kernels.rotary against transformers' apply_rotary_pos_emb, bit for bit: q a transposed view
+    (as the attention forward passes it), k contiguous, cos and sin of batch 1 (broadcast) or B,
+    of large positions (angles whose products round)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hi_sparse.kernels.rotary import reference_rotary, rotary, supported
+    g = torch.Generator().manual_seed(D + T)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).transpose(1, 2)
+    k = (3 * torch.randn(B, Hk, T, D, generator=g)).to(dtype)
+    pos = torch.randint(0, 100000, (cos_b, T), generator=g).double()
+    angles = pos[..., None] * 1e4 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    _need(supported(q, k, cos, sin), "the kernel does not take these")
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    got = rotary(q, k, cos, sin)
+    for name, w, r, o in zip("qk", want, reference_rotary(q, k, cos, sin), got):
+        _need(torch.equal(w, r), f"the reference's {name} differs from transformers'")
+        _need(o.shape == w.shape and o.dtype == w.dtype, f"{name}: {o.shape} {o.dtype}")
+        _need(torch.equal(o, w), f"{name}: {int((o != w).sum())} of {w.numel()} elements differ")
+
+
+def _fused_rotary_in_a_model(dtype: torch.dtype) -> None:
+    """enable_hisparse_kv_cache(fused_rotary=True) on a tiny random Llama: every layer's rotary
+    embedding runs the kernel inside the model's forwards, the greedy tokens and logits equal
+    those of the same model with fused_rotary=False bit for bit, a call outside a HiSparse
+    forward runs the original function, and disabling the last such model puts it back."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    import hi_sparse as hs
+    from hi_sparse import fused_rotary
+    from hi_sparse.integration import binding_of
+
+    original = modeling_llama.apply_rotary_pos_emb
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(0)
+    models = [LlamaForCausalLM(LlamaConfig(**kw)).to(dtype).eval() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    opts = dict(max_seq_len=64, block_size=8, window_size=8, global_tokens=0, top_k=32, telemetry=False)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(5))
+    name = modeling_llama.__name__
+    out = []
+    try:
+        for model, fused in zip(models, (True, False, True)):
+            model.generation_config.eos_token_id = None
+            hs.enable_hisparse_kv_cache(model, **opts, fused_rotary=fused)
+            _need(binding_of(model).fused_rotary == ([name] if fused else []),
+                  f"fused_rotary={fused}: {binding_of(model).fused_rotary}")
+        patch = fused_rotary.patch_of(name)
+        _need(patch is not None and len(patch.bindings) == 2, "the wrapper is not installed once for two models")
+        for model, fused in zip(models[:2], (True, False)):
+            before = patch.calls
+            with torch.no_grad():
+                out.append(model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, output_logits=True,
+                                          return_dict_in_generate=True))
+            calls = patch.calls - before
+            _need(calls == (2 * 3 if fused else 0),
+                  f"fused_rotary={fused}: {calls} fused calls in 3 forwards of 2 layers")
+        q, k = torch.randn(1, 4, 2, 16).to(dtype), torch.randn(1, 2, 2, 16).to(dtype)
+        cos, sin = torch.randn(1, 2, 16).to(dtype), torch.randn(1, 2, 16).to(dtype)
+        before = patch.calls
+        modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)       # outside any HiSparse forward
+        _need(patch.calls == before, "a call outside the model's forward ran the kernel")
+        _need(torch.equal(out[0].sequences, out[1].sequences), "the greedy tokens differ")
+        for a, b in zip(out[0].logits, out[1].logits):
+            _need(torch.equal(a, b), f"the logits differ by {_rel(a.float(), b.float()):.2e}")
+        hs.disable_hisparse_kv_cache(models[0])
+        _need(fused_rotary.patch_of(name) is patch, "disabling one of two models removed the wrapper")
+        hs.disable_hisparse_kv_cache(models[2])
+        _need(modeling_llama.apply_rotary_pos_emb is original, "disabling the last model left the wrapper")
+    finally:                                        # a failed case leaves no wrapper for the next
+        for model in models:
+            try:
+                hs.disable_hisparse_kv_cache(model)
+            except ValueError:                      # not enabled (any more)
+                pass
+        modeling_llama.apply_rotary_pos_emb = original
+
+
 CASES: dict[str, Callable[[], None]] = {
     "attention-fp32-d60-split": lambda: _attention(1, 4, 2, 50, 60, 100, torch.float32, 1e-5),
     "attention-fp16-d64-single": lambda: _attention(2, 8, 4, 40, 64, 40, torch.float16, 5e-3),
@@ -1116,6 +1199,12 @@ CASES: dict[str, Callable[[], None]] = {
     "rms_norm-bf16-strided-fp32-weight": lambda: _rms_norm(torch.bfloat16, (2, 3), 96, torch.float32, row_pad=8),
     "fused-norms-in-a-model-fp32": lambda: _fused_norms_in_a_model(torch.float32),
     "fused-norms-in-a-model-bf16": lambda: _fused_norms_in_a_model(torch.bfloat16),
+    # rotary embedding (kernels/rotary.py): one decode token, a prompt of several, cos of batch B
+    "rotary-bf16-decode": lambda: _rotary(torch.bfloat16, 1, 8, 2, 1, 64, 1),
+    "rotary-fp16-prompt-batch-cos": lambda: _rotary(torch.float16, 3, 6, 3, 5, 32, 3),
+    "rotary-fp32-gqa-d128": lambda: _rotary(torch.float32, 2, 4, 1, 3, 128, 1),
+    "fused-rotary-in-a-model-fp32": lambda: _fused_rotary_in_a_model(torch.float32),
+    "fused-rotary-in-a-model-bf16": lambda: _fused_rotary_in_a_model(torch.bfloat16),
 }
 
 

@@ -30,7 +30,7 @@ def test_interpreter_really_ran_the_triton_kernels(interpreter_run):
         "hi_sparse.kernels._attention_triton", "hi_sparse.kernels._bounds_triton",
         "hi_sparse.kernels._counts_triton", "hi_sparse.kernels._lru_triton", "hi_sparse.kernels._norm_triton",
         "hi_sparse.kernels._probe_triton", "hi_sparse.kernels._quant_triton", "hi_sparse.kernels._recent_triton",
-        "hi_sparse.kernels._select_triton",
+        "hi_sparse.kernels._rotary_triton", "hi_sparse.kernels._select_triton",
         "hi_sparse.kernels._swap_in_triton"]
 
 
