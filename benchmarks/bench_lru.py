@@ -9,7 +9,8 @@ the same slots as topk. CUDA graphs hold each variant (the decode step runs in o
 times are of the kernels, not their launches. Then a decode step's append of one token per head
 (rows = batch x KV heads): the least recent slot by ``argmin`` and the install kernel, against
 the one-launch ``insert_one`` kernel (hot_buffer.HotBufferState.insert on CUDA). On a GPU also
-the lookup's ranking taken from the bank's kept order (``ranked``) against the sort.
+the lookup's ranking taken from the bank's kept order (``ranked``) against the sort, and a decode
+step's lookup and prefetch in one launch (``lru_step``) against the four kernels of the two calls.
 
     python benchmarks/bench_lru.py [--heads 8,192] [--slots 4096] [--k 2112,64,1] [--append-rows 8,192]
 """
@@ -103,6 +104,7 @@ def main() -> int:
     if dev.type == "cuda":
         kept_order(args, g, dev, timed)
         append(args, dev, timed)
+        lookup_prefetch(args, g, dev, timed)
     return 0
 
 
@@ -162,3 +164,52 @@ def append(args, dev: torch.device, timed) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def lookup_prefetch(args, g: torch.Generator, dev: torch.device, timed) -> None:
+    """A decode step's lookup of K = 2,048 selected tokens (half of them resident) and the
+    prefetch of P = 80 after it, on full hot buffers of 4,096 slots a head: one launch
+    (``HotBufferState.lookup_prefetch``, the ``lru_step`` kernel) against the two calls' four
+    (hits, ranked, install, prefetch). Each call first restores the state (five copies); the
+    restore alone is timed too and taken off. Checked: both leave the same state."""
+    from hi_sparse.hot_buffer import HotBufferBank, ticks
+
+    S = args.slots
+    K, P = min(2048, S // 2), 80
+    print(f"\n| heads | a decode step's lookup ({K}, half resident) and prefetch ({P}) | us per call | "
+          "same state |\n|---|---|---:|---|")
+    for heads in [int(x) for x in args.heads.split(",")]:
+        bank = HotBufferBank(heads, S, dev, rows=1, kernels=True)
+        hb = bank.rows(0)
+        hb.ensure_tokens(4 * S)
+        hb.insert(torch.arange(S, device=dev), bank.reserve(ticks(inserted=S)))
+        bank.sync_order()
+        sel = torch.stack([torch.cat((torch.randperm(S, generator=g)[:K // 2],
+                                      S + torch.randperm(2 * S, generator=g)[:K - K // 2]))
+                           [torch.randperm(K, generator=g)] for _ in range(heads)]).to(dev)
+        pre = (3 * S + torch.arange(P)).expand(heads, P).contiguous().to(dev)
+        clock = torch.tensor(bank.reserve(ticks(selected=K, prefetched=P)), device=dev)
+        state = bank.buffers()
+        saved = [t.clone() for t in state]
+
+        def restore():
+            for t, s0 in zip(state, saved):
+                t.copy_(s0)
+
+        def one_launch():
+            restore()
+            hb.lookup_prefetch(sel, pre, clock)
+
+        def four_launches():
+            restore()
+            hb.lookup(sel, clock, P)
+            hb.prefetch(pre)
+
+        ends = []
+        for fn in (one_launch, four_launches):
+            fn()
+            ends.append([t.clone() for t in state])
+        same = all(torch.equal(a, b) for a, b in zip(*ends))
+        base = timed(restore)
+        for name, fn in (("lru_step (one launch)", one_launch), ("lookup + prefetch (four launches)", four_launches)):
+            print(f"| {heads} | {name} | {timed(fn) - base:.1f} | {same} |", flush=True)
