@@ -162,9 +162,6 @@ def append(args, dev: torch.device, timed) -> None:
             print(f"| {rows} | {name} | {timed(fn):.1f} |", flush=True)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def lookup_prefetch(args, g: torch.Generator, dev: torch.device, timed) -> None:
     """A decode step's lookup of K = 2,048 selected tokens (half of them resident) and the
@@ -213,3 +210,7 @@ def lookup_prefetch(args, g: torch.Generator, dev: torch.device, timed) -> None:
         base = timed(restore)
         for name, fn in (("lru_step (one launch)", one_launch), ("lookup + prefetch (four launches)", four_launches)):
             print(f"| {heads} | {name} | {timed(fn) - base:.1f} | {same} |", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
