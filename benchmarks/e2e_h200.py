@@ -307,6 +307,9 @@ def main() -> int:
     ap.add_argument("--no-decode-kernels", action="store_true",
                     help="decode_kernels=False: the selection's assembly, the hot buffer, the key bounds and the "
                          "swap-in rows by their torch references instead of the Triton kernels (the default)")
+    ap.add_argument("--no-fused-rotary", action="store_true",
+                    help="fused_rotary=False: the model's own rotary embedding (about ten kernels a layer) instead "
+                         "of the one-launch kernel (the default on CUDA); for an A/B in one call")
     ap.add_argument("--no-graphs", action="store_true",
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
@@ -456,6 +459,7 @@ def main() -> int:
                                                 top_k=args.top_k, host_kv_bits=bits, telemetry=telemetry,
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
                                                 decode_kernels=not (args.no_decode_kernels or label.endswith("-torch")),
+                                                fused_rotary=False if args.no_fused_rotary else None,
                                                 decode_graphs=False if args.no_graphs else
                                                 "step" if args.step_graphs or "-step" in label
                                                 else True)
