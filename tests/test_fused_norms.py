@@ -23,7 +23,8 @@ from hi_sparse.kernels._dispatch import FORCE_ENV
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = dict(max_seq_len=64, block_size=8, window_size=8, global_tokens=0, top_k=32, telemetry=False)
+SMALL = dict(max_seq_len=64, block_size=8, window_size=8, global_tokens=0, top_k=32, telemetry=False,
+             fused_rotary=False)   # forced "Triton" on the CPU: the rotary kernel would need the interpreter
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 DTYPES = [pytest.param(torch.float32, id="fp32"), *HALF]
 
