@@ -47,6 +47,13 @@ STAMP = torch.int32
 STAMP_MAX = torch.iinfo(STAMP).max
 
 
+# A decode step's lookup and prefetch run as one launch (lru_step, one program per head, a barrier
+# between its phases) up to this many heads (batch x KV heads), else as the four kernels of the two
+# calls. H200, bench_lru.py (S 4,096, K 2,048 half resident, P 80; CUDA graphs): 8 heads 18.7 us
+# against 22.4; 192 heads 47.9 against 43.3 (the phases' barriers cost more than the launches
+# there). Between the two not measured: 64 is a guess.
+LRU_STEP_MAX_HEADS = 64
+
 def ticks(inserted: int = 0, selected: int = 0, prefetched: int = 0) -> int:
     """Stamps a step takes from the clock: one per inserted token (at most the S slots), two per
     selected token (misses, then hits) and one per prefetch position (the widths, not the data)."""
@@ -336,9 +343,9 @@ class HotBufferState:
                         clock: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A decode step's :meth:`lookup` of sel (H, K) and the :meth:`prefetch` of tokens (H, P)
         that follows it (as many as the lookup left room for, stamped after its stamps): with the
-        kernels one launch, else the two calls. Returns (slots, miss, counts, loaded, prefetch
-        slots)."""
-        if self._kernels(sel, tokens):
+        kernels one launch up to LRU_STEP_MAX_HEADS heads, else the two calls (with the kernels
+        four launches). Returns (slots, miss, counts, loaded, prefetch slots)."""
+        if self._kernels(sel, tokens) and sel.shape[0] <= LRU_STEP_MAX_HEADS:
             self._bank.sync_order()
             return lru_step_triton(sel, tokens, self.token_slot_s, self.slot_token_s, self.slot_stamp_s,
                                    self.prefetched_s, self.order, self._clock(clock))

@@ -481,11 +481,15 @@ def _prefetch_room() -> None:
           "the kernel's stamps or slots differ from the torch path's")
 
 
-def _engine_decode_kernels(bits: int | None = None, T: int = 200, group: int = 16) -> None:
+def _engine_decode_kernels(bits: int | None = None, T: int = 200, group: int = 16,
+                           lru_step_heads: int | None = None) -> None:
     """Decode steps of an engine with decode_kernels (the selection's assembly and the hot buffer's
     lookup, prefetch and install as Triton kernels) leave the same LRU state, hit counts and
     outputs as one on the torch reference. T 800 and group 2: two-level scoring applies (48
-    blocks and more), and its listed blocks are ranked as they are (selection.select)."""
+    blocks and more), and its listed blocks are ranked as they are (selection.select).
+    lru_step_heads: hot_buffer.LRU_STEP_MAX_HEADS for the run (0: the four-launch lookup and
+    prefetch)."""
+    from hi_sparse import hot_buffer
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
     from hi_sparse.metrics import DEVICE_COUNTERS
@@ -499,11 +503,17 @@ def _engine_decode_kernels(bits: int | None = None, T: int = 200, group: int = 1
     steps = [(torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g),
               torch.randn(1, 2, 1, 16, generator=g)) for _ in range(10)]   # crosses a block at 208
     results = []
+    limit = hot_buffer.LRU_STEP_MAX_HEADS
     for kernels in (True, False):
         eng = HiSparseEngine(HiSparseConfig(**base, decode_kernels=kernels), 1, 4, 2, 16)
         sid = eng.add_sequences(1)
         run_prefill(eng, sid, k, v, q)
-        outs = [run_decode(eng, sid, *step) for step in steps]
+        if lru_step_heads is not None:
+            hot_buffer.LRU_STEP_MAX_HEADS = lru_step_heads
+        try:
+            outs = [run_decode(eng, sid, *step) for step in steps]
+        finally:
+            hot_buffer.LRU_STEP_MAX_HEADS = limit
         bank = eng.layers[0].hot
         bounds = [eng.layers[0].bank.t[name].clone() for name in ("kmin", "kmax", "smin", "smax")]
         results.append((outs, [t.clone() for t in (bank.slot_token, bank.slot_stamp, bank.prefetched,
@@ -1161,6 +1171,8 @@ CASES: dict[str, Callable[[], None]] = {
     "decode-kernels-in-an-engine": _engine_decode_kernels,
     "decode-kernels-in-an-engine-int4": lambda: _engine_decode_kernels(4),
     "decode-kernels-in-an-engine-two-level": lambda: _engine_decode_kernels(4, T=800, group=2),
+    # the lookup and prefetch as four launches (the path of many heads: LRU_STEP_MAX_HEADS)
+    "decode-kernels-in-an-engine-four-lru-launches": lambda: _engine_decode_kernels(4, lru_step_heads=0),
     "select-assembly-sinks4-prefetch1-anchors6": lambda: _select(4, 1, 1, 6, 0),
     "select-assembly-nosinks-noprefetch-noanchors": lambda: _select(0, 1, 0, 0, 1),
     "select-assembly-storage-block-x2": lambda: _select(4, 2, 1, 6, 2),
