@@ -116,16 +116,20 @@ def prefill(model, ids: torch.Tensor, cache, chunk: int):
 
 
 def decode(model, cache, first: torch.Tensor, steps: int, device: str,
-           repeat_token: bool = False) -> tuple[list[float], torch.Tensor]:
+           repeat_token: bool = False, host_times: list | None = None) -> tuple[list[float], torch.Tensor]:
     """Greedy decode ``steps`` tokens; returns per-step seconds and the logits of each step.
     repeat_token: feed ``first`` at every step instead (a run of one token: consecutive queries
-    differ by position only, the high-locality workload)."""
+    differ by position only, the high-locality workload). host_times: appended, per step, the
+    seconds until the forward call returned (its host work, the device work it waits for included:
+    against the step's time it says how much of the step the host's own work takes)."""
     times, logits = [], []
     tok = first
     for _ in range(steps):
         sync(device)
         t0 = time.perf_counter()
         out = model(input_ids=tok, **{CACHE: cache}, use_cache=True)
+        if host_times is not None:
+            host_times.append(time.perf_counter() - t0)
         sync(device)
         times.append(time.perf_counter() - t0)
         cache = output_cache(out)
@@ -490,12 +494,15 @@ def main() -> int:
                         st = eng.stats
                         before = (st.hot_buffer_lookups, st.hot_buffer_hits)
                     agent = start_agent(row, args.json) if label.endswith("+easymats") else None
+                    host: list[float] = []
                     try:
-                        times, _ = decode(model, cache, first, args.decode_steps, device, repeat_token)
+                        times, _ = decode(model, cache, first, args.decode_steps, device, repeat_token, host)
                     finally:
                         stop_agent(agent, row)
                     steady = times[2:] or times
                     row["decode_step_ms_median"] = 1e3 * median(steady)
+                    # until the forward returned (host work; a sync inside it waits for the device)
+                    row["decode_call_ms_median"] = 1e3 * median(host[2:] or host)
                     row["decode_step_ms_all"] = [round(1e3 * t, 2) for t in times]
                     row["decode_tokens_per_s"] = B / median(steady)
                     row["decode_tokens_per_s_mean"] = B * len(steady) / sum(steady)

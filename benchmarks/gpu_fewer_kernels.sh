@@ -19,10 +19,11 @@ fi
 if [ "${SUITE:-tests/}" != none ]; then
   timeout ${SUITE_TIMEOUT:-450} $PY -m pytest -q -m gpu -p no:cacheprovider -rs ${SUITE:-tests/} 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
 fi
-# PROFILE=1: the device profiles of the 1 x 128K and the 24 x 128K steps too (graphs off: every
+# PROFILE=1: the device profiles of the 1 x 128K and the 24 x 128K steps too (PROFILE_ARGS=--graphs
+# for the 1 x 128K step replayed from its whole-step graph; without it graphs are off: every
 # kernel named), ~200 s more; use it with SUITE=none
 if [ "${PROFILE:-0}" = 1 ]; then
-  timeout 110 $PY benchmarks/decode_profile.py --context 131072 --top 40 2>&1 | tee "$OUT/profile_single.txt" \
+  timeout 110 $PY benchmarks/decode_profile.py --context 131072 --top 40 ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_single.txt" \
     | grep -v USDT | tail -46
   timeout 150 $PY benchmarks/decode_profile.py --context 131072 --batch 24 --planted 24 2>&1 | tee "$OUT/profile_batch.txt" \
     | grep -v USDT | tail -40
