@@ -2,8 +2,9 @@
 # The decode step timed on the H200 (issue 21; since the eighth session): one sequence at 32K and
 # 128K, 24 planted forks at 128K (whole-step graphs, int4 host, fused RMSNorms and rotary); then the
 # gpu tests (the whole suite by default; SUITE="tests/a.py tests/b.py" for a part, SUITE=none for none).
-# The whole suite takes ~320-400 s on the H200 (457 tests in the tenth session; 427 ran in 350 s): with the e2e rows (~230 s)
-# that passes a call's 600 s, so run E2E=0 for the suite alone and SUITE=none for the rows.
+# The whole suite takes ~320-400 s on the H200 (457 tests in the tenth session; 427 ran in 350 s):
+# with the e2e rows (~230 s) that passes a call's 600 s, so run E2E=0 for the suite alone and
+# SUITE=none for the rows.
 # Carry .whl (`make device-wheels`).
 #   bash benchmarks/gpu_fewer_kernels.sh            (results in $OUT)
 #   SUITE=none bash benchmarks/gpu_fewer_kernels.sh; E2E=0 bash benchmarks/gpu_fewer_kernels.sh   (two calls)
