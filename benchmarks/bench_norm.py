@@ -13,7 +13,7 @@ import argparse
 import sys
 
 import torch
-from graph_timing import graph_us as timed
+from graph_timing import graph_us as timed, missing_gpu_or_triton
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -26,16 +26,11 @@ def main() -> int:
     ap.add_argument("--eps", type=float, default=1e-5)
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_norm.py needs a CUDA GPU (it times CUDA graphs); none is visible here", file=sys.stderr)
+    if missing_gpu_or_triton("bench_norm.py"):
         return 2
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from hi_sparse.kernels import rms_norm
-    from hi_sparse.kernels._dispatch import triton_available
-    if not triton_available():
-        print("bench_norm.py needs Triton (pip install triton, the gpu extra)", file=sys.stderr)
-        return 2
 
     dtype = DTYPES[args.dtype]
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, eps {args.eps}, {args.reps} calls per graph")

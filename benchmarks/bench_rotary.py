@@ -15,7 +15,7 @@ import argparse
 import sys
 
 import torch
-from graph_timing import graph_us as timed
+from graph_timing import graph_us as timed, missing_gpu_or_triton
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -29,16 +29,11 @@ def main() -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_rotary.py needs a CUDA GPU (it times CUDA graphs); none is visible here", file=sys.stderr)
+    if missing_gpu_or_triton("bench_rotary.py"):
         return 2
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from hi_sparse.kernels._dispatch import triton_available
     from hi_sparse.kernels.rotary import rotary
-    if not triton_available():
-        print("bench_rotary.py needs Triton (pip install triton, the gpu extra)", file=sys.stderr)
-        return 2
 
     dtype = DTYPES[args.dtype]
     hq, hk = (int(v) for v in args.heads.split(","))

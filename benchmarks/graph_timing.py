@@ -2,7 +2,22 @@
 (without their launches' host cost). Shared by the bench_*.py kernel benchmarks."""
 from __future__ import annotations
 
+import sys
+
 import torch
+
+
+def missing_gpu_or_triton(script: str) -> bool:
+    """True (after saying why on stderr) when there is no CUDA GPU to time graphs on, or no Triton
+    for the kernel a benchmark times against."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (it times CUDA graphs); none is visible here", file=sys.stderr)
+        return True
+    from hi_sparse.kernels._dispatch import triton_available
+    if not triton_available():
+        print(f"{script} needs Triton (pip install triton, the gpu extra)", file=sys.stderr)
+        return True
+    return False
 
 
 def graph_us(fn, reps: int, replays: int = 1) -> float:

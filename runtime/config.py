@@ -225,10 +225,10 @@ class HiSparseConfig:
              f"got {self.background_recalibration!r}")
         need(isinstance(self.decode_kernels, bool),
              f"decode_kernels must be True or False, got {self.decode_kernels!r}")
-        need(self.fused_norms is None or isinstance(self.fused_norms, bool),
-             f"fused_norms must be True, False or None (fused on CUDA), got {self.fused_norms!r}")
-        need(self.fused_rotary is None or isinstance(self.fused_rotary, bool),
-             f"fused_rotary must be True, False or None (fused on CUDA), got {self.fused_rotary!r}")
+        for name in ("fused_norms", "fused_rotary"):
+            value = getattr(self, name)
+            need(value is None or isinstance(value, bool),
+                 f"{name} must be True, False or None (fused on CUDA), got {value!r}")
         need(self.audit_measure in AUDIT_MEASURES,
              f"audit_measure must be one of {', '.join(map(repr, AUDIT_MEASURES))}, got {self.audit_measure!r}")
         need(0.0 <= self.drift_floor <= 1.0, f"drift_floor must be in [0, 1], got {self.drift_floor}")

@@ -15,8 +15,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import hi_sparse as hs
 from hi_sparse import fused_norms
-from hi_sparse.config import HiSparseConfig
-from hi_sparse.hf_options import HiSparseOptionError, build_config
 from hi_sparse.integration import binding_of
 from hi_sparse.kernels import reference_rms_norm, rms_norm
 from hi_sparse.kernels._dispatch import FORCE_ENV
@@ -88,18 +86,6 @@ def reference_kernel(monkeypatch):
 
     monkeypatch.setattr(fused_norms, "rms_norm", kernel)
     return calls
-
-
-@pytest.mark.parametrize("value", ["yes", 1, 0.0, "True"])
-def test_a_bad_fused_norms_is_refused_naming_the_choices(value):
-    with pytest.raises(HiSparseOptionError) as err:
-        build_config(HiSparseConfig, dict(fused_norms=value), default_name="llama")
-    assert "fused_norms must be True, False or None" in str(err.value) and repr(value) in str(err.value)
-
-
-@pytest.mark.parametrize("value", [None, True, False])
-def test_fused_norms_accepts_true_false_and_none(value):
-    assert build_config(HiSparseConfig, dict(fused_norms=value), default_name="llama").fused_norms is value
 
 
 @pytest.mark.parametrize("setting", [None, True])

@@ -16,8 +16,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hi_sparse as hs
 from hi_sparse import fused_rotary
-from hi_sparse.config import HiSparseConfig
-from hi_sparse.hf_options import HiSparseOptionError, build_config
 from hi_sparse.integration import binding_of
 from hi_sparse.kernels import rotary as rotary_module
 from hi_sparse.kernels._dispatch import FORCE_ENV
@@ -72,18 +70,6 @@ def reference_kernel(monkeypatch):
 
     monkeypatch.setattr(fused_rotary, "rotary", kernel)
     return calls
-
-
-@pytest.mark.parametrize("value", ["yes", 1, 0.0, "True"])
-def test_a_bad_fused_rotary_is_refused_naming_the_choices(value):
-    with pytest.raises(HiSparseOptionError) as err:
-        build_config(HiSparseConfig, dict(fused_rotary=value), default_name="llama")
-    assert "fused_rotary must be True, False or None" in str(err.value) and repr(value) in str(err.value)
-
-
-@pytest.mark.parametrize("value", [None, True, False])
-def test_fused_rotary_accepts_true_false_and_none(value):
-    assert build_config(HiSparseConfig, dict(fused_rotary=value), default_name="llama").fused_rotary is value
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

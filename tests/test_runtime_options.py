@@ -51,6 +51,23 @@ def test_each_bad_option_is_refused_naming_itself_and_the_fix(options, names):
         assert word in str(err.value), str(err.value)
 
 
+FUSED = ["fused_norms", "fused_rotary"]     # the model's own small kernels fused: True, False, None
+
+
+@pytest.mark.parametrize("option", FUSED)
+@pytest.mark.parametrize("value", ["yes", 1, 0.0, "True"])
+def test_a_bad_fused_option_is_refused_naming_the_choices(option, value):
+    with pytest.raises(HiSparseOptionError) as err:
+        build_config(HiSparseConfig, {option: value}, default_name="llama")
+    assert f"{option} must be True, False or None" in str(err.value) and repr(value) in str(err.value)
+
+
+@pytest.mark.parametrize("option", FUSED)
+@pytest.mark.parametrize("value", [None, True, False])
+def test_a_fused_option_accepts_true_false_and_none(option, value):
+    assert getattr(build_config(HiSparseConfig, {option: value}, default_name="llama"), option) is value
+
+
 @pytest.mark.parametrize("options", [dict(global_tokens=2.5), dict(max_seq_len=2**40), dict(name="a\x00b")],
                          ids=["float-global_tokens", "absurd-max_seq_len", "nul-name"])
 def test_enable_refuses_before_building_anything(options):
