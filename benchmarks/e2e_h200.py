@@ -314,6 +314,9 @@ def main() -> int:
     ap.add_argument("--no-fused-rotary", action="store_true",
                     help="fused_rotary=False: the model's own rotary embedding (about ten kernels a layer) instead "
                          "of the one-launch kernel (the default on CUDA); for an A/B in one call")
+    ap.add_argument("--no-fused-projections", action="store_true",
+                    help="fused_projections=False: each layer's seven weight GEMMs as the model runs them instead "
+                         "of q/k/v and gate/up fused (five; the default on CUDA); for an A/B in one call")
     ap.add_argument("--no-graphs", action="store_true",
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
@@ -464,6 +467,7 @@ def main() -> int:
                                                 audit_every=0, name="e2e", host_pool_blocks=pool_blocks,
                                                 decode_kernels=not (args.no_decode_kernels or label.endswith("-torch")),
                                                 fused_rotary=False if args.no_fused_rotary else None,
+                                                fused_projections=False if args.no_fused_projections else None,
                                                 decode_graphs=False if args.no_graphs else
                                                 "step" if args.step_graphs or "-step" in label
                                                 else True)

@@ -33,6 +33,8 @@ class Binding:
         self.fused_norms: list[weakref.ref] = []
         # the modeling modules whose apply_rotary_pos_emb runs fused for this model (fused_rotary)
         self.fused_rotary: list[str] = []
+        # the projection groups whose GEMMs fused_projections.install fused (fused_projections)
+        self.fused_projections: list = []
         self._module_ids = frozenset(id(m) for m in modules)
 
     @property

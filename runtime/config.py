@@ -133,6 +133,11 @@ class HiSparseConfig:
                                          # of ~10 kernels, inside the model's forwards only
                                          # (kernels/rotary.py, fused_rotary.py). None or True: where
                                          # the model is on CUDA; False: never
+    fused_projections: bool | None = None  # transformers models: each layer's q, k and v projections
+                                         # as one GEMM and its MLP's gate and up as one (their
+                                         # weights made views of one tensor: no extra memory;
+                                         # fused_projections.py). None: where the weights are on
+                                         # CUDA; True: on any device; False: never
     streaming: bool = False              # bounded host pool overwrites unimportant blocks
     host_pool_blocks: int | None = None  # host pool capacity in blocks; None -> grows on demand
     telemetry: bool = True
@@ -225,7 +230,7 @@ class HiSparseConfig:
              f"got {self.background_recalibration!r}")
         need(isinstance(self.decode_kernels, bool),
              f"decode_kernels must be True or False, got {self.decode_kernels!r}")
-        for name in ("fused_norms", "fused_rotary"):
+        for name in ("fused_norms", "fused_rotary", "fused_projections"):
             value = getattr(self, name)
             need(value is None or isinstance(value, bool),
                  f"{name} must be True, False or None (fused on CUDA), got {value!r}")

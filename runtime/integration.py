@@ -31,6 +31,7 @@ import torch
 
 from . import (
     fused_norms,
+    fused_projections,
     fused_rotary,
     hf_attention,
     hf_cache,
@@ -175,8 +176,8 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     Options (HiSparseConfig fields, docs/runtime.md): max_seq_len, block_size (alias
     cache_block_size), window_size, global_tokens, top_k, device_buffer_tokens, kv_dtype,
     host_kv_bits, metadata_device, recalibrate_every, recalibrate_topk, streaming, telemetry,
-    fused_norms, fused_rotary, name. Supported: Llama, Mistral, Qwen2 and Qwen3 models (GQA included) in
-    float32, float16 or bfloat16, batch size 1 or left-padded batches, greedy or sampled
+    fused_norms, fused_rotary, fused_projections, name. Supported: Llama, Mistral, Qwen2 and Qwen3
+    models (GQA included) in float32, float16 or bfloat16, batch size 1 or left-padded batches, greedy or sampled
     generation.
     Raises UnsupportedModelError / HiSparseOptionError (both ValueError) naming the problem.
     """
@@ -223,6 +224,8 @@ def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Bindin
     try:
         binding.fused_norms = fused_norms.install(model, binding.config.fused_norms)
         binding.fused_rotary = fused_rotary.install(binding, modules, binding.config.fused_rotary)
+        binding.fused_projections = fused_projections.install(list(getattr(base_model, "layers", [])),
+                                                              binding.config.fused_projections)
         model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != hf_attention.ATTN_IMPLEMENTATION:
             raise UnsupportedModelError(
@@ -233,6 +236,8 @@ def _attach(model: torch.nn.Module, base_model: torch.nn.Module, binding: Bindin
         binding.fused_norms = []
         fused_rotary.uninstall(binding, binding.fused_rotary)
         binding.fused_rotary = []
+        fused_projections.uninstall(binding.fused_projections)
+        binding.fused_projections = []
         binding.close()
         raise
     hooks = _Hooks(binding, base_model)
@@ -262,6 +267,8 @@ def disable_hisparse_kv_cache(model: torch.nn.Module) -> torch.nn.Module:
     binding.fused_norms = []
     fused_rotary.uninstall(binding, binding.fused_rotary)
     binding.fused_rotary = []
+    fused_projections.uninstall(binding.fused_projections)
+    binding.fused_projections = []
     if binding.previous_attn and binding.previous_attn != hf_attention.ATTN_IMPLEMENTATION:
         model.set_attn_implementation(binding.previous_attn)
     binding.close()

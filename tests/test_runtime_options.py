@@ -51,7 +51,7 @@ def test_each_bad_option_is_refused_naming_itself_and_the_fix(options, names):
         assert word in str(err.value), str(err.value)
 
 
-FUSED = ["fused_norms", "fused_rotary"]     # the model's own small kernels fused: True, False, None
+FUSED = ["fused_norms", "fused_rotary", "fused_projections"]     # fusions of the model's own kernels: True, False, None
 
 
 @pytest.mark.parametrize("option", FUSED)
