@@ -8,14 +8,23 @@
 # Carry .whl (`make device-wheels`).
 #   bash benchmarks/gpu_fewer_kernels.sh            (results in $OUT)
 #   SUITE=none bash benchmarks/gpu_fewer_kernels.sh; E2E=0 bash benchmarks/gpu_fewer_kernels.sh   (two calls)
+# BENCH="bench_projections.py --batch 1,24" (a benchmarks/ script and its arguments): run first.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
+if [ -n "${BENCH:-}" ]; then
+  timeout 120 $PY benchmarks/$BENCH 2>&1 | tee "$OUT/bench.txt" | tail -12
+fi
 if [ "${E2E:-1}" != 0 ]; then
 timeout 140 $PY benchmarks/e2e_h200.py --contexts 32768,131072 --variants hisparse-int4-step --decode-steps 32 \
   --chunk 32768 --json "$OUT/e2e_single.json" 2>&1 | tee "$OUT/e2e_single.txt" | cut -c1-400 | tail -6
 timeout 130 $PY benchmarks/e2e_h200.py --contexts "" --variants hisparse-int4 --batch-context 131072 --hisparse-batch 24 \
   --decode-steps 24 --chunk 32768 --planted 24 --step-graphs --json "$OUT/e2e_batch.json" 2>&1 \
   | tee "$OUT/e2e_batch.txt" | cut -c1-400 | tail -6
+fi
+# AB="--no-fused-projections" (any e2e_h200.py flags): the 1 x 128K row again with them, in the same call
+if [ -n "${AB:-}" ]; then
+timeout 110 $PY benchmarks/e2e_h200.py --contexts 131072 --variants hisparse-int4-step --decode-steps 32 \
+  --chunk 32768 $AB --json "$OUT/e2e_ab.json" 2>&1 | tee "$OUT/e2e_ab.txt" | cut -c1-400 | tail -4
 fi
 if [ "${SUITE:-tests/}" != none ]; then
   timeout ${SUITE_TIMEOUT:-450} $PY -m pytest -q -m gpu -p no:cacheprovider -rs ${SUITE:-tests/} 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
