@@ -81,6 +81,29 @@ def test_the_weights_keep_names_and_values_as_views_and_get_their_own_storage_ba
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_the_prefill_keeps_its_own_copy_of_v_not_the_fused_output():
+    """v is a view of the fused q/k/v output; the prefill keeps each layer's new K/V until the
+    step's last layer, and a view would keep the whole output alive (6x v in Llama-3-8B)."""
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, **SMALL, fused_projections=True)
+    prefill = binding_of(model).engine._prefill
+    original, kept = prefill.keep, []
+
+    def keep(layer, seqs, k, v):
+        original(layer, seqs, k, v)
+        kept.extend(t for pair in prefill._new[layer].values() for t in pair)
+        kept.append(v)
+
+    prefill.keep = keep
+    with torch.no_grad():
+        model(prompt(1, 24)[0])
+    appended = kept[2::3]
+    assert appended and all(t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() for t in appended)
+    held = [t for i, t in enumerate(kept) if i % 3 != 2]
+    assert all(t.untyped_storage().nbytes() <= t.numel() * t.element_size() for t in held)
+    hs.disable_hisparse_kv_cache(model)
+
+
 def test_load_state_dict_writes_through_the_views():
     ref, model = make_pair("llama")
     hs.enable_hisparse_kv_cache(model, **SMALL, fused_projections=True)
