@@ -37,12 +37,12 @@ SYSTEM_DEPS = prometheus:prometheus promtool:prometheus prometheus-alertmanager:
               logrotate:logrotate faketime:faketime ss:iproute2 kubectl:kubernetes-client
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-# The newest transformers (constraints-dev.txt, what a user installs today) declares
-# kernels>=0.19.1, which the package index these machines reach does not hold (it ends at
-# 0.17.2); transformers imports kernels only when it is installed (the opt-in hub kernels), so
-# the pinned release goes in without its dependencies after the resolved install brought every
-# other one, and `pip check` must find nothing missing but kernels (and the model package's
-# declared dependencies, left out on purpose above).
+# The newest transformers (constraints-dev.txt, what a user installs today) goes in without its
+# dependencies after the resolved install brought them (its declared kernels>=0.19.1, Hugging
+# Face's hub kernels, included where the package index holds it: transformers imports that
+# package whenever it is installed, and kernels/__init__.py hands the name over to it when a
+# checkout's root is on sys.path). `pip check` must find nothing missing but kernels, where an
+# index lacks it (and the model package's declared dependencies, left out on purpose above).
 TRANSFORMERS_PIN = $(shell grep '^transformers==' constraints-dev.txt)
 
 $(VENV)/.installed: pyproject.toml constraints-dev.txt
