@@ -1,6 +1,8 @@
 """The plain-PyTorch references and the dispatchers' input checks (CPU, no Triton needed)."""
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -408,3 +410,27 @@ def test_top_blocks_rank_nan_lowest(nb):
     scored = list(range(2, nb, 3))
     got = top_blocks(s, len(scored))
     assert sorted(got[0].tolist()) == sorted(got[1].tolist()) == scored
+
+
+def test_the_checkout_kernels_folder_hands_the_top_level_name_to_the_installed_package(tmp_path):
+    """From a checkout's root (on sys.path under `python -m` / `-c`) `import kernels` must reach
+    the installed package of that name (Hugging Face's, which transformers imports whenever it is
+    installed), and fail as a missing module where there is none; hi_sparse.kernels is unchanged."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import importlib.util, sys\nsys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
+            "sys.path.insert(0, %r)\n%s")
+
+    def run(site: Path, body: str) -> list[str]:
+        res = subprocess.run([sys.executable, "-c", code % (str(site), body)], cwd=root, capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.split()
+
+    installed = tmp_path / "site" / "kernels"            # a stand-in for the installed package
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("from kernels.part import VALUE\n")
+    (installed / "part.py").write_text("VALUE = 'installed'\n")
+    assert run(tmp_path / "site", "import kernels; print(kernels.VALUE)") == ["installed"]
+    missing = "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print(e.name)\nelse:\n    print('found')"
+    assert run(tmp_path / "none", missing) == ["kernels"]
