@@ -6,12 +6,13 @@ imported only on first use, so this package imports without it.
 """
 import sys as _sys
 
+_handed_over = False
 if __name__ == "kernels":
     # Imported as the top-level "kernels": this folder sits at a checkout's root, which `python -m`
     # or `-c` run from there puts first on sys.path, and transformers imports Hugging Face's
     # package of that name whenever it is installed (its hub kernels; newer transformers declare
     # it). Load that package in this one's place (the import returns what sys.modules holds when
-    # this file ends), or fail as a missing "kernels" would; HiSparse's kernels are hi_sparse.kernels.
+    # this file ends); where there is none, this folder imports as itself, as it always did.
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
@@ -19,13 +20,12 @@ if __name__ == "kernels":
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _spec = _machinery.PathFinder.find_spec(
         "kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root])
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ folder is hi_sparse.kernels)",
-                                  name="kernels")
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
-else:
+    if _spec is not None and _spec.loader is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
+        _handed_over = True
+if not _handed_over:
     from .attention import reference_sparse_decode_attention, sparse_decode_attention
     from .bounds import (
         block_bounds,

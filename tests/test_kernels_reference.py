@@ -415,7 +415,7 @@ def test_top_blocks_rank_nan_lowest(nb):
 def test_the_checkout_kernels_folder_hands_the_top_level_name_to_the_installed_package(tmp_path):
     """From a checkout's root (on sys.path under `python -m` / `-c`) `import kernels` must reach
     the installed package of that name (Hugging Face's, which transformers imports whenever it is
-    installed), and fail as a missing module where there is none; hi_sparse.kernels is unchanged."""
+    installed)."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ("import importlib.util, sys\nsys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
@@ -432,5 +432,27 @@ def test_the_checkout_kernels_folder_hands_the_top_level_name_to_the_installed_p
     (installed / "__init__.py").write_text("from kernels.part import VALUE\n")
     (installed / "part.py").write_text("VALUE = 'installed'\n")
     assert run(tmp_path / "site", "import kernels; print(kernels.VALUE)") == ["installed"]
-    missing = "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print(e.name)\nelse:\n    print('found')"
-    assert run(tmp_path / "none", missing) == ["kernels"]
+
+
+def test_with_no_installed_kernels_package_the_checkout_folder_imports_as_itself(monkeypatch):
+    """Where no other "kernels" is installed, the folder imports under that name as itself (as
+    before the hand-over: transformers then finds no hub kernels in it)."""
+    import importlib.machinery
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    find = importlib.machinery.PathFinder.find_spec
+    monkeypatch.setattr(importlib.machinery.PathFinder, "find_spec", classmethod(
+        lambda cls, name, path=None, target=None: None if name == "kernels" else find(name, path, target)))
+    spec = importlib.util.spec_from_file_location("kernels", root / "kernels" / "__init__.py",
+                                                  submodule_search_locations=[str(root / "kernels")])
+    module = importlib.util.module_from_spec(spec)
+    saved = {k: v for k, v in sys.modules.items() if k == "kernels" or k.startswith("kernels.")}
+    monkeypatch.setitem(sys.modules, "kernels", module)
+    try:
+        spec.loader.exec_module(module)
+        assert sys.modules["kernels"] is module and callable(module.rms_norm)
+    finally:
+        for k in [k for k in sys.modules if k == "kernels" or k.startswith("kernels.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
