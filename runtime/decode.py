@@ -47,6 +47,7 @@ from .trace import phase
 APPEND, ATTEND = 0, 1    # the two bodies of a layer's decode step: each reads its own positions and clock
 WINDOW = 2               # beside them in Batch.positions: the attend's first window block (selection blocks)
 SWAP_IN_BYTES = DEVICE_COUNTERS.index("swap_in_bytes")   # the counter a mixed-width pool's load adds to
+_ADDRESS = torch.Tensor.data_ptr    # a buffer's address (body_key: map over the buffers, no Python frame each)
 
 
 def bucket(n: int) -> int:
@@ -301,8 +302,8 @@ class Decoder:
         return self.body_key(rows, *shape)
 
     def body_key(self, rows: LayerRows, *shape) -> tuple:
-        buffers = rows.buffers() + self.host.buffers(rows.index)
-        return shape + (rows.probe.fitted,) + tuple(t.data_ptr() for t in buffers)
+        return (*shape, rows.probe.fitted, *map(_ADDRESS, rows.buffers()),
+                *map(_ADDRESS, self.host.buffers(rows.index)))
 
     # -- the host side of the two bodies ------------------------------------------------------
     def _make_room(self, rows: LayerRows, seqs: list[Sequence], starts: list[int], T: int) -> Batch:

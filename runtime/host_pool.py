@@ -138,7 +138,8 @@ class HostPool:
 
     def buffers(self, layer: int) -> list[torch.Tensor]:
         """Every tensor a load or backup of the layer touches (their addresses key a captured step)."""
-        return list(self.layers[layer].values()) + [t for (i, _), t in self._bits_on.items() if i == layer]
+        on = self._bits_on
+        return [*self.layers[layer].values(), *(on[(layer, p)] for p in ("k", "v") if (layer, p) in on)]
 
     # -- addressing ----------------------------------------------------------------------------
     def unit_rows(self, block: torch.Tensor | int, head: torch.Tensor | int) -> torch.Tensor | int:

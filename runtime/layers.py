@@ -125,7 +125,7 @@ class LayerRows:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a decode step of this layer touches (their addresses key a captured step)."""
-        return list(self.bank.t.values()) + [self.k, self.v, *self.hot.buffers()]
+        return [*self.bank.t.values(), self.k, self.v, *self.hot.buffers()]
 
     def memory_bytes(self) -> tuple[int, int]:
         """(data, metadata) bytes on the device: hot K/V; banks, allocated for every row (live or

@@ -198,3 +198,23 @@ def test_whole_step_graph_of_a_long_bf16_context_matches_without_graphs():
     counts = step_graph.of(model).counts
     assert counts["replayed"] >= 80 and counts["layer_by_layer"] >= 1, counts
     assert dataclasses.is_dataclass(binding_of(model).engine.stats)
+
+
+def test_a_layers_graph_key_names_every_buffer_and_moves_when_one_grows():
+    """The key a captured step is replayed under holds the address of every buffer the layer's
+    bodies touch (its banks, hot K/V and LRU state, its host pool tensors): equal while nothing
+    moved, different once the key bounds or the hot buffer's token map grew."""
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, **SPARSE, host_kv_bits=4)
+    eng = binding_of(model).engine
+    with torch.no_grad():
+        model(prompt(1, 40)[0])
+    decoder, rows = eng._decoder, eng.layers[1]
+    key = decoder.body_key(rows, 7)
+    addresses = {t.data_ptr() for t in rows.buffers() + decoder.host.buffers(1)}
+    assert key[:2] == (7, rows.probe.fitted) and set(key[2:]) == addresses and len(key) == 2 + len(addresses)
+    assert decoder.body_key(rows, 7) == key
+    decoder._grow(rows, 4 * rows.hot.token_slot_s.shape[1])       # the token map and the bounds grow
+    moved = decoder.body_key(rows, 7)
+    assert moved != key and moved[:2] == key[:2]
+    hs.disable_hisparse_kv_cache(model)
