@@ -62,27 +62,26 @@ class _Group:
         self.y: torch.Tensor | None = None
         self.left = 0                            # members yet to take their columns from y
         self.calls = 0                           # fused GEMMs run (tests count them)
+        # what each member's weight and bias are while intact: (address, shape, dtype), or None
+        self.views: list[tuple[tuple, tuple | None]] = []
         with torch.no_grad():
             for m, (lo, hi) in zip(members, self.bounds):
                 m.weight.data = self.weight[lo:hi]
                 if self.bias is not None:
                     m.bias.data = self.bias[lo:hi]
+                self.views.append((_view(m.weight), _view(m.bias)))
 
     def intact(self, i: int, module: torch.nn.Module) -> bool:
         """Member i's weight and bias are still the views install made (not replaced or moved)."""
-        lo, hi = self.bounds[i]
-        w, b = module.weight, module.bias
-        if not (isinstance(w, torch.Tensor) and w.data_ptr() == self.weight[lo:hi].data_ptr()
-                and w.shape == self.weight[lo:hi].shape and w.dtype == self.weight.dtype):
-            return False
-        if self.bias is None:
-            return b is None
-        return (isinstance(b, torch.Tensor) and b.data_ptr() == self.bias[lo:hi].data_ptr()
-                and b.dtype == self.bias.dtype)
+        return (_view(module.weight), _view(module.bias)) == self.views[i]
 
     def release(self) -> None:
         self.x = self.y = None
         self.left = 0
+
+
+def _view(t: Any) -> tuple | None:
+    return (t.data_ptr(), t.shape, t.dtype) if isinstance(t, torch.Tensor) else None
 
 
 def _version(x: torch.Tensor) -> int:
@@ -91,7 +90,9 @@ def _version(x: torch.Tensor) -> int:
 
 
 def _needs_grad(x: torch.Tensor, module: torch.nn.Module) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
+    b = module.bias
+    return torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
+                                        or (b is not None and b.requires_grad))
 
 
 def _fused_forward(group: _Group, i: int) -> Callable[..., Any]:
@@ -107,7 +108,7 @@ def _fused_forward(group: _Group, i: int) -> Callable[..., Any]:
             raise RuntimeError("the linear module of this fused forward was deleted")
         x = args[0] if len(args) == 1 and not kwargs else kwargs.get("input") if not args and len(kwargs) == 1 \
             else None
-        if not isinstance(x, torch.Tensor) or _needs_grad(x, module) or not group.intact(i, module):
+        if not isinstance(x, torch.Tensor) or not group.intact(i, module) or _needs_grad(x, module):
             if i == 0:
                 group.release()
             return torch.nn.Linear.forward(module, *args, **kwargs)
