@@ -104,6 +104,20 @@ def test_the_prefill_keeps_its_own_copy_of_v_not_the_fused_output():
     hs.disable_hisparse_kv_cache(model)
 
 
+def test_save_pretrained_while_fused_writes_the_weights(tmp_path):
+    """Members sharing one storage must not stop a save (safetensors refuses shared tensors it
+    was not told about) nor change what is saved."""
+    from transformers import LlamaForCausalLM
+
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, **SMALL, fused_projections=True)
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    hs.disable_hisparse_kv_cache(model)
+
+
 def test_load_state_dict_writes_through_the_views():
     ref, model = make_pair("llama")
     hs.enable_hisparse_kv_cache(model, **SMALL, fused_projections=True)
