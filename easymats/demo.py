@@ -191,9 +191,12 @@ def demo(duration: float, listen: str, output: str | None, interval: float, devi
                 f"the workload did not start (exit status {code}); its last output:\n"
                 f"{_tail(child_log.name)}")
         try:
+            # The workload's clock starts once its models are built, after its segments appear,
+            # and it exits by itself when the duration is up (the agent ends with its segments):
+            # the cap only stops one that hangs, so it allows for a slow build too.
             agent = Agent(pids=[child.pid], interval=interval, output=output, listen=listen_addr,
-                          duration=duration + STOP_TIMEOUT_S, view="none" if quiet else "auto",
-                          argv=sys.argv)
+                          duration=duration + STARTUP_TIMEOUT_S + STOP_TIMEOUT_S,
+                          view="none" if quiet else "auto", argv=sys.argv)
             agent.open()
         except AgentError as exc:
             raise UsageFailure(str(exc)) from None

@@ -87,9 +87,13 @@ class DocumentTimeline:
         return phase
 
     def run_for(self, seconds: float) -> None:
-        """Decode steps (and the timeline's events) for about ``seconds``."""
+        """Decode steps (and the timeline's events) for about ``seconds``, and at least one: on a
+        slow machine one generate request can take a demo's whole slice, and the reader must
+        still be seen decoding."""
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        first = True
+        while first or time.monotonic() < end:
+            first = False
             phase = self._phase()
             if not self.preempted and phase >= self.PREEMPT_AT:
                 self.preempted = True
