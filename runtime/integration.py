@@ -177,8 +177,8 @@ def enable_hisparse_kv_cache(model: torch.nn.Module, **options: Any) -> torch.nn
     cache_block_size), window_size, global_tokens, top_k, device_buffer_tokens, kv_dtype,
     host_kv_bits, metadata_device, recalibrate_every, recalibrate_topk, streaming, telemetry,
     fused_norms, fused_rotary, fused_projections, name. Supported: Llama, Mistral, Qwen2 and Qwen3
-    models (GQA included) in float32, float16 or bfloat16, batch size 1 or left-padded batches, greedy or sampled
-    generation.
+    models (GQA included) in float32, float16 or bfloat16, batch size 1 or left-padded batches,
+    greedy or sampled generation.
     Raises UnsupportedModelError / HiSparseOptionError (both ValueError) naming the problem.
     """
     from .config import HiSparseConfig  # the runtime's; imported late to keep `import hi_sparse` light
