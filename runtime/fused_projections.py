@@ -35,6 +35,7 @@ gives each member a weight (and bias) of its own again.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from typing import Any, Callable
@@ -56,12 +57,11 @@ class _Group:
             self.weight = torch.cat([m.weight.detach() for m in members])
             self.bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
         self.members = [weakref.ref(m) for m in members]
-        ends = torch.tensor([m.out_features for m in members]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(m.out_features for m in members))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self.x: torch.Tensor | None = None       # the fused GEMM's input, its _version, its output
         self.version = -1
         self.y: torch.Tensor | None = None
-        self.left = 0                            # members yet to take their columns from y
         self.calls = 0                           # fused GEMMs run (tests count them)
         # what each member's weight and bias are while intact: (address, shape, dtype), or None
         self.views: list[tuple[tuple, tuple | None]] = []
@@ -78,7 +78,6 @@ class _Group:
 
     def release(self) -> None:
         self.x = self.y = None
-        self.left = 0
 
 
 def _view(t: Any) -> tuple | None:
@@ -120,14 +119,13 @@ def _fused_forward(group: _Group, i: int) -> Callable[..., Any]:
                 group.release()
                 return F.linear(x, module.weight, module.bias)
             group.y = F.linear(x, group.weight, group.bias)
-            group.x, group.version, group.left = x, _version(x), last
+            group.x, group.version = x, _version(x)
             group.calls += 1
             return group.y[..., lo:hi]
         y = group.y
         if y is None or group.x is not x or _version(x) != group.version:
             return F.linear(x, module.weight, module.bias)
-        group.left -= 1
-        if group.left <= 0 or i == last:
+        if i == last:                       # the layer's last member: nothing more takes from y
             group.release()
         return y[..., lo:hi]
 

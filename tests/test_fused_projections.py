@@ -26,6 +26,19 @@ def members(model, layer: int = 0):
     return [[getattr(getattr(lay, parent), n) for n in names] for parent, names in GROUP_NAMES]
 
 
+def logits_and_tokens(model, ref, setting, ids: torch.Tensor, new: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """HiSparse enabled on ``model`` with fused_projections=``setting`` and on ``ref`` unfused;
+    each one's teacher-forced fp32 logits of ``ids``, then its greedy continuation of ``new`` tokens."""
+    out = []
+    for m, fused in ((model, setting), (ref, False)):
+        hs.enable_hisparse_kv_cache(m, **SMALL, fused_projections=fused)
+        with torch.no_grad():
+            logits = m(ids).logits.float()
+            tokens = m.generate(ids, max_new_tokens=new, do_sample=False)
+        out.append((logits, tokens))
+    return out
+
+
 def storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -43,14 +56,7 @@ def test_on_the_cpu_the_default_fuses_nothing():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])   # qwen2: q, k, v with biases
 def test_fused_models_generate_what_unfused_ones_do_and_every_gemm_is_fused(family):
     ref, model = make_pair(family)
-    ids, _ = prompt(2, 20)
-    out = []
-    for m, fused in ((model, True), (ref, False)):
-        hs.enable_hisparse_kv_cache(m, **SMALL, fused_projections=fused)
-        with torch.no_grad():
-            logits = m(ids).logits
-            tokens = m.generate(ids, max_new_tokens=10, do_sample=False)
-        out.append((logits, tokens))
+    out = logits_and_tokens(model, ref, True, prompt(2, 20)[0], 10)
     groups = binding_of(model).fused_projections
     assert len(groups) == 2 * model.config.num_hidden_layers and binding_of(ref).fused_projections == []
     # one fused GEMM per group and forward: the teacher-forced one, the prefill and 9 decode steps
@@ -225,14 +231,7 @@ def test_on_a_gpu_the_fused_gemms_run_in_the_step_graph_and_match_unfused(dtype)
 
     ref, model = make_pair("llama", dtype=dtype)
     ref, model = ref.cuda(), model.cuda()
-    ids = prompt(1, 20)[0].cuda()
-    out = []
-    for m, fused in ((model, None), (ref, False)):
-        hs.enable_hisparse_kv_cache(m, **SMALL, fused_projections=fused)
-        with torch.no_grad():
-            logits = m(ids).logits
-            tokens = m.generate(ids, max_new_tokens=12, do_sample=False)
-        out.append((logits.float(), tokens))
+    out = logits_and_tokens(model, ref, None, prompt(1, 20)[0].cuda(), 12)
     assert len(binding_of(model).fused_projections) == 4 and binding_of(ref).fused_projections == []
     graphs = step_graph.of(model)
     assert graphs is not None and graphs.counts["replayed"] > 0, graphs and graphs.counts
