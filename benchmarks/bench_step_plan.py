@@ -1,9 +1,11 @@
 """Host time of a whole-step decode graph's host side (issue 21): ``engine.plan_decode`` (pages,
-room, positions and clocks of every layer, the key) and ``engine.finish_decode`` (lengths,
-selections, counters), per decode step, for a 32-layer model. With whole-step graphs this is the
-host work left around one graph replay, so it bounds the step time from below.
+the batch, every layer's graph key; and room, clocks and positions when they were not prepared
+ahead), ``engine.finish_decode`` (lengths, selections, counters) and the next step's preparation
+at a step's end (``Decoder.prepare``: room, clocks and positions of every layer, which with
+whole-step graphs overlaps the running step), per decode step, for a 32-layer model. The plan
+runs before the graph replays, with the device idle: it bounds the step time from below.
 
-    python benchmarks/bench_step_plan.py --batch 1 --batch 24
+    python benchmarks/bench_step_plan.py --batch 1 --batch 24 [--no-plan-ahead]
 
 Runs the planned path eagerly on the CPU (step_graph's ``plan_on_cpu``): the timed host side is
 the same code a GPU step runs around its replay; the model is tiny so the forward stays cheap.
@@ -28,14 +30,16 @@ from hi_sparse import hf_compat, step_graph  # noqa: E402
 from hi_sparse.integration import binding_of  # noqa: E402
 
 
-def measure(batch: int, layers: int, context: int, steps: int) -> dict:
+def measure(batch: int, layers: int, context: int, steps: int, ahead: bool = True) -> dict:
     _, model = make_pair("llama", num_hidden_layers=layers)
     hs.enable_hisparse_kv_cache(model, name=f"bench-plan-{batch}", max_seq_len=context + steps + 64, block_size=64,
                                 window_size=64, global_tokens=8, top_k=256, host_kv_bits=4, telemetry=False)
     step_graph.of(model).plan_on_cpu = True
     eng = binding_of(model).engine
-    plan_s, finish_s, step_s = [], [], []
-    real_plan, real_finish = eng.plan_decode, eng.finish_decode
+    eng.plan_ahead = ahead
+    decoder = eng._decoder
+    plan_s, finish_s, prepare_s, step_s = [], [], [], []
+    real_plan, real_finish, real_prepare = eng.plan_decode, eng.finish_decode, decoder.prepare
 
     def timed(fn, into):
         def call(*a, **kw):
@@ -54,12 +58,15 @@ def measure(batch: int, layers: int, context: int, steps: int) -> dict:
         for _ in range(3):
             model(tok, **{kw: cache}, use_cache=True)
         eng.plan_decode, eng.finish_decode = timed(real_plan, plan_s), timed(real_finish, finish_s)
+        used = decoder.ahead_used
         for _ in range(steps):
             t = time.perf_counter()
+            decoder.prepare = timed(real_prepare, prepare_s)    # at the step's end, not inside plan
             model(tok, **{kw: cache}, use_cache=True)
+            decoder.prepare = real_prepare
             step_s.append(time.perf_counter() - t)
-    decoder = eng._decoder                   # the plan's share spent on the layers' graph keys
-    key_s = []
+        used = decoder.ahead_used - used
+    key_s = []                               # the plan's share spent on the layers' graph keys
     for _ in range(steps):
         t = time.perf_counter()
         for rows in eng.layers:
@@ -68,7 +75,8 @@ def measure(batch: int, layers: int, context: int, steps: int) -> dict:
     hs.disable_hisparse_kv_cache(model)
     return {"batch": batch, "layers": layers, "context": context, "steps": steps,
             "plan_ms": 1e3 * statistics.median(plan_s), "finish_ms": 1e3 * statistics.median(finish_s),
-            "key_ms": 1e3 * statistics.median(key_s), "eager_step_ms": 1e3 * statistics.median(step_s)}
+            "key_ms": 1e3 * statistics.median(key_s), "eager_step_ms": 1e3 * statistics.median(step_s),
+            "prepare_ms": 1e3 * statistics.median(prepare_s) if prepare_s else 0.0, "ahead_used": used}
 
 
 def main() -> int:
@@ -77,13 +85,15 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-plan-ahead", action="store_true", help="prepare each step inside its plan")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for b in args.batch or [1, 24]:
-        r = measure(b, args.layers, args.context, args.steps)
+        r = measure(b, args.layers, args.context, args.steps, not args.no_plan_ahead)
         print(f"batch {r['batch']:>3} x {r['layers']} layers: plan {r['plan_ms']:.2f} ms (the graph keys "
               f"{r['key_ms']:.2f} of it), "
-              f"finish {r['finish_ms']:.2f} ms per step (median of {r['steps']}; "
+              f"finish {r['finish_ms']:.2f} ms per step, the next step prepared ahead {r['prepare_ms']:.2f} ms "
+              f"({r['ahead_used']} of {r['steps']} plans took it) (median of {r['steps']}; "
               f"the eager CPU step around them {r['eager_step_ms']:.1f} ms)", flush=True)
     return 0
 

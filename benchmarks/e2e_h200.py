@@ -299,6 +299,9 @@ def main() -> int:
                          "and on (publishing, easymats attached at 10 Hz), for the on-vs-off decode step")
     ap.add_argument("--dense-batch", type=int, default=0,
                     help="with --hisparse-batch: dense at this many --batch-context sequences (cache replicated)")
+    ap.add_argument("--dense-static-batch", default="",
+                    help="comma list of sequence counts, largest first: dense-static (the fair baseline) at the first "
+                         "that runs of --batch-context sequences (e.g. 7,6,5: its largest batch on the GPU)")
     ap.add_argument("--dense-max-context", type=int, default=0,
                     help="dense decode at the largest batch of this context that fits (cache replicated)")
     ap.add_argument("--check-tol", type=float, default=None,
@@ -317,6 +320,9 @@ def main() -> int:
     ap.add_argument("--no-fused-projections", action="store_true",
                     help="fused_projections=False: each layer's seven weight GEMMs as the model runs them instead "
                          "of q/k/v and gate/up fused (five; the default on CUDA); for an A/B in one call")
+    ap.add_argument("--no-plan-ahead", action="store_true",
+                    help="engine.plan_ahead=False: a planned step's room, clocks and positions done when it is "
+                         "planned, not at the end of the step before (while that one runs); for an A/B in one call")
     ap.add_argument("--no-graphs", action="store_true",
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
@@ -472,6 +478,7 @@ def main() -> int:
                                                 "step" if args.step_graphs or "-step" in label
                                                 else True)
                     cache = None
+                    hs.integration.binding_of(model).engine.plan_ahead = not args.no_plan_ahead
                     if telemetry_ab:
                         # telemetry off until its phases: the publisher's interval is a public knob
                         hs.integration.binding_of(model).engine.publisher.interval_s = math.inf
@@ -529,6 +536,7 @@ def main() -> int:
                         row["hot_buffer_hit_rate"] = hits / lookups if lookups else None
                         graphs = hs.step_graph.of(model)
                         row["decode_steps_by_path"] = dict(graphs.counts) if graphs is not None else None
+                        row["decode_steps_planned_ahead"] = eng._decoder.ahead_used
                         row["two_level_scoring"] = two_level_pays(-(-ctx // eng.cfg.cache_block_size),
                                                                   eng.cfg.bound_group, eng._decoder.n_super)
                     if row is not first_row:
@@ -675,6 +683,11 @@ def main() -> int:
     if args.dense_batch:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
         measure("dense", None, ids, repeat=args.dense_batch, inputs=(False, True))
+    for n in [int(x) for x in args.dense_static_batch.split(",") if x]:
+        ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)
+        if "error" not in measure("dense-static", None, ids, repeat=n):
+            results["dense_static_max_batch"] = {"context": args.batch_context, "sequences": n}
+            break
     if args.dense_max_context and device == "cuda":
         ctx = args.dense_max_context
         ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)

@@ -116,7 +116,7 @@ class Batch:
             return
         ids = [pages.block_ids(i) for i in self.seq_ids]
         w = max(len(x) for x in ids)
-        self.tables[:, :w].copy_(torch.tensor([x + [-1] * (w - len(x)) for x in ids], dtype=torch.int64))
+        upload(self.tables[:, :w], torch.tensor([x + [-1] * (w - len(x)) for x in ids], dtype=torch.int64))
         self.versions = versions
 
     def set(self, layer: int, body: int, positions: list[int], clock: int) -> None:
@@ -135,8 +135,20 @@ class Batch:
         """Every body's and layer's positions (2, L, B) and clocks (2, L) (host int64) in two copies
         (the window blocks worked out from the attend's positions on the way)."""
         whole = torch.cat([positions, self._first_window_block(positions[ATTEND])[None]])
-        self.positions.copy_(whole[..., None].expand(self.positions.shape))
-        self.clock.copy_(clocks)
+        upload(self.positions, whole[..., None].expand(self.positions.shape))
+        upload(self.clock, clocks)
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src (a host tensor) in the current stream's order, without the host waiting for the
+    device: to a GPU through pinned memory (the caching host allocator keeps it until the copy has
+    run), so a step planned while the one before it runs does not wait for it."""
+    if not dst.is_cuda:
+        dst.copy_(src)
+        return
+    staged = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+    staged.copy_(src)
+    dst.copy_(staged, non_blocking=True)
 
 
 def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConfig, shape: KVShape,
@@ -251,6 +263,15 @@ class StepPlan:
     q: list = field(default_factory=list)       # per layer: the query (the audit reads it after the step)
 
 
+@dataclass
+class Ahead:
+    """The host side of a planned step done before it (:meth:`Decoder.prepare`): valid while its
+    batch holds ``starts`` tokens and every layer's hot-buffer clock stands at ``clocks``."""
+    starts: list[int]
+    batch: Batch
+    clocks: list[int]
+
+
 class Decoder:
     """The host side of appends and decode steps, and the device state of each batch."""
 
@@ -268,6 +289,7 @@ class Decoder:
         self._batches: dict[tuple, Batch] = {}
         self._pending_errors: list[torch.Tensor] = []       # QuantEvents.pending, until the step ends
         self.planned: StepPlan | None = None                # the step whose host side ran up front
+        self.ahead_used = 0                                 # planned steps whose prepare ran early
         width = cfg.top_k + cfg.global_tokens                # select's token width
         self._attend_ticks = ticks(selected=width, prefetched=cfg.prefetch_blocks * shape.block_size)
 
@@ -419,32 +441,70 @@ class Decoder:
         return out
 
     # -- a whole step at once -----------------------------------------------------------------
-    def plan(self, seqs: list[Sequence]) -> StepPlan | None:
+    def plan(self, seqs: list[Sequence], ahead: Ahead | None = None) -> StepPlan | None:
         """The host side of a one-token decode step of ``seqs`` at every layer, done now; None
         (nothing done) when the step must run layer by layer: a token that completes a block of a
         quantized pool is sealed from its own K/V, which the step computes; layers on several
         devices. Every layer holds the same tokens, so pages, the batch and the bodies' shapes
-        are worked out once; LRU clocks and room per layer."""
-        bs, L = self.shape.block_size, len(self.layers)
+        are worked out once; room, LRU clocks and positions per layer come from ``ahead``
+        (:meth:`prepare`, run while the step before ran) when it still holds, else are done now.
+        What a graph key names (buffer addresses, the probe's state) is read now: whatever ran
+        since ``ahead`` may have moved a buffer."""
         if not self._one_device:
             return None
         starts = [s.lengths[0] for s in seqs]
-        if self.host.quantized and any((p + 1) % bs == 0 for p in starts):
+        if self._seals(starts):
             return None
         lengths = [p + 1 for p in starts]
         self.storage.extend(seqs, lengths)
-        n_max = max(lengths)
-        clocks, keys = [], []
+        batch = self.batch(seqs, self.layers[0].device)
+        if ahead is not None and self._holds(ahead, batch, starts):
+            self.ahead_used += 1
+        else:
+            self.prepare(seqs)
+        keys = []
+        for rows in self.layers:
+            self.host.prepare(rows.index, rows.device)   # a pool the extend grew rebuilds its copies
+            rows.hot.sync_order()                        # an eviction in the extend may reset stamps
+            keys.append(self.body_key(rows))
+        shape = self._attend_shapes(self.layers[0], batch, seqs, lengths)
+        return StepPlan(seqs, batch, starts, shape, (shape, tuple(keys)), [None] * len(keys), [None] * len(keys))
+
+    def prepare(self, seqs: list[Sequence]) -> Ahead | None:
+        """What of a planned step's host side can run before it, while the step before it runs on
+        the device (the engine does it at a step's end): room for one more token in every layer's
+        bounds and hot buffer, the pool's per-device copies, the LRU clocks of both bodies
+        reserved, and every body's positions and clock written into the batch's tensors (in the
+        stream's order: after the running step has read them). None when the step cannot be
+        planned. Pages are left to :meth:`plan`: a new block may grow the host pool, which the
+        running step writes to."""
+        if not self._one_device:
+            return None
+        starts = [s.lengths[0] for s in seqs]
+        if self._seals(starts):
+            return None
+        L, n_max = len(self.layers), max(starts) + 1
+        clocks = []
         for rows in self.layers:
             self._grow(rows, n_max)
             self.host.prepare(rows.index, rows.device)
             rows.hot.room_for(ticks(inserted=1) + self._attend_ticks)   # both: else the append's may pass the attend's
             clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))
-            keys.append(self.body_key(rows))
         batch = self.batch(seqs, self.layers[0].device)
-        shape = self._attend_shapes(self.layers[0], batch, seqs, lengths)
-        batch.set_all(torch.tensor([[starts] * L, [lengths] * L]), torch.tensor(clocks).T)
-        return StepPlan(seqs, batch, starts, shape, (shape, tuple(keys)), [None] * L, [None] * L)
+        batch.set_all(torch.tensor([[starts] * L, [[p + 1 for p in starts]] * L]), torch.tensor(clocks).T)
+        return Ahead(starts, batch, [rows.hot.clock for rows in self.layers])
+
+    def _seals(self, starts: list[int]) -> bool:
+        """A new token at ``starts`` completes a block of a quantized pool."""
+        bs = self.shape.block_size
+        return self.host.quantized and any((p + 1) % bs == 0 for p in starts)
+
+    def _holds(self, ahead: Ahead, batch: Batch, starts: list[int]) -> bool:
+        """``ahead`` is still this step's: the same batch (rows unmoved) at the same positions,
+        and no layer's hot buffer has reserved a stamp since (every append, attend or
+        renumbering does; the batch's positions and clocks are as it wrote them)."""
+        return (ahead.batch is batch and ahead.starts == starts
+                and all(rows.hot.clock == c for rows, c in zip(self.layers, ahead.clocks)))
 
     def finish(self, plan: StepPlan) -> None:
         """The host side that follows a planned step's bodies (however they ran)."""

@@ -32,7 +32,7 @@ from . import __version__
 from .block_pool import BlockPool
 from .config import HiSparseConfig
 from .control import ControlReader
-from .decode import Decoder, StepPlan
+from .decode import Ahead, Decoder, StepPlan
 from .host_pool import HostPool
 from .layers import KVShape, LayerRows, devices_per_layer, normalize_device
 from .metrics import DeviceCounters, Gauges, Publisher, RuntimeMetrics, Stats
@@ -99,6 +99,11 @@ class HiSparseEngine:
         self._step_t0: float | None = None
         self._step_decoded = False
         self._audit_at: tuple[int, int] | None = None
+        # a planned step's host side done at the end of the step before it, while that step's
+        # graph runs (plan_ahead False: only when the step is planned; for A/B measurements)
+        self.plan_ahead = True
+        self._next: list[int] | None = None      # the sequences of the last planned step
+        self._ahead: Ahead | None = None
         self._gauges = Gauges(metrics, cfg, shape, self.layers, self.pool, self.pages, self.host, self._sequences,
                               self.meta_device)
         self.publisher = Publisher(metrics, self._gauges, cfg.publish_interval_s, cfg.gauge_interval_s)
@@ -257,10 +262,11 @@ class HiSparseEngine:
         step must run layer by layer (decode.Decoder.plan says when). Until :meth:`finish_decode`,
         append and attend run the planned step's bodies only."""
         seqs = self._batch_of(0, seq_ids)
+        ahead, self._ahead = self._ahead, None
         if any(len(set(s.lengths)) != 1 for s in seqs):
             return None                  # a forward stopped part-way left the layers uneven
         self._settle_before_append(seqs, 0, 1)
-        plan = self._decoder.plan(seqs)
+        plan = self._decoder.plan(seqs, ahead)
         self._decoder.planned = plan
         return plan
 
@@ -273,6 +279,8 @@ class HiSparseEngine:
             self._decoder.forget([s.seq_id for s in plan.seqs])
             return
         self._decoder.finish(plan)
+        if self.plan_ahead:
+            self._next = [s.seq_id for s in plan.seqs]
         B = len(plan.seqs)
         self.metrics.tokens_decode.inc(B)
         self.recal.on_tokens(B)
@@ -353,6 +361,15 @@ class HiSparseEngine:
         self.pool.recycle_expired()
         self._sequences.expire(time.monotonic())
         self.publisher.maybe_publish()
+        self._prepare_next()
+
+    def _prepare_next(self) -> None:
+        """After a planned step: the next step of its sequences prepared now, while the device
+        still runs this one (decode.Decoder.prepare; plan_decode checks it still holds)."""
+        ids, self._next = self._next, None
+        seqs = [self._sequences.live.get(i) for i in ids or ()]
+        if seqs and all(s is not None and len(set(s.lengths)) == 1 for s in seqs):
+            self._ahead = self._decoder.prepare(seqs)
 
     def _launch(self, live: list, reason: str, background: bool) -> None:
         job = self._recalibrator.start(live, reason, background=background)

@@ -79,6 +79,63 @@ def test_planned_steps_equal_layer_by_layer_steps(bits):
     else:
         assert counts["layer_by_layer"] == 0, counts
     assert step_graph.of(ref).counts["eager"] == 0         # nothing planned on the reference
+    # every planned step after a planned step was prepared at that step's end (the first after
+    # the prefill, and the first after each layer-by-layer step, were not)
+    assert binding_of(model).engine._decoder.ahead_used == counts["eager"] - 1 - counts["layer_by_layer"]
+
+
+def _interleaved(plan_ahead: bool, between) -> tuple[list[torch.Tensor], int]:
+    """Two caches of one model (sequences A, then B) decoded step by step through the planned
+    path, with ``between(model, step, caches)`` run after each of A's steps; A's logits per step
+    and the planned steps that took a preparation made at the step before's end."""
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, name=f"test-step-ahead-{plan_ahead}", **SPARSE, host_kv_bits=4)
+    step_graph.of(model).plan_on_cpu = True
+    eng = binding_of(model).engine
+    eng.plan_ahead = plan_ahead
+    kw = hs.hf_compat.installed_cache_kwarg()
+    caches, toks, logits = [], [], []
+    with torch.no_grad():
+        for seed in (1, 2):
+            out = model(prompt(1, 30, seed=seed)[0], use_cache=True)
+            caches.append(hs.hf_compat.output_cache(out))
+            toks.append(out.logits[:, -1:].argmax(-1))
+        for step in range(12):
+            out = model(toks[0], **{kw: caches[0]}, use_cache=True)
+            logits.append(out.logits[:, -1])
+            toks[0] = out.logits[:, -1:].argmax(-1)
+            between(model, step, caches)
+    return logits, eng._decoder.ahead_used
+
+
+def _b_steps(model, step, caches):
+    """B decodes one step after every step of A (on the same layers, another batch)."""
+    kw = hs.hf_compat.installed_cache_kwarg()
+    model(torch.full((1, 1), 5), **{kw: caches[1]}, use_cache=True)
+
+
+def _b_prefills(model, step, caches):
+    """Every third step of A, B takes a prompt chunk (layer by layer: it reserves stamps on every
+    layer's hot buffer, which A's prepared step had reserved before it)."""
+    if step % 3 == 1:
+        kw = hs.hf_compat.installed_cache_kwarg()
+        model(prompt(1, 9, seed=3)[0], **{kw: caches[1]}, use_cache=True)
+
+
+# A decodes from position 30 to 41 in 8-token blocks with a 4-bit host: the steps at 31 and 39 complete
+# a block and run layer by layer, so those at 30 (after the prompt), 32 and 40 are not prepared ahead:
+# 7 are; B's prompt chunks come before A's steps at 32 (not prepared anyway), 35, 38 and 41
+@pytest.mark.parametrize("between, used", [(lambda *a: None, 7), (_b_steps, 0), (_b_prefills, 7 - 3)])
+def test_a_step_prepared_ahead_is_used_only_while_it_holds(between, used):
+    """A step's room, clocks and positions are prepared at the end of the step before (while it
+    runs on a GPU). The preparation is used only while nothing touched the layers since: another
+    batch's step or prompt in between makes the step prepare again, and every path decodes the
+    logits of steps prepared in the step itself (plan_ahead False), bit for bit."""
+    want, none_used = _interleaved(False, between)
+    got, ahead_used = _interleaved(True, between)
+    assert none_used == 0 and ahead_used == used
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_planned_steps_with_background_recalibration_equal_layer_by_layer_steps():
@@ -178,6 +235,9 @@ def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits):
     assert _counters(model) == _counters(ref)
     counts = step_graph.of(model).counts
     assert counts["replayed"] >= 30 and counts["captured"] >= 1, counts
+    # the replayed steps were prepared while the step before them ran (their positions and clocks
+    # copied in the stream's order, after that step's graph read the last ones)
+    assert binding_of(model).engine._decoder.ahead_used >= 30
 
 
 @pytest.mark.gpu
