@@ -323,6 +323,9 @@ def main() -> int:
     ap.add_argument("--no-plan-ahead", action="store_true",
                     help="engine.plan_ahead=False: a planned step's room, clocks and positions done when it is "
                          "planned, not at the end of the step before (while that one runs); for an A/B in one call")
+    ap.add_argument("--ab-plan-ahead", action="store_true",
+                    help="HiSparse rows: then --ab-phases pairs of --ab-steps greedy steps with "
+                         "engine.plan_ahead off and on, alternating on the same cache (its A/B within one process)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
@@ -537,6 +540,8 @@ def main() -> int:
                         graphs = hs.step_graph.of(model)
                         row["decode_steps_by_path"] = dict(graphs.counts) if graphs is not None else None
                         row["decode_steps_planned_ahead"] = eng._decoder.ahead_used
+                        if args.ab_plan_ahead and k == 0:
+                            plan_ahead_phases(row, eng, cache, first)
                         row["two_level_scoring"] = two_level_pays(-(-ctx // eng.cfg.cache_block_size),
                                                                   eng.cfg.bound_group, eng._decoder.n_super)
                     if row is not first_row:
@@ -564,6 +569,24 @@ def main() -> int:
                 pass
         save()
         return row
+
+    def plan_ahead_phases(row: dict, eng, cache, first: torch.Tensor) -> None:
+        """ab_phases pairs of ab_steps greedy steps with plan_ahead off, then on (the first two
+        steps of a phase dropped: the first still takes what the phase before prepared)."""
+        times, calls = {False: [], True: []}, {False: [], True: []}
+        tok, default = first, eng.plan_ahead
+        for phase in range(2 * ab_phases):
+            eng.plan_ahead = bool(phase % 2)
+            host: list[float] = []
+            t, logits = decode(model, cache, tok, ab_steps, device, host_times=host)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            times[eng.plan_ahead] += t[2:]
+            calls[eng.plan_ahead] += host[2:]
+        eng.plan_ahead = default
+        for on, name in ((False, "off"), (True, "on")):
+            row[f"plan_ahead_{name}_step_ms_median"] = 1e3 * median(times[on])
+            row[f"plan_ahead_{name}_call_ms_median"] = 1e3 * median(calls[on])
+            row[f"plan_ahead_{name}_step_ms"] = [round(1e3 * x, 2) for x in times[on]]
 
     def telemetry_phases(row: dict, cache, first: torch.Tensor, B: int) -> dict:
         """Alternate ab_phases pairs of off / on phases of ab_steps greedy steps on one engine: the
@@ -651,7 +674,8 @@ def main() -> int:
         if bad:
             raise SystemExit(f"unknown --variants {bad}; choose from {', '.join(known)}")
         variants = [(v, known[v]) for v in args.variants.split(",")]
-    extra_tokens = 4 * args.decode_steps + (2 * ab_phases * ab_steps if args.batch_telemetry else 0)
+    extra_tokens = 4 * args.decode_steps + (2 * ab_phases * ab_steps if args.batch_telemetry or args.ab_plan_ahead
+                                            else 0)
     def singles(ctxs: list[int], first: bool) -> None:
         for ci, ctx in enumerate(ctxs):
             ids = torch.randint(0, cfg.vocab_size, (1, ctx), generator=g).to(device)
