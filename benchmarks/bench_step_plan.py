@@ -92,8 +92,9 @@ def main() -> int:
         r = measure(b, args.layers, args.context, args.steps, not args.no_plan_ahead)
         print(f"batch {r['batch']:>3} x {r['layers']} layers: plan {r['plan_ms']:.2f} ms (the graph keys "
               f"{r['key_ms']:.2f} of it), "
-              f"finish {r['finish_ms']:.2f} ms per step, the next step prepared ahead {r['prepare_ms']:.2f} ms "
-              f"({r['ahead_used']} of {r['steps']} plans took it) (median of {r['steps']}; "
+              f"finish {r['finish_ms']:.2f} ms per step, the preparation (room, clocks, positions) "
+              f"{r['prepare_ms']:.2f} ms, {'ahead' if not args.no_plan_ahead else 'inside the plan'} "
+              f"({r['ahead_used']} of {r['steps']} plans took one made ahead) (median of {r['steps']}; "
               f"the eager CPU step around them {r['eager_step_ms']:.1f} ms)", flush=True)
     return 0
 
