@@ -185,6 +185,7 @@ class HiSparseEngine:
     def free_sequences(self, seq_ids: list[int]) -> None:
         """Release sequences; their host blocks stay reclaimable for recycle_grace_s (resume)."""
         self.settle_recalibration()        # it may still read their blocks
+        self._ahead = None                 # a step prepared for them (or others: prepared again)
         self._sequences.free(seq_ids)
         self._decoder.forget(seq_ids)
         self._prefill.forget(seq_ids)
@@ -369,7 +370,12 @@ class HiSparseEngine:
         ids, self._next = self._next, None
         seqs = [self._sequences.live.get(i) for i in ids or ()]
         if seqs and all(s is not None and len(set(s.lengths)) == 1 for s in seqs):
-            self._ahead = self._decoder.prepare(seqs)
+            try:
+                self._ahead = self._decoder.prepare(seqs)
+            except (RuntimeError, ValueError):
+                # speculative (the step may never come): a failure here must not fail the step
+                # that ran; the next plan prepares again, and raises then if it still fails
+                self._ahead = None
 
     def _launch(self, live: list, reason: str, background: bool) -> None:
         job = self._recalibrator.start(live, reason, background=background)

@@ -216,6 +216,38 @@ def test_a_kept_graph_output_holds_no_cache_and_each_step_returns_the_callers():
     assert result.last_hidden_state.data_ptr() != have.output.last_hidden_state.data_ptr()
 
 
+def test_a_failed_preparation_ahead_does_not_fail_the_step_that_ran():
+    """The preparation made at a step's end is speculative (the caller may stop there): when it
+    fails (here: no memory), the step that ran still returns, and the next step prepares in its
+    plan and decodes what a model whose preparations never failed decodes."""
+    kw = hs.hf_compat.installed_cache_kwarg()
+    logits = []
+    for fail in (False, True):
+        _, model = make_pair("llama")
+        hs.enable_hisparse_kv_cache(model, name=f"test-step-ahead-fails-{fail}", **SPARSE)
+        step_graph.of(model).plan_on_cpu = True
+        eng = binding_of(model).engine
+        real = eng._decoder.prepare
+
+        def no_memory(seqs):
+            raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+
+        with torch.no_grad():
+            out = model(prompt(1, 20)[0], use_cache=True)
+            cache, tok, got = hs.hf_compat.output_cache(out), out.logits[:, -1:].argmax(-1), []
+            for step in range(4):
+                eng._decoder.prepare = no_memory if fail and step == 1 else real
+                out = model(tok, **{kw: cache}, use_cache=True)
+                eng._decoder.prepare = real
+                got.append(out.logits[:, -1])
+                tok = out.logits[:, -1:].argmax(-1)
+        assert cache.get_seq_length() == 24
+        # steps 2-4 follow planned steps; step 3's preparation failed at step 2's end
+        assert eng._decoder.ahead_used == (2 if fail else 3)
+        logits.append(torch.cat(got))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("bits", [None, 4])
