@@ -143,8 +143,8 @@ def _plan_kernel(
     blk = tl.maximum(tl.load(p_tables + seq * s_tables + logical, mask=m, other=0), 0)
     main = (blk * H + tl.load(p_kvh + r * s_kvh)) * bs + offset          # host_pool.block_rows
     out = r * (K + P) + o
-    if QUANT:   # a token of the unfilled last block is read from the float tail
-        in_tail = logical >= tl.load(p_n + r * s_n) // bs
+    if QUANT:   # a token of the last token's block is read from the float tail (decode.tail_block)
+        in_tail = logical >= (tl.load(p_n + r * s_n) - 1) // bs
         tl.store(p_src + out, tl.where(take & (~in_tail), main, -1), mask=m)
         tl.store(p_src_tail + out, tl.where(take & in_tail, tl.load(p_tail + r * s_tail) + offset, -1), mask=m)
     else:

@@ -50,6 +50,15 @@ SWAP_IN_BYTES = DEVICE_COUNTERS.index("swap_in_bytes")   # the counter a mixed-w
 _ADDRESS = torch.Tensor.data_ptr    # a buffer's address (body_key: map over the buffers, no Python frame each)
 
 
+def tail_block(n: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The block a decode step reads from a quantized pool's float tail, of a sequence of n
+    tokens: its last token's. The step whose token completes a block reads that block from the
+    tail too (the token is backed up there as well): a planned step seals it after its forward
+    (:meth:`Decoder.finish`), a step layer by layer before (in the append), and both read the
+    same floats."""
+    return torch.div(n - 1, block_size, rounding_mode="floor")
+
+
 def bucket(n: int) -> int:
     """n rounded up to a multiple of 1/8 of its power of two (at most 12.5 % more): a captured
     step keyed by a block count changes key ~8 times per doubling of the context, not every block."""
@@ -243,7 +252,7 @@ def _swap_rows(host: HostPool, batch: Batch, both: torch.Tensor, miss: torch.Ten
     main = host.block_rows(batch.tables, batch.kv_head, logical, offset, seq=batch.seq_of_head)
     if tail is None:
         return torch.where(take, main, -1).reshape(-1), None, dst
-    in_tail = logical >= n_head // bs                               # the unfilled last block: the float tail
+    in_tail = logical >= tail_block(n_head, bs)                     # the last token's block: the float tail
     src = torch.where(take & ~in_tail, main, -1)
     return src.reshape(-1), torch.where(take & in_tail, tail + offset, -1).reshape(-1), dst
 
@@ -261,6 +270,7 @@ class StepPlan:
     key: tuple
     tokens: list = field(default_factory=list)  # per layer: the selection (attend_body's second output)
     q: list = field(default_factory=list)       # per layer: the query (the audit reads it after the step)
+    seals: list = field(default_factory=list)   # (sequence, first position) of blocks its tokens complete
 
 
 @dataclass
@@ -443,9 +453,10 @@ class Decoder:
     # -- a whole step at once -----------------------------------------------------------------
     def plan(self, seqs: list[Sequence], ahead: Ahead | None = None) -> StepPlan | None:
         """The host side of a one-token decode step of ``seqs`` at every layer, done now; None
-        (nothing done) when the step must run layer by layer: a token that completes a block of a
-        quantized pool is sealed from its own K/V, which the step computes; layers on several
-        devices. Every layer holds the same tokens, so pages, the batch and the bodies' shapes
+        (nothing done) when the step must run layer by layer: layers on several devices. A token
+        that completes a block of a quantized pool is backed up to its float tail like any other,
+        the step reads the block from there (:func:`tail_block`) and :meth:`finish` seals it after
+        the forward. Every layer holds the same tokens, so pages, the batch and the bodies' shapes
         are worked out once; room, LRU clocks and positions per layer come from ``ahead``
         (:meth:`prepare`, run while the step before ran) when it still holds, else are done now.
         What a graph key names (buffer addresses, the probe's state) is read now: whatever ran
@@ -453,8 +464,6 @@ class Decoder:
         if not self._one_device:
             return None
         starts = [s.lengths[0] for s in seqs]
-        if self._seals(starts):
-            return None
         lengths = [p + 1 for p in starts]
         self.storage.extend(seqs, lengths)
         batch = self.batch(seqs, self.layers[0].device)
@@ -468,7 +477,10 @@ class Decoder:
             rows.hot.sync_order()                        # an eviction in the extend may reset stamps
             keys.append(self.body_key(rows))
         shape = self._attend_shapes(self.layers[0], batch, seqs, lengths)
-        return StepPlan(seqs, batch, starts, shape, (shape, tuple(keys)), [None] * len(keys), [None] * len(keys))
+        bs = self.shape.block_size
+        seals = [(s, p + 1 - bs) for s, p in zip(seqs, starts) if self.host.quantized and (p + 1) % bs == 0]
+        return StepPlan(seqs, batch, starts, shape, (shape, tuple(keys)), [None] * len(keys), [None] * len(keys),
+                        seals)
 
     def prepare(self, seqs: list[Sequence]) -> Ahead | None:
         """What of a planned step's host side can run before it, while the step before it runs on
@@ -481,8 +493,6 @@ class Decoder:
         if not self._one_device:
             return None
         starts = [s.lengths[0] for s in seqs]
-        if self._seals(starts):
-            return None
         L, n_max = len(self.layers), max(starts) + 1
         clocks = []
         for rows in self.layers:
@@ -494,11 +504,6 @@ class Decoder:
         batch.set_all(torch.tensor([[starts] * L, [[p + 1 for p in starts]] * L]), torch.tensor(clocks).T)
         return Ahead(starts, batch, [rows.hot.clock for rows in self.layers])
 
-    def _seals(self, starts: list[int]) -> bool:
-        """A new token at ``starts`` completes a block of a quantized pool."""
-        bs = self.shape.block_size
-        return self.host.quantized and any((p + 1) % bs == 0 for p in starts)
-
     def _holds(self, ahead: Ahead, batch: Batch, starts: list[int]) -> bool:
         """``ahead`` is still this step's: the same batch (rows unmoved) at the same positions,
         and no layer's hot buffer has reserved a stamp since (every append, attend or
@@ -507,6 +512,11 @@ class Decoder:
                 and all(rows.hot.clock == c for rows, c in zip(self.layers, ahead.clocks)))
 
     def finish(self, plan: StepPlan) -> None:
-        """The host side that follows a planned step's bodies (however they ran)."""
+        """The host side that follows a planned step's bodies (however they ran): and the blocks
+        its tokens completed sealed from their float tails, after the forward in stream order."""
         self._after_append(self.layers, plan.seqs, plan.starts, 1)
         self._after_attend(self.layers, plan.seqs, plan.tokens)
+        items = [(self.storage.block_table(s), s.tail_slot, b0) for s, b0 in plan.seals]
+        for rows in self.layers if items else ():
+            with rows.on_device():
+                self._count_write(*self.host.seal_tails(rows.index, items, rows.device))

@@ -26,7 +26,7 @@ import torch
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
 from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_dequant_pair, swap_in_pair
 
-from .host_seal import QuantEvents, seal_many, to_device as _to_device
+from .host_seal import QuantEvents, seal_many, seal_tails, to_device as _to_device
 from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits
 from .trace import phase
 
@@ -208,7 +208,8 @@ class HostPool:
             if T > 1:
                 # tokens of the blocks they complete would share tail rows with later ones (seal
                 # stored them); a decode token that completes its block is written to the tail
-                # too, where nothing reads it (the tail is read below a sequence's length)
+                # too: that step reads the block from there (decode.tail_block), and a planned
+                # step seals it from there after its forward
                 keep = (pos >= (start + T)[:, None] // self.block_size * self.block_size)[:, None].expand(B, H, T)
         else:
             heads = torch.arange(H, device=k.device)[None, :, None]
@@ -244,6 +245,11 @@ class HostPool:
                   together: bool | None = None) -> tuple[int, QuantEvents]:
         """:meth:`seal` for several sequences at once (host_seal.seal_many)."""
         return seal_many(self, layer, items, together)
+
+    def seal_tails(self, layer: int, items: list[tuple[torch.Tensor, int, int]],
+                   device: torch.device) -> tuple[int, QuantEvents]:
+        """Seal blocks whose tokens are all in their float tails (host_seal.seal_tails)."""
+        return seal_tails(self, layer, items, device)
 
     @staticmethod
     def _per_unit(name: str) -> bool:

@@ -44,8 +44,25 @@ def seal_many(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int, t
     quantize all units in one go (default: on a GPU; the CPU's reference arithmetic goes sequence
     by sequence, as its temporaries over a whole batch leave the caches and run 2x slower).
     Returns (bytes written, quantization events)."""
+    return _seal(pool, layer, _completed(pool, items) if pool.quantized else [], together)
+
+
+def seal_tails(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int]],
+               device: torch.device) -> tuple[int, QuantEvents]:
+    """Seal blocks every token of which is in the float tail already, items (block_table,
+    tail_slot, first position of the block): a planned decode step's token completed each (it
+    backed the token up to the tail and read the block from there), sealed after the step's
+    forward, in stream order, by the same arithmetic as :func:`seal_many`."""
+    H, D, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
+    empty = torch.empty(H, 0, D, dtype=pool.dtype, device=device)
+    parts = [((block_table[b0 // bs] * H + torch.arange(H)).reshape(-1), empty, empty, tail_slot, b0, b0 + bs)
+             for block_table, tail_slot, b0 in items]
+    return _seal(pool, layer, parts, None)
+
+
+def _seal(pool: Any, layer: int, parts: list[tuple], together: bool | None) -> tuple[int, QuantEvents]:
+    """Quantize and write the units of ``parts`` (:func:`_completed`'s tuples)."""
     events = QuantEvents()
-    parts = _completed(pool, items) if pool.quantized else []
     if not parts:
         return 0, events
     dev = parts[0][1].device

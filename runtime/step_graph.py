@@ -15,10 +15,11 @@ and replayed, the way transformers' static cache lets a dense model be captured:
 - afterwards the engine does what follows each body on the host (``engine.finish_decode``:
   lengths, selections, counters, the audit from the step's saved queries).
 
-A step that cannot be planned runs layer by layer with per-layer graphs, as before: a token that
-completes a block of a quantized host pool (the seal needs the step's own K/V on the host side),
-a forward with more than one token, layers on several devices, gradients on, or arguments the
-graph cannot hold (returned attentions or hidden states). Whole-step graphs are on with
+A step that cannot be planned runs layer by layer with per-layer graphs, as before: a forward
+with more than one token, layers on several devices, gradients on, or arguments the graph cannot
+hold (returned attentions or hidden states). A step whose token completes a block of a quantized
+host pool is planned like any other: it reads the block from the float tail, and the engine seals
+the block from there after the forward (``finish_decode``). Whole-step graphs are on with
 ``decode_graphs="step"`` (per-layer graphs with True, none with False). A capture that fails warns
 once and the model goes on with per-layer graphs.
 

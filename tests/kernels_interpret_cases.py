@@ -871,8 +871,9 @@ def _backup_token(bits: int | None) -> None:
 
 def _swap_plan(quantized: bool) -> None:
     """swap_plan (a step's swap-in rows in one launch) against decode._swap_rows, on tokens of
-    every kind: padding, main-pool blocks, the unfilled last block (the float tail when quantized),
-    copied or not."""
+    every kind: padding, main-pool blocks, the last token's block (the float tail when quantized:
+    unfilled, or just completed by the step's token, which a planned step seals after it), copied
+    or not."""
     import types
 
     from hi_sparse.decode import _swap_rows
@@ -886,7 +887,7 @@ def _swap_plan(quantized: bool) -> None:
     g = torch.Generator().manual_seed(int(quantized))
     B, H, K, P, bs = 2, 2, 20, 8, 8
     R = B * H
-    n = torch.tensor([70, 70, 45, 45])[:, None]                     # tokens per row
+    n = torch.tensor([72, 72, 45, 45])[:, None]         # tokens per row: the first sequence's last block full
     both = torch.stack([torch.randperm(int(n[r]), generator=g)[:K + P] for r in range(R)])
     both[:, ::7] = -1
     both[:, 3] = n[:, 0] - 2                                          # the unfilled last block
@@ -905,6 +906,8 @@ def _swap_plan(quantized: bool) -> None:
         _need((a is None and b is None) or torch.equal(a, b), f"{name} differs")
     if quantized:
         _need(bool((got[1] >= 0).any()), "no token came from the tail")
+        last = got[1].view(R, K + P)[:, 3]                   # n - 2, copied: in the last token's block
+        _need(bool((last >= 0).all()), f"a token of the last token's block was not read from the tail: {last}")
 
 
 def _rms_norm(dtype: torch.dtype, lead: tuple[int, ...], N: int, w_dtype: torch.dtype | None = None,
