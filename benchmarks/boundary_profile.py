@@ -29,6 +29,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prompt", type=int, default=40, help="prompt tokens (the boundary step is position 63)")
+    ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     _, model = make_pair("llama", dtype=torch.bfloat16 if dev == "cuda" else torch.float32, num_hidden_layers=32,
@@ -37,14 +39,14 @@ def main() -> int:
     model = model.to(dev)
     hs.enable_hisparse_kv_cache(model, name="boundary", max_seq_len=512, block_size=64, window_size=64,
                                 global_tokens=8, top_k=128, host_kv_bits=4, telemetry=False)
-    ids, mask = prompt(args.batch, 40)
+    ids, mask = prompt(args.batch, args.prompt)
     kw = hf_compat.installed_cache_kwarg()
     times, prof = [], cProfile.Profile()
     with torch.no_grad():
         out = model(ids.to(dev), attention_mask=mask.to(dev), use_cache=True)
         cache, tok = hf_compat.output_cache(out), out.logits[:, -1:].argmax(-1)
-        for step in range(60):               # positions 40..99: blocks complete at 63
-            pos = 40 + step
+        for step in range(args.steps):       # blocks complete at position 63
+            pos = args.prompt + step
             if dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
