@@ -516,7 +516,7 @@ class Decoder:
         its tokens completed sealed from their float tails, after the forward in stream order."""
         self._after_append(self.layers, plan.seqs, plan.starts, 1)
         self._after_attend(self.layers, plan.seqs, plan.tokens)
-        items = [(self.storage.block_table(s), s.tail_slot, b0) for s, b0 in plan.seals]
-        for rows in self.layers if items else ():
-            with rows.on_device():
-                self._count_write(*self.host.seal_tails(rows.index, items, rows.device))
+        if plan.seals:
+            items = [(self.storage.block_table(s), s.tail_slot, b0) for s, b0 in plan.seals]
+            with self.layers[0].on_device():             # a planned step's layers share one device
+                self._count_write(*self.host.seal_tails(items, self.layers[0].device))

@@ -47,17 +47,37 @@ def seal_many(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int, t
     return _seal(pool, layer, _completed(pool, items) if pool.quantized else [], together)
 
 
-def seal_tails(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int]],
-               device: torch.device) -> tuple[int, QuantEvents]:
-    """Seal blocks every token of which is in the float tail already, items (block_table,
-    tail_slot, first position of the block): a planned decode step's token completed each (it
-    backed the token up to the tail and read the block from there), sealed after the step's
-    forward, in stream order, by the same arithmetic as :func:`seal_many`."""
+def seal_tails(pool: Any, items: list[tuple[torch.Tensor, int, int]], device: torch.device) -> tuple[int, QuantEvents]:
+    """Seal, at every layer, blocks every token of which is in the float tail already, items
+    (block_table, tail_slot, first position of the block): a planned decode step's tokens completed
+    them (each was backed up to its tail, and the step read the block from there). Sealed after the
+    step's forward, in stream order, by :func:`seal_many`'s arithmetic, with the work a batch's
+    seal repeats per sequence and layer done once: one gather of every tail row a layer, and the
+    rows' and units' indices staged on ``device`` once for every layer."""
+    events = QuantEvents()
+    if not pool.quantized or not items:
+        return 0, events
     H, D, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
-    empty = torch.empty(H, 0, D, dtype=pool.dtype, device=device)
-    parts = [((block_table[b0 // bs] * H + torch.arange(H)).reshape(-1), empty, empty, tail_slot, b0, b0 + bs)
-             for block_table, tail_slot, b0 in items]
-    return _seal(pool, layer, parts, None)
+    heads = torch.arange(H)
+    units = torch.cat([block_table[b0 // bs] * H + heads for block_table, _, b0 in items])        # (I*H,)
+    slots = torch.tensor([slot for _, slot, _ in items])
+    rows = (pool.unit_rows(slots[:, None], heads[None])[..., None] + torch.arange(bs)).reshape(-1)  # (I*H*bs,)
+    if not (device.type == "cuda" and pool.pin):
+        pool._host_visible()
+    tail_d = to_device(rows, device)
+    none_d, into = torch.full_like(tail_d, -1), torch.arange(rows.numel(), device=device)
+    staged: dict = {}
+    written = 0
+    for layer in range(len(pool.layers)):
+        ko = torch.empty(rows.numel(), D, dtype=pool.dtype, device=device)
+        vo = torch.empty_like(ko)
+        pool.prepare(layer, device)
+        pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+        k, v = ko.view(-1, bs, D), vo.view(-1, bs, D)                   # units (I*H, bs, D), as `units`
+        kb, vb = pool.policy.choose(k, v)
+        for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
+            written += store_units(pool, layer, prefix, units, x, bits, events, staged)
+    return written, events
 
 
 def _seal(pool: Any, layer: int, parts: list[tuple], together: bool | None) -> tuple[int, QuantEvents]:
@@ -129,8 +149,9 @@ def _units(pool: Any, layer: int, parts: list[tuple], dev: torch.device) -> tupl
 
 
 def store_units(pool: Any, layer: int, prefix: str, units: torch.Tensor, x: torch.Tensor,
-                bits: torch.Tensor, events: QuantEvents) -> int:
-    """Quantize units x (N, bs, D), on any device, at their chosen bits (N,) into the pool."""
+                bits: torch.Tensor, events: QuantEvents, staged: dict | None = None) -> int:
+    """Quantize units x (N, bs, D), on any device, at their chosen bits (N,) into the pool.
+    staged: the device copies of row and unit indices, kept across calls (by content)."""
     store = pool.layers[layer]
     written = 0
     offs = torch.arange(pool.block_size)
@@ -145,7 +166,7 @@ def store_units(pool: Any, layer: int, prefix: str, units: torch.Tensor, x: torc
         # channel pairs (N, D) go to the units' entries, token pairs (N, T) to the rows'
         at = rows if LAYOUT[prefix] == "token" else u
         if gpu:
-            _write_units(pool, layer, prefix, u, rows, at, b, *out[:3])
+            _write_units(pool, layer, prefix, u, rows, at, b, *out[:3], staged)
             events.pending.append(out[3])
         else:
             packed, scale, zero, err = (t.cpu() for t in out)
@@ -165,11 +186,21 @@ def store_units(pool: Any, layer: int, prefix: str, units: torch.Tensor, x: torc
 
 
 def _write_units(pool: Any, layer: int, prefix: str, u: torch.Tensor, rows: torch.Tensor, at: torch.Tensor,
-                 b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+                 b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 staged: dict | None = None) -> None:
     """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
     with the row-copy kernel, in stream order: nothing waits for the device."""
     store, dev, P = pool.layers[layer], packed.device, packed.shape[-1]
-    rows_d, at_d, u_d = (to_device(t, dev) for t in (rows, at, u))
+
+    def on_dev(t: torch.Tensor) -> torch.Tensor:
+        if staged is None:
+            return to_device(t, dev)
+        key = (t.numel(), t.numpy().tobytes())
+        if key not in staged:
+            staged[key] = to_device(t, dev)
+        return staged[key]
+
+    rows_d, at_d, u_d = (on_dev(t) for t in (rows, at, u))
 
     def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
         src2 = src.to(dst.dtype).reshape(where.numel(), -1)

@@ -178,6 +178,71 @@ def test_sealing_a_batch_at_once_writes_what_sealing_each_sequence_writes(bits, 
         assert torch.equal(t, many.layers[0][name]), name
 
 
+@pytest.mark.parametrize("bits", [4, "auto"])
+def test_sealing_full_tails_at_every_layer_writes_what_sealing_in_the_append_writes(bits):
+    """seal_tails (a planned decode step whose tokens completed their blocks: every token already
+    backed up to the tail, sealed after the forward, all layers at once) writes what seal_many
+    writes in the append (the block's older tokens from the tail, the step's own from its K/V)."""
+    g = torch.Generator().manual_seed(9)
+    tables = [torch.tensor([5, 2, 7]), torch.tensor([1, 9, 3]), torch.tensor([11, 4, 6])]
+    k, v = torch.randn(2, 3, H, BS, D, generator=g), torch.randn(2, 3, H, BS, D, generator=g)
+    pools = []
+    for _ in range(2):
+        hp = HostPool(2, H, D, BS, torch.float32, pin=False, host_kv_bits=bits)
+        hp.grow(blocks=16, tails=4)
+        pools.append(hp)
+    append, after = pools
+    errors = []
+    for layer in range(2):
+        # the block's first BS - 1 tokens in both pools' tails, the last one by the step
+        for hp in pools:
+            hp.backup(layer, torch.stack(tables), hp.tail_units(torch.arange(3)), torch.zeros(3, dtype=torch.long),
+                      k[layer, :, :, :BS - 1], v[layer, :, :, :BS - 1])
+        _, ev = append.seal_many(layer, [(tables[b], b, BS - 1, k[layer, b, :, BS - 1:], v[layer, b, :, BS - 1:])
+                                         for b in range(3)])
+        errors += ev.errors
+        after.backup(layer, torch.stack(tables), after.tail_units(torch.arange(3)), torch.full((3,), BS - 1),
+                     k[layer, :, :, BS - 1:], v[layer, :, :, BS - 1:])
+    written, ours = after.seal_tails([(tables[b], b, 0) for b in range(3)], torch.device("cpu"))
+    assert written > 0 and sorted(ours.errors) == pytest.approx(sorted(errors)) and len(errors) == 2 * 2 * 3 * H
+    for layer in range(2):
+        for name, t in append.layers[layer].items():
+            if not name.endswith("_tail"):
+                assert torch.equal(t, after.layers[layer][name]), (layer, name)
+
+
+def test_the_device_indices_of_a_seal_are_staged_once_for_every_layer():
+    """_write_units with ``staged`` (seal_tails: one seal for every layer) copies each distinct
+    index tensor to the device once and writes what it writes without."""
+    from hi_sparse import host_seal
+    from hi_sparse.quant_policy import LAYOUT, quantize_roundtrip
+
+    g = torch.Generator().manual_seed(3)
+    pools = [HostPool(2, H, D, BS, torch.float32, pin=False, host_kv_bits=4) for _ in range(2)]
+    for hp in pools:
+        hp.grow(blocks=8, tails=2)
+    u = torch.tensor([6, 7, 2, 3])                               # units of blocks 3 and 1
+    rows = (u[:, None] * BS + torch.arange(BS)).reshape(-1)
+    copies, real = [], host_seal.to_device
+    host_seal.to_device = lambda t, dev: (copies.append(t), real(t, dev))[1]
+    try:
+        staged: dict = {}
+        for layer in range(2):
+            for prefix in ("k", "v"):
+                x = torch.randn(4, BS, D, generator=g)
+                packed, scale, zero, _ = quantize_roundtrip(x, 4, LAYOUT[prefix])
+                at = rows if LAYOUT[prefix] == "token" else u
+                for hp, how in zip(pools, (None, staged)):
+                    host_seal._write_units(hp, layer, prefix, u, rows, at, 4, packed, scale, zero, how)
+    finally:
+        host_seal.to_device = real
+    assert len(staged) == 2                                       # rows and units, whatever the layout
+    assert len(copies) == 2 * 2 * 3 + 2                           # 3 a call without, 2 once with
+    for layer in range(2):
+        for name, t in pools[0].layers[layer].items():
+            assert torch.equal(t, pools[1].layers[layer][name]), (layer, name)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("bits", [4, "auto"])
