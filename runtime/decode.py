@@ -512,11 +512,12 @@ class Decoder:
                 and all(rows.hot.clock == c for rows, c in zip(self.layers, ahead.clocks)))
 
     def finish(self, plan: StepPlan) -> None:
-        """The host side that follows a planned step's bodies (however they ran): and the blocks
-        its tokens completed sealed from their float tails, after the forward in stream order."""
-        self._after_append(self.layers, plan.seqs, plan.starts, 1)
-        self._after_attend(self.layers, plan.seqs, plan.tokens)
+        """The host side that follows a planned step's bodies (however they ran), the blocks its
+        tokens completed first: sealed from their float tails, after the forward in stream order
+        (a seal that fails leaves the sequences' lengths as they were, so the step can run again)."""
         if plan.seals:
             items = [(self.storage.block_table(s), s.tail_slot, b0) for s, b0 in plan.seals]
             with self.layers[0].on_device():             # a planned step's layers share one device
                 self._count_write(*self.host.seal_tails(items, self.layers[0].device))
+        self._after_append(self.layers, plan.seqs, plan.starts, 1)
+        self._after_attend(self.layers, plan.seqs, plan.tokens)

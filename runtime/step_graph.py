@@ -96,14 +96,17 @@ class StepGraphs:
             return self.original(**kwargs)
         cache = kwargs[self.cache_kwarg]
         lengths = [layer.length for layer in cache.layers]
-        ran = False
+        ran = done = False
         try:
             out = self._run(plan, self._call_kwargs(kwargs, cache), cache)
             ran = True
         finally:
-            engine.finish_decode(plan, ran)
-            for layer, n in zip(cache.layers, lengths):    # what each layer's update counts
-                layer.length = n + 1 if ran else n
+            try:
+                engine.finish_decode(plan, ran)      # a failure there (a seal) keeps the lengths too
+                done = ran
+            finally:
+                for layer, n in zip(cache.layers, lengths):    # what each layer's update counts
+                    layer.length = n + 1 if done else n
         return out
 
     def _eligible(self, kwargs: dict) -> bool:

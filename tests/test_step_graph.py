@@ -164,6 +164,39 @@ def test_a_forward_that_fails_part_way_leaves_lengths_as_they_were():
     assert cache.get_seq_length() == 21 and step.logits.shape == (1, 1, 128)
 
 
+def test_a_planned_step_whose_seal_fails_leaves_lengths_as_they_were():
+    """The seal after a planned step whose token completes a block comes before its lengths move:
+    when it fails, the forward raises, the cache and the engine hold the tokens they held, and the
+    step runs again (and seals)."""
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, name="test-step-seal-fails", host_kv_bits=4, **SPARSE)
+    step_graph.of(model).plan_on_cpu = True
+    eng = binding_of(model).engine
+    real, calls = eng.host.seal_tails, []
+
+    def fails_once(*a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+        return real(*a)
+
+    eng.host.seal_tails = fails_once
+    kw = hs.hf_compat.installed_cache_kwarg()
+    with torch.no_grad():
+        out = model(prompt(1, 20)[0], use_cache=True)
+        cache, tok = hs.hf_compat.output_cache(out), out.logits[:, -1:].argmax(-1)
+        for _ in range(3):                                   # positions 20-22
+            tok = model(tok, **{kw: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        sealed = sum(eng.stats.quant_blocks.values())
+        with pytest.raises(torch.OutOfMemoryError):          # position 23 completes the block
+            model(tok, **{kw: cache}, use_cache=True)
+        seq = cache.layers[0].sequences.seq_ids[0]
+        assert cache.get_seq_length() == 23 and eng.seq_len(seq) == 23
+        model(tok, **{kw: cache}, use_cache=True)
+    assert cache.get_seq_length() == 24 and eng.seq_len(seq) == 24 and len(calls) == 2
+    assert sum(eng.stats.quant_blocks.values()) > sealed
+
+
 def test_decode_graphs_takes_true_false_or_step():
     _, model = make_pair("llama")
     with pytest.raises(ValueError, match="decode_graphs must be True, False or 'step', got 'whole'"):
