@@ -79,7 +79,7 @@ class Batch:
         self.first_row, self.size = seqs[0].row, B
         self.rows = slice(self.first_row, self.first_row + B)
         self.tables = torch.full((B, -(-max_seq_len // shape.block_size)), -1, dtype=torch.int64, device=device)
-        self.versions: tuple | None = None
+        self._uploaded: list | None = None     # per row: (its pages, version, edits, blocks) in tables
         firsts = [s.first_token for s in seqs]
         self.first = torch.tensor(firsts, dtype=torch.int64).to(device)                    # (B,)
         self.first_lo = min(firsts)
@@ -119,14 +119,24 @@ class Batch:
         return self.positions[body, layer].view(-1, 1)
 
     def refresh_tables(self, pages: PageTable) -> None:
-        """Block tables into the fixed buffer, when a sequence's page list changed."""
-        versions = tuple(pages.seqs[i].version for i in self.seq_ids)
-        if versions == self.versions:
+        """Block tables into the fixed buffer, when a sequence's page list changed: only the
+        columns of blocks appended since the last refresh (every sequence of a batch gains a block
+        on the same step, one column at 128K instead of the ~2,000 of a whole table), every
+        column from the first when a list changed otherwise (a fork's shared prefix, a hole, a
+        restore)."""
+        now = [pages.seqs[i] for i in self.seq_ids]
+        seen = self._uploaded
+        if seen is not None and all(p is q and p.version == v for p, (q, v, _, _) in zip(now, seen)):
             return
-        ids = [pages.block_ids(i) for i in self.seq_ids]
-        w = max(len(x) for x in ids)
-        upload(self.tables[:, :w], torch.tensor([x + [-1] * (w - len(x)) for x in ids], dtype=torch.int64))
-        self.versions = versions
+        lo = 0
+        if seen is not None and all(p is q and p.edits == e for p, (q, _, e, _) in zip(now, seen)):
+            lo = min(n for p, (_, v, _, n) in zip(now, seen) if p.version != v)
+        hi = max(len(p.blocks) for p in now)
+        if hi > lo:
+            cols = [[-1 if b is None else b.block_id for b in p.blocks[lo:hi]] for p in now]
+            upload(self.tables[:, lo:hi], torch.tensor([c + [-1] * (hi - lo - len(c)) for c in cols],
+                                                       dtype=torch.int64))
+        self._uploaded = [(p, p.version, p.edits, len(p.blocks)) for p in now]
 
     def set(self, layer: int, body: int, positions: list[int], clock: int) -> None:
         """This step's positions (one per sequence) and first LRU stamp of ``body`` at ``layer``."""

@@ -4,7 +4,8 @@ A fork shares its source's full blocks (:meth:`PageTable.share`: reference count
 pool; a full block is never written again), so forks of one prompt hold one copy of it.
 
 Pure bookkeeping over :class:`~hi_sparse.block_pool.BlockPool`; tensors are built by the caller
-from :meth:`PageTable.block_ids` (``version`` says when a cached tensor is stale). A logical block
+from :meth:`PageTable.block_ids` (``version`` says when a cached tensor is stale, ``edits`` when
+more changed than blocks appended at the end). A logical block
 may become a *hole* (``None``) when streaming mode overwrote it: its tokens are gone for good.
 
     tokens:   |0 ........ bs-1|bs ....... 2bs-1|2bs ... n-1     |
@@ -24,6 +25,7 @@ class SequencePages:
     blocks: list[KVBlock | None] = field(default_factory=list)
     num_tokens: int = 0
     version: int = 0
+    edits: int = 0                     # changes of the block list other than appending blocks
     holes: int = 0                     # logical blocks streaming mode detached
     generations: tuple[int, ...] = ()  # of each live block when removed (for restore)
 
@@ -78,6 +80,7 @@ class PageTable:
         p.blocks = list(shared)
         p.num_tokens = full * self.block_size
         p.version += 1
+        p.edits += 1
         return shared
 
     def block_ids(self, seq_id: int) -> list[int]:
@@ -95,6 +98,7 @@ class PageTable:
             raise RuntimeError(f"bug: logical block {logical} of sequence {seq_id} is already a hole")
         p.blocks[logical] = None
         p.version += 1
+        p.edits += 1
         p.holes += 1
         return b
 
@@ -115,5 +119,6 @@ class PageTable:
             return False
         self.pool.touch(live)
         pages.version += 1
+        pages.edits += 1
         self.seqs[seq_id] = pages
         return True

@@ -58,3 +58,56 @@ def test_adding_a_sequence_twice_is_a_bug():
     pt.add_sequence(3)
     with pytest.raises(RuntimeError, match="bug: sequence 3 already has a page table"):
         pt.add_sequence(3)
+
+
+def test_a_batchs_block_tables_follow_every_change_of_its_page_lists():
+    """decode.Batch.refresh_tables writes only the columns of blocks appended since it last ran
+    (the step where a batch's sequences all gain a block), and every column when a list changed
+    otherwise (a hole, a fork's shared prefix, a restore): after each change the device table
+    reads what block_ids reads, -1 past each list."""
+    import torch
+
+    from hi_sparse.decode import Batch
+
+    pool, pt = _table(blocks=64)
+    for seq in (0, 1, 2):
+        pt.add_sequence(seq)
+    batch = Batch.__new__(Batch)            # the table and its bookkeeping only
+    batch.seq_ids, batch._uploaded = (0, 1, 2), None
+    batch.tables = torch.full((3, 16), -1, dtype=torch.int64)
+    writes = []
+    real = torch.Tensor.copy_
+
+    def check(columns=None):
+        batch.refresh_tables(pt)
+        for row, seq in enumerate(batch.seq_ids):
+            ids = pt.block_ids(seq)
+            assert batch.tables[row, :len(ids)].tolist() == ids, (row, ids)
+            assert (batch.tables[row, len(ids):] == -1).all()
+        if columns is not None:
+            assert writes[-1] == columns, writes
+    torch.Tensor.copy_ = lambda dst, src, *a, **k: (writes.append(dst.shape[1]), real(dst, src, *a, **k))[1]
+    try:
+        def extend(seq, n):
+            pt.extend(seq, n, pool.get_new_blocks(pt.blocks_needed(seq, n)))
+
+        for seq, n in ((0, 9), (1, 5), (2, 1)):
+            extend(seq, n)
+        check(3)                            # the first: every column
+        for seq in (0, 1, 2):
+            extend(seq, BS)                 # each gains one block at its own end
+        check(4 - 1)                        # columns 1..3 (from the shortest list's old end)
+        n = len(writes)
+        check()                             # nothing changed: nothing written
+        assert len(writes) == n
+        extend(1, 1)                        # within its last block: no new block, no write
+        check()
+        assert len(writes) == n
+        pt.punch_hole(0, 1)                 # a hole: every column again
+        check(4)
+        assert pt.restore(2, pt.remove(2))  # freed and taken back (a new list object): every column
+        check(4)
+        extend(0, 3 * BS)
+        check(7 - 4)                        # the appended columns 4..6 only
+    finally:
+        torch.Tensor.copy_ = real
