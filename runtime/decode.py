@@ -525,8 +525,9 @@ class Decoder:
         """The host side that follows a planned step's bodies (however they ran), the blocks its
         tokens completed first: sealed from their float tails, after the forward in stream order
         (a seal that fails leaves the sequences' lengths as they were, so the step can run again)."""
-        if plan.seals:
-            items = [(self.storage.block_table(s), s.tail_slot, b0) for s, b0 in plan.seals]
+        if plan.seals:      # (each completed block's physical id: no whole block table built for it)
+            bs, pages = self.shape.block_size, self.storage.pages.seqs
+            items = [(pages[s.seq_id].blocks[b0 // bs].block_id, s.tail_slot) for s, b0 in plan.seals]
             with self.layers[0].on_device():             # a planned step's layers share one device
                 self._count_write(*self.host.seal_tails(items, self.layers[0].device))
         self._after_append(self.layers, plan.seqs, plan.starts, 1)

@@ -246,7 +246,7 @@ class HostPool:
         """:meth:`seal` for several sequences at once (host_seal.seal_many)."""
         return seal_many(self, layer, items, together)
 
-    def seal_tails(self, items: list[tuple[torch.Tensor, int, int]], device: torch.device) -> tuple[int, QuantEvents]:
+    def seal_tails(self, items: list[tuple[int, int]], device: torch.device) -> tuple[int, QuantEvents]:
         """Seal, at every layer, blocks whose tokens are all in their float tails (host_seal.seal_tails)."""
         return seal_tails(self, items, device)
 

@@ -47,9 +47,9 @@ def seal_many(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int, t
     return _seal(pool, layer, _completed(pool, items) if pool.quantized else [], together)
 
 
-def seal_tails(pool: Any, items: list[tuple[torch.Tensor, int, int]], device: torch.device) -> tuple[int, QuantEvents]:
+def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device) -> tuple[int, QuantEvents]:
     """Seal, at every layer, blocks every token of which is in the float tail already, items
-    (block_table, tail_slot, first position of the block): a planned decode step's tokens completed
+    (physical block, tail slot): a planned decode step's tokens completed
     them (each was backed up to its tail, and the step read the block from there). Sealed after the
     step's forward, in stream order, by :func:`seal_many`'s arithmetic, with the work a batch's
     seal repeats per sequence and layer done once: one gather of every tail row a layer, and the
@@ -59,8 +59,8 @@ def seal_tails(pool: Any, items: list[tuple[torch.Tensor, int, int]], device: to
         return 0, events
     H, D, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
     heads = torch.arange(H)
-    units = torch.cat([block_table[b0 // bs] * H + heads for block_table, _, b0 in items])        # (I*H,)
-    slots = torch.tensor([slot for _, slot, _ in items])
+    units = (torch.tensor([block for block, _ in items])[:, None] * H + heads).reshape(-1)          # (I*H,)
+    slots = torch.tensor([slot for _, slot in items])
     rows = (pool.unit_rows(slots[:, None], heads[None])[..., None] + torch.arange(bs)).reshape(-1)  # (I*H*bs,)
     if not (device.type == "cuda" and pool.pin):
         pool._host_visible()
