@@ -45,6 +45,11 @@ from .storage import Storage
 
 
 class HiSparseEngine:
+    # prepare the next planned step at a step's end, while its graph runs (False: for an A/B)
+    plan_ahead: bool
+    _next: list[int] | None          # the sequences of the last planned step
+    _ahead: Ahead | None             # what was prepared for them
+
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  model_name: str = "llama", segment=None,
@@ -99,11 +104,7 @@ class HiSparseEngine:
         self._step_t0: float | None = None
         self._step_decoded = False
         self._audit_at: tuple[int, int] | None = None
-        # a planned step's host side done at the end of the step before it, while that step's
-        # graph runs (plan_ahead False: only when the step is planned; for A/B measurements)
-        self.plan_ahead = True
-        self._next: list[int] | None = None      # the sequences of the last planned step
-        self._ahead: Ahead | None = None
+        self.plan_ahead, self._next, self._ahead = True, None, None
         self._gauges = Gauges(metrics, cfg, shape, self.layers, self.pool, self.pages, self.host, self._sequences,
                               self.meta_device)
         self.publisher = Publisher(metrics, self._gauges, cfg.publish_interval_s, cfg.gauge_interval_s)
