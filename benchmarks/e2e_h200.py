@@ -116,26 +116,61 @@ def prefill(model, ids: torch.Tensor, cache, chunk: int):
 
 
 def decode(model, cache, first: torch.Tensor, steps: int, device: str,
-           repeat_token: bool = False, host_times: list | None = None) -> tuple[list[float], torch.Tensor]:
+           repeat_token: bool = False, host_times: list | None = None,
+           profiles: dict | None = None) -> tuple[list[float], torch.Tensor]:
     """Greedy decode ``steps`` tokens; returns per-step seconds and the logits of each step.
     repeat_token: feed ``first`` at every step instead (a run of one token: consecutive queries
     differ by position only, the high-locality workload). host_times: appended, per step, the
     seconds until the forward call returned (its host work, the device work it waits for included:
-    against the step's time it says how much of the step the host's own work takes)."""
+    against the step's time it says how much of the step the host's own work takes). profiles:
+    {step index: None}, each filled with the host (cProfile) and device (torch.profiler) tables of
+    that step (--profile-boundary)."""
     times, logits = [], []
     tok = first
-    for _ in range(steps):
+    for i in range(steps):
         sync(device)
+        prof = step_profiler(device) if profiles is not None and i in profiles else None
         t0 = time.perf_counter()
         out = model(input_ids=tok, **{CACHE: cache}, use_cache=True)
         if host_times is not None:
             host_times.append(time.perf_counter() - t0)
         sync(device)
         times.append(time.perf_counter() - t0)
+        if prof is not None:
+            profiles[i] = prof.close(times[-1])
         cache = output_cache(out)
         logits.append(out.logits[:, -1].float())
         tok = first if repeat_token else out.logits[:, -1:].argmax(-1)
     return times, torch.stack(logits, 1)
+
+
+class step_profiler:
+    """The host's Python (cProfile) and the device's kernels (torch.profiler) over one step, the
+    profilers' own overhead in the step's time: read the tables, not the total."""
+
+    def __init__(self, device: str) -> None:
+        import cProfile
+
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        self.torch_prof = profile(activities=acts)
+        self.torch_prof.__enter__()
+        self.py = cProfile.Profile()
+        self.py.enable()
+
+    def close(self, seconds: float) -> dict:
+        import io
+        import pstats
+        self.py.disable()
+        self.torch_prof.__exit__(None, None, None)
+        out: dict = {"step_ms_profiled": round(1e3 * seconds, 2)}
+        for order in ("tottime", "cumtime"):
+            buf = io.StringIO()
+            pstats.Stats(self.py, stream=buf).sort_stats(order).print_stats(22)
+            out[f"python_by_{order}"] = buf.getvalue()
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        out["kernels"] = self.torch_prof.key_averages().table(sort_by=sort, row_limit=20)
+        return out
 
 
 def teacher_forced(model, prompt: torch.Tensor, forced: torch.Tensor, cache) -> torch.Tensor:
@@ -330,6 +365,10 @@ def main() -> int:
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
                     help="after a --hisparse-batch run, profile 2 more decode steps (torch.profiler table)")
+    ap.add_argument("--profile-boundary", action="store_true",
+                    help="profile (host cProfile and device kernels) the decode steps around the first block the "
+                         "batch's tokens complete: the step before, the step that completes it, the step after; "
+                         "the row gets decode_profiles and every step's host call time")
     ap.add_argument("--planted", type=int, default=0,
                     help="plant heavy hitters (plant_heavy_hitters) and put this many salient tokens, one per "
                          "block, in each --hisparse-batch prompt: a workload with a high hot-buffer hit rate")
@@ -460,7 +499,8 @@ def main() -> int:
                     row["device_peak_bytes_over_weights"] = torch.cuda.max_memory_allocated() - base
             except torch.cuda.OutOfMemoryError as exc:
                 row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
-            print(json.dumps({k: v for k, v in row.items() if k != "decode_step_ms_all"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("decode_step_ms_all", "decode_profiles")}),
+                  flush=True)
             save()
             return row
         try:
@@ -509,10 +549,24 @@ def main() -> int:
                         before = (st.hot_buffer_lookups, st.hot_buffer_hits)
                     agent = start_agent(row, args.json) if label.endswith("+easymats") else None
                     host: list[float] = []
+                    profiles = None
+                    if args.profile_boundary and eng is not None:    # the step whose token completes a block
+                        at = cache.get_seq_length()
+                        done = next(i for i in range(args.block_size) if (at + i + 1) % args.block_size == 0)
+                        profiles = {i: None for i in (done - 1, done, done + 1) if 0 <= i < args.decode_steps}
                     try:
-                        times, _ = decode(model, cache, first, args.decode_steps, device, repeat_token, host)
+                        times, _ = decode(model, cache, first, args.decode_steps, device, repeat_token, host,
+                                          profiles)
                     finally:
                         stop_agent(agent, row)
+                    if profiles is not None:
+                        row["decode_profiles"] = {str(i): p for i, p in profiles.items()}
+                        row["decode_call_ms_all"] = [round(1e3 * t, 2) for t in host]
+                        for i, p in profiles.items():
+                            print(f"--- step {i} (position {at + i}): {p and p['step_ms_profiled']} ms profiled; "
+                                  f"host call {1e3 * host[i]:.2f} ms", flush=True)
+                            for name in ("python_by_tottime", "python_by_cumtime", "kernels"):
+                                print((p or {}).get(name, ""), flush=True)
                     steady = times[2:] or times
                     row["decode_step_ms_median"] = 1e3 * median(steady)
                     # until the forward returned (host work; a sync inside it waits for the device)
@@ -553,7 +607,8 @@ def main() -> int:
                         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
                         row["profile_top_cpu"] = table
                         print(table, flush=True)
-                    print(json.dumps({k: v for k, v in row.items() if k != "decode_step_ms_all"}), flush=True)
+                    print(json.dumps({k: v for k, v in row.items()
+                                      if k not in ("decode_step_ms_all", "decode_profiles")}), flush=True)
                     save()
                 if telemetry_ab:
                     row = telemetry_phases(dict(shared, variant=label + "+easymats", decode_input="greedy A/B"),
