@@ -422,6 +422,6 @@ class Decoder:
             bs, pages = self.shape.block_size, self.storage.pages.seqs
             items = [(pages[s.seq_id].blocks[b0 // bs].block_id, s.tail_slot) for s, b0 in plan.seals]
             with self.layers[0].on_device():             # a planned step's layers share one device
-                self._count_write(*self.host.seal_tails(items, self.layers[0].device))
+                self._count_write(*self.host.seal_tails(items, self.layers[0].device, self._graphs))
         self._after_append(self.layers, plan.seqs, plan.starts, 1)
         self._after_attend(self.layers, plan.seqs, plan.tokens)

@@ -83,6 +83,7 @@ class HostPool:
         # device copies of each layer's unit bits (mixed widths on a GPU): {(layer, "k"/"v"): tensor}
         self._bits_on: dict[tuple[int, str], torch.Tensor] = {}
         self._row_bytes: dict[torch.device, torch.Tensor] = {}   # bits -> bytes a packed row reads
+        self._seal_graphs: dict = {}         # host_seal.SealGraph by (units, device)
         self._alloc(0, 0)
 
     # -- storage -------------------------------------------------------------------------------
@@ -115,6 +116,8 @@ class HostPool:
                 store[name] = new
         if blocks != self.num_blocks:
             self._bits_on.clear()    # rebuilt at the next prepare
+        if (blocks, tails) != (self.num_blocks, self.num_tail):
+            self._seal_graphs = {k: v for k, v in self._seal_graphs.items() if k == "failed"}  # moved buffers
         self.num_blocks, self.num_tail = blocks, tails
 
     def grow(self, blocks: int | None = None, tails: int | None = None) -> None:
@@ -246,9 +249,11 @@ class HostPool:
         """:meth:`seal` for several sequences at once (host_seal.seal_many)."""
         return seal_many(self, layer, items, together)
 
-    def seal_tails(self, items: list[tuple[int, int]], device: torch.device) -> tuple[int, QuantEvents]:
-        """Seal, at every layer, blocks whose tokens are all in their float tails (host_seal.seal_tails)."""
-        return seal_tails(self, items, device)
+    def seal_tails(self, items: list[tuple[int, int]], device: torch.device,
+                   graphs: bool = False) -> tuple[int, QuantEvents]:
+        """Seal, at every layer, blocks whose tokens are all in their float tails (host_seal.seal_tails);
+        graphs: by a captured CUDA graph where it can."""
+        return seal_tails(self, items, device, self._seal_graphs if graphs else None)
 
     @staticmethod
     def _per_unit(name: str) -> bool:

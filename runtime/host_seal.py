@@ -9,6 +9,7 @@ step's end), on the CPU in place. :func:`seal_many` does it for a whole batch at
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from hi_sparse.kernels import swap_in
 
+from .batch_step import _cause, capture
 from .quant_policy import LAYOUT, quantize_roundtrip
 
 
@@ -47,13 +49,16 @@ def seal_many(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int, t
     return _seal(pool, layer, _completed(pool, items) if pool.quantized else [], together)
 
 
-def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device) -> tuple[int, QuantEvents]:
+def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device,
+               graphs: dict | None = None) -> tuple[int, QuantEvents]:
     """Seal, at every layer, blocks every token of which is in the float tail already, items
     (physical block, tail slot): a planned decode step's tokens completed
     them (each was backed up to its tail, and the step read the block from there). Sealed after the
     step's forward, in stream order, by :func:`seal_many`'s arithmetic, with the work a batch's
     seal repeats per sequence and layer done once: one gather of every tail row a layer, and the
-    rows' and units' indices staged on ``device`` once for every layer."""
+    rows' and units' indices staged on ``device`` once for every layer. graphs (a dict the pool
+    keeps): a pinned pool of one width on a GPU seals by replaying a CUDA graph of the whole seal,
+    captured once per block count (:class:`SealGraph`), not op by op."""
     events = QuantEvents()
     if not pool.quantized or not items:
         return 0, events
@@ -62,6 +67,10 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device) ->
     units = (torch.tensor([block for block, _ in items])[:, None] * H + heads).reshape(-1)          # (I*H,)
     slots = torch.tensor([slot for _, slot in items])
     rows = (pool.unit_rows(slots[:, None], heads[None])[..., None] + torch.arange(bs)).reshape(-1)  # (I*H*bs,)
+    if graphs is not None and pool.fixed_bits is not None and device.type == "cuda" and pool.pin:
+        g = SealGraph.of(pool, graphs, units.numel(), device)
+        if g is not None:
+            return g.replay(pool, units, rows, events)
     if not (device.type == "cuda" and pool.pin):
         pool._host_visible()
     tail_d = to_device(rows, device)
@@ -78,6 +87,73 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device) ->
         for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
             written += store_units(pool, layer, prefix, units, x, bits, events, staged)
     return written, events
+
+
+class SealGraph:
+    """:func:`seal_tails` of N units (a pinned pool of one width on a GPU) as one CUDA graph: the
+    tail rows gathered, quantized and written at every layer. Op by op that is ~80 launches a
+    layer, ~250 ms of host time a step at 32 layers; replayed, two index copies and one launch.
+    Captured (recorded, not run) the first time N is sealed; kept while the pool's buffers stay
+    where they are (a grown pool moved them: captured again). A capture that fails leaves the
+    seal op by op (a warning, once)."""
+
+    def __init__(self, key: tuple, pool: Any, n: int, device: torch.device) -> None:
+        self.key = key
+        self.tail = torch.zeros(n * pool.block_size, dtype=torch.int64, device=device)   # the inputs
+        self.units = torch.zeros(n, dtype=torch.int64, device=device)
+        self.graph, (self.errors, self.written) = capture(lambda: _fixed_seal(pool, self.tail, self.units),
+                                                          torch.cuda.graph_pool_handle())
+
+    @classmethod
+    def of(cls, pool: Any, graphs: dict, n: int, device: torch.device) -> SealGraph | None:
+        if graphs.get("failed"):
+            return None
+        key = (n, device, pool.num_blocks, pool.num_tail,
+               *(t.data_ptr() for layer in range(len(pool.layers)) for t in pool.buffers(layer)))
+        have = graphs.get((n, device))
+        if have is not None and have.key == key:
+            return have
+        graphs.pop((n, device), None)
+        try:
+            have = graphs[(n, device)] = cls(key, pool, n, device)
+        except RuntimeError as exc:
+            graphs["failed"] = True
+            warnings.warn(f"HiSparse: CUDA graph capture of the block seal failed ({_cause(exc)}); blocks are "
+                          "sealed op by op from now on (a longer step where tokens complete blocks)",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return have
+
+    def replay(self, pool: Any, units: torch.Tensor, rows: torch.Tensor,
+               events: QuantEvents) -> tuple[int, QuantEvents]:
+        self.tail.copy_(rows.pin_memory(), non_blocking=True)
+        self.units.copy_(units.pin_memory(), non_blocking=True)
+        self.graph.replay()
+        events.counts[pool.fixed_bits] = 2 * len(pool.layers) * units.numel()
+        events.pending.append(self.errors.clone())     # the next replay writes over the graph's own
+        return self.written, events
+
+
+def _fixed_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The device work of :func:`seal_tails` at the pool's one width, indices on the device: units
+    (N,) and their tail rows (N * block_size,). Returns (each unit's relative error (2 * layers,
+    N), bytes written)."""
+    D, bs, b, dev = pool.head_dim, pool.block_size, pool.fixed_bits, units_d.device
+    unit_rows = (units_d[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+    none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
+    errors, written = [], 0
+    for layer in range(len(pool.layers)):
+        ko = torch.empty(tail_d.numel(), D, dtype=pool.dtype, device=dev)
+        vo = torch.empty_like(ko)
+        pool.prepare(layer, dev)
+        pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+        for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
+            packed, scale, zero, err = quantize_roundtrip(x, b, LAYOUT[prefix])
+            at = unit_rows if LAYOUT[prefix] == "token" else units_d
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, b, packed, scale, zero)
+            errors.append(err)
+            written += packed.numel() + 2 * scale.numel() * scale.element_size()
+    return torch.stack(errors), written
 
 
 def _seal(pool: Any, layer: int, parts: list[tuple], together: bool | None) -> tuple[int, QuantEvents]:
@@ -166,7 +242,7 @@ def store_units(pool: Any, layer: int, prefix: str, units: torch.Tensor, x: torc
         # channel pairs (N, D) go to the units' entries, token pairs (N, T) to the rows'
         at = rows if LAYOUT[prefix] == "token" else u
         if gpu:
-            _write_units(pool, layer, prefix, u, rows, at, b, *out[:3], staged)
+            _write_units(pool, layer, prefix, *(_on(t, x.device, staged) for t in (u, rows, at)), b, *out[:3])
             events.pending.append(out[3])
         else:
             packed, scale, zero, err = (t.cpu() for t in out)
@@ -185,29 +261,29 @@ def store_units(pool: Any, layer: int, prefix: str, units: torch.Tensor, x: torc
     return written
 
 
-def _write_units(pool: Any, layer: int, prefix: str, u: torch.Tensor, rows: torch.Tensor, at: torch.Tensor,
-                 b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 staged: dict | None = None) -> None:
+def _on(t: torch.Tensor, dev: torch.device, staged: dict | None) -> torch.Tensor:
+    """Host indices t on ``dev``; with ``staged``, one copy per content for every call."""
+    if staged is None:
+        return to_device(t, dev)
+    key = (t.numel(), t.numpy().tobytes())
+    if key not in staged:
+        staged[key] = to_device(t, dev)
+    return staged[key]
+
+
+def _write_units(pool: Any, layer: int, prefix: str, u_d: torch.Tensor, rows_d: torch.Tensor, at_d: torch.Tensor,
+                 b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
     """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
-    with the row-copy kernel, in stream order: nothing waits for the device."""
+    with the row-copy kernel, in stream order: nothing waits for the device. u_d, rows_d, at_d:
+    the units, their rows and where the pairs go (rows or units), on the GPU."""
     store, dev, P = pool.layers[layer], packed.device, packed.shape[-1]
-
-    def on_dev(t: torch.Tensor) -> torch.Tensor:
-        if staged is None:
-            return to_device(t, dev)
-        key = (t.numel(), t.numpy().tobytes())
-        if key not in staged:
-            staged[key] = to_device(t, dev)
-        return staged[key]
-
-    rows_d, at_d, u_d = (on_dev(t) for t in (rows, at, u))
 
     def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
         src2 = src.to(dst.dtype).reshape(where.numel(), -1)
         swap_in(src2, torch.arange(where.numel(), device=dev), dst.view(dst.shape[0], -1), where)
 
     for src, name, where in ((packed, "packed", rows_d), (scale, "scale", at_d), (zero, "zero", at_d),
-                             (torch.full((u.numel(), 1), b, dtype=torch.uint8, device=dev), "bits", u_d)):
+                             (torch.full((u_d.numel(), 1), b, dtype=torch.uint8, device=dev), "bits", u_d)):
         put(src, store[f"{prefix}_{name}"][:, :P] if name == "packed" else store[f"{prefix}_{name}"], where)
     mirror = pool._bits_on.get((layer, prefix))
     if mirror is not None:

@@ -233,7 +233,8 @@ def test_the_device_indices_of_a_seal_are_staged_once_for_every_layer():
                 packed, scale, zero, _ = quantize_roundtrip(x, 4, LAYOUT[prefix])
                 at = rows if LAYOUT[prefix] == "token" else u
                 for hp, how in zip(pools, (None, staged)):
-                    host_seal._write_units(hp, layer, prefix, u, rows, at, 4, packed, scale, zero, how)
+                    on = [host_seal._on(t, torch.device("cpu"), how) for t in (u, rows, at)]
+                    host_seal._write_units(hp, layer, prefix, *on, 4, packed, scale, zero)
     finally:
         host_seal.to_device = real
     assert len(staged) == 2                                       # rows and units, whatever the layout
@@ -272,3 +273,44 @@ def test_sealing_a_batch_on_the_gpu_writes_what_the_host_writes(bits):
         got = pinned.read(0, table, b, 2, torch.arange(H)[:, None], torch.arange(8)[None], device="cuda")
         for w, x in zip(want, got):
             assert (w - x.cpu()).abs().max() <= step * (k.abs().max() + v.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes():
+    """seal_tails with graphs (a pinned pool of one width on a GPU): captured the first time a
+    block count is sealed, replayed after, captured again once the pool grew. Every round writes
+    what the op-by-op seal writes (same pool bytes, counts and errors), with new blocks and tail
+    slots each round: the replay reads this round's indices, not the capture's."""
+    g = torch.Generator().manual_seed(11)
+    L, dev = 3, torch.device("cuda")
+    pools = []
+    for _ in range(2):
+        hp = HostPool(L, H, D, BS, torch.bfloat16, pin=True, host_kv_bits=4)
+        hp.grow(blocks=16, tails=4)
+        pools.append(hp)
+    rounds = [([5, 1, 11], [0, 1, 2]), ([2, 9, 4], [2, 0, 3]), ([7, 3, 14], [1, 3, 0]), ([20, 6, 25], [3, 2, 1])]
+    captured = []
+    for r, (blocks, slots) in enumerate(rounds):
+        if r == 3:                                           # a grown pool moved its buffers
+            for hp in pools:
+                hp.grow(blocks=32)
+        k = torch.randn(L, 3, H, BS, D, generator=g).to(dev, torch.bfloat16)
+        v = torch.randn(L, 3, H, BS, D, generator=g).to(dev, torch.bfloat16)
+        results = []
+        for hp, graphs in zip(pools, (False, True)):
+            for layer in range(L):
+                hp.backup(layer, torch.tensor(blocks, device=dev)[:, None], hp.tail_units(torch.tensor(slots)).to(dev),
+                          torch.zeros(3, dtype=torch.long, device=dev), k[layer], v[layer])
+            hp.note_device_writes(dev)
+            written, ev = hp.seal_tails(list(zip(blocks, slots)), dev, graphs=graphs)
+            results.append((written, ev.counts, torch.cat([e.reshape(-1).float().cpu() for e in ev.pending])))
+        captured.append(pools[1]._seal_graphs[(3 * H, dev)].graph)
+        torch.cuda.synchronize()
+        (w0, c0, e0), (w1, c1, e1) = results
+        assert w0 == w1 > 0 and c0 == c1 == {4: 2 * L * 3 * H}
+        assert torch.equal(e0.sort().values, e1.sort().values)
+        for layer in range(L):
+            for name, t in pools[0].layers[layer].items():
+                assert torch.equal(t, pools[1].layers[layer][name]), (r, layer, name)
+    assert captured[0] is captured[1] is captured[2] and captured[3] is not captured[2]
