@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from . import catalogue, layout as L, procinfo
 from .control import ControlFile, ControlRequest
@@ -90,6 +90,17 @@ class Histogram:
             i += 1
         self.counts[i] += 1.0
         self.sum += value
+
+    def observe_counts(self, counts: Sequence[float], total: float) -> None:
+        """Many observations at once, already bucketed: counts[i] of them in bucket i (as
+        :meth:`observe` places a value: the first bound it is <= to; the last bucket past every
+        bound), ``total`` their sum."""
+        if len(counts) != len(self.counts):
+            raise ValueError(f"{len(counts)} bucket counts for a histogram of {len(self.counts)} buckets "
+                             f"({len(self.bounds)} bounds and the one past them)")
+        for i, c in enumerate(counts):
+            self.counts[i] += float(c)
+        self.sum += total
 
 
 def _write_at(mm: mmap.mmap, offset: int, data: bytes) -> None:

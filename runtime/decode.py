@@ -329,10 +329,15 @@ class Decoder:
         """Observe the relative errors of units quantized on a GPU this step (one read-back for
         all of them, at the step's end, instead of a host sync per seal)."""
         if self._pending_errors:
-            errors = torch.cat([e.reshape(-1).float().cpu() for e in self._pending_errors]).tolist()
+            hist = self.metrics.quant_error
+            errors = torch.cat([e.reshape(-1).double() for e in self._pending_errors])
             self._pending_errors.clear()
-            for e in errors:
-                self.metrics.quant_error.observe(e)
+            # bucketed where they are (a first bound >= the value: Histogram.observe's rule, in
+            # float64 as it compares), one read-back of the counts and the sum
+            at = torch.bucketize(errors, torch.tensor(hist.bounds, dtype=torch.float64, device=errors.device))
+            counts = torch.bincount(at, minlength=len(hist.counts))
+            *counts, total = torch.cat([counts.double(), errors.sum()[None]]).tolist()
+            hist.observe_counts(counts, total)
 
     def attend(self, rows: LayerRows, seqs: list[Sequence], q: torch.Tensor) -> torch.Tensor:
         """The decode step's attention, q (B, Hq, D) on the layer's device -> (B, Hq, D)."""

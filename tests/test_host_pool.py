@@ -314,3 +314,25 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes():
             for name, t in pools[0].layers[layer].items():
                 assert torch.equal(t, pools[1].layers[layer][name]), (r, layer, name)
     assert captured[0] is captured[1] is captured[2] and captured[3] is not captured[2]
+
+
+def test_pending_errors_are_counted_as_observing_each_one_counts():
+    """flush_quant_errors buckets the step's pending errors (device tensors on a GPU) where they
+    are and reads back the counts once: the histogram ends as observing every value (values on
+    a bound, between bounds and past the last included)."""
+    from types import SimpleNamespace
+
+    from easymats import catalogue, telemetry
+    from hi_sparse.decode import Decoder
+
+    bounds = catalogue.QUANT_ERROR_BUCKETS
+    pending = [torch.tensor([bounds[0], bounds[1] * 0.999, 3.0], dtype=torch.float64),    # exactly on a bound
+               torch.tensor([[0.0, bounds[4]], [bounds[4] * 1.01, 1e-9]])]
+    want = telemetry.Histogram(bounds)
+    for e in torch.cat([p.reshape(-1) for p in pending]).tolist():
+        want.observe(e)
+    dec = SimpleNamespace(_pending_errors=list(pending),
+                          metrics=SimpleNamespace(quant_error=telemetry.Histogram(bounds)))
+    Decoder.flush_quant_errors(dec)
+    got = dec.metrics.quant_error
+    assert got.counts == want.counts and got.sum == pytest.approx(want.sum) and dec._pending_errors == []

@@ -489,3 +489,20 @@ def test_threads_creating_the_same_series_share_one_entry(segment_dir):
     seg.publish()
     assert [s.name for s in segment.read_segment(seg.path).series] == ["hisparse_tokens_total"]
     seg.close()
+
+
+def test_bucketed_counts_add_up_to_what_observing_each_value_gives():
+    """Histogram.observe_counts (the runtime's errors bucketed on the GPU, one read-back) leaves
+    the histogram as observing each value does; a count list of the wrong length is refused."""
+    bounds = catalogue.QUANT_ERROR_BUCKETS
+    values = [0.0, bounds[0], bounds[0] * 1.0001, bounds[3], 0.5 * (bounds[2] + bounds[3]), 9.0]
+    one, many = telemetry.Histogram(bounds), telemetry.Histogram(bounds)
+    for v in values:
+        one.observe(v)
+    counts = [0.0] * (len(bounds) + 1)
+    for v in values:
+        counts[next((i for i, b in enumerate(bounds) if v <= b), len(bounds))] += 1
+    many.observe_counts(counts, sum(values))
+    assert many.counts == one.counts and many.sum == pytest.approx(one.sum)
+    with pytest.raises(ValueError, match="bucket counts for a histogram of"):
+        many.observe_counts(counts[:-1], 0.0)
