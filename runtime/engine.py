@@ -272,6 +272,10 @@ class HiSparseEngine:
         self._decoder.planned = plan
         return plan
 
+    def ready_seal(self, plan: StepPlan) -> None:
+        """Get the seal of blocks ``plan``'s batch will complete ready (Decoder.ready_seal)."""
+        self._decoder.ready_seal(plan)
+
     def finish_decode(self, plan: StepPlan, ran: bool = True) -> None:
         """After a planned step's forward: the host side of every layer's append and attend, the
         step's counters and its audit. ``ran`` False: the forward failed, so the plan is dropped

@@ -49,16 +49,17 @@ def seal_many(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int, t
     return _seal(pool, layer, _completed(pool, items) if pool.quantized else [], together)
 
 
-def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device,
-               graphs: dict | None = None) -> tuple[int, QuantEvents]:
+def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, graphs: dict | None = None,
+               room: int = 0) -> tuple[int, QuantEvents]:
     """Seal, at every layer, blocks every token of which is in the float tail already, items
     (physical block, tail slot): a planned decode step's tokens completed
     them (each was backed up to its tail, and the step read the block from there). Sealed after the
     step's forward, in stream order, by :func:`seal_many`'s arithmetic, with the work a batch's
     seal repeats per sequence and layer done once: one gather of every tail row a layer, and the
     rows' and units' indices staged on ``device`` once for every layer. graphs (a dict the pool
-    keeps): a pinned pool of one width on a GPU seals by replaying a CUDA graph of the whole seal,
-    captured once per block count (:class:`SealGraph`), not op by op."""
+    keeps): a pinned pool of one width on a GPU seals by replaying a CUDA graph of the whole seal
+    (:class:`SealGraph`), not op by op, one for up to ``room`` blocks (a batch's size: however
+    many of its sequences complete a block on a step)."""
     events = QuantEvents()
     if not pool.quantized or not items:
         return 0, events
@@ -67,10 +68,9 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device,
     units = (torch.tensor([block for block, _ in items])[:, None] * H + heads).reshape(-1)          # (I*H,)
     slots = torch.tensor([slot for _, slot in items])
     rows = (pool.unit_rows(slots[:, None], heads[None])[..., None] + torch.arange(bs)).reshape(-1)  # (I*H*bs,)
-    if graphs is not None and pool.fixed_bits is not None and device.type == "cuda" and pool.pin:
-        g = SealGraph.of(pool, graphs, units.numel(), device)
-        if g is not None:
-            return g.replay(pool, units, rows, events)
+    g = seal_graph(pool, graphs, max(room, len(items)) * H, device)
+    if g is not None:
+        return g.replay(pool, units, rows, events)
     if not (device.type == "cuda" and pool.pin):
         pool._host_visible()
     tail_d = to_device(rows, device)
@@ -89,13 +89,25 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device,
     return written, events
 
 
+def seal_graph(pool: Any, graphs: dict | None, n: int, device: torch.device) -> SealGraph | None:
+    """The graph :func:`seal_tails` replays to seal n units on ``device`` (captured now if it is
+    not yet), or None where the seal runs op by op: no ``graphs``, a pool of several widths (the
+    units' widths are read on the host) or unpinned, not a GPU, or a capture that failed."""
+    if graphs is None or pool.fixed_bits is None or device.type != "cuda" or not pool.pin:
+        return None
+    return SealGraph.of(pool, graphs, n, device)
+
+
 class SealGraph:
-    """:func:`seal_tails` of N units (a pinned pool of one width on a GPU) as one CUDA graph: the
-    tail rows gathered, quantized and written at every layer. Op by op that is ~80 launches a
+    """:func:`seal_tails` of up to N units (a pinned pool of one width on a GPU) as one CUDA graph:
+    the tail rows gathered, quantized and written at every layer. Op by op that is ~80 launches a
     layer, ~250 ms of host time a step at 32 layers; replayed, two index copies and one launch.
-    Captured (recorded, not run) the first time N is sealed; kept while the pool's buffers stay
-    where they are (a grown pool moved them: captured again). A capture that fails leaves the
-    seal op by op (a warning, once)."""
+    Fewer units are padded with -1 (no row read or written; their errors dropped). Captured
+    (recorded, not run) once per N (the engine does it as it captures a batch's step); kept while
+    the pool's buffers stay where they are (a grown pool moved them: captured again) and for the
+    last few N. A capture that fails leaves the seal op by op (a warning, once)."""
+
+    KEEP = 4                                 # graphs kept (batch sizes), each with its memory pool
 
     def __init__(self, key: tuple, pool: Any, n: int, device: torch.device) -> None:
         self.key = key
@@ -114,6 +126,8 @@ class SealGraph:
         if have is not None and have.key == key:
             return have
         graphs.pop((n, device), None)
+        for old in [k for k in graphs if k != "failed"][:-cls.KEEP + 1]:
+            del graphs[old]
         try:
             have = graphs[(n, device)] = cls(key, pool, n, device)
         except RuntimeError as exc:
@@ -126,31 +140,34 @@ class SealGraph:
 
     def replay(self, pool: Any, units: torch.Tensor, rows: torch.Tensor,
                events: QuantEvents) -> tuple[int, QuantEvents]:
-        self.tail.copy_(rows.pin_memory(), non_blocking=True)
-        self.units.copy_(units.pin_memory(), non_blocking=True)
+        m, n = units.numel(), self.units.numel()
+        for dst, src in ((self.units, units), (self.tail, rows)):
+            padded = torch.full((dst.numel(),), -1, dtype=torch.int64).pin_memory()
+            padded[:src.numel()] = src
+            dst.copy_(padded, non_blocking=True)
         self.graph.replay()
-        events.counts[pool.fixed_bits] = 2 * len(pool.layers) * units.numel()
-        events.pending.append(self.errors.clone())     # the next replay writes over the graph's own
-        return self.written, events
+        events.counts[pool.fixed_bits] = 2 * len(pool.layers) * m
+        events.pending.append(self.errors[:, :m].clone())     # the next replay writes over the graph's own
+        return self.written // n * m, events
 
 
 def _fixed_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The device work of :func:`seal_tails` at the pool's one width, indices on the device: units
-    (N,) and their tail rows (N * block_size,). Returns (each unit's relative error (2 * layers,
-    N), bytes written)."""
+    (N,) and their tail rows (N * block_size,), -1 for none. Returns (each unit's relative error
+    (2 * layers, N), bytes written for N units)."""
     D, bs, b, dev = pool.head_dim, pool.block_size, pool.fixed_bits, units_d.device
-    unit_rows = (units_d[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+    unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
     none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
     errors, written = [], 0
     for layer in range(len(pool.layers)):
-        ko = torch.empty(tail_d.numel(), D, dtype=pool.dtype, device=dev)
-        vo = torch.empty_like(ko)
+        ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
+        vo = torch.zeros_like(ko)
         pool.prepare(layer, dev)
         pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
         for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
             packed, scale, zero, err = quantize_roundtrip(x, b, LAYOUT[prefix])
             at = unit_rows if LAYOUT[prefix] == "token" else units_d
-            _write_units(pool, layer, prefix, units_d, unit_rows, at, b, packed, scale, zero)
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, b, packed, scale, zero, skip=True)
             errors.append(err)
             written += packed.numel() + 2 * scale.numel() * scale.element_size()
     return torch.stack(errors), written
@@ -272,15 +289,17 @@ def _on(t: torch.Tensor, dev: torch.device, staged: dict | None) -> torch.Tensor
 
 
 def _write_units(pool: Any, layer: int, prefix: str, u_d: torch.Tensor, rows_d: torch.Tensor, at_d: torch.Tensor,
-                 b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+                 b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, skip: bool = False) -> None:
     """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
     with the row-copy kernel, in stream order: nothing waits for the device. u_d, rows_d, at_d:
-    the units, their rows and where the pairs go (rows or units), on the GPU."""
+    the units, their rows and where the pairs go (rows or units), on the GPU; skip: entries
+    -1 there are not written (a pool of one width: no mirror)."""
     store, dev, P = pool.layers[layer], packed.device, packed.shape[-1]
 
     def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
         src2 = src.to(dst.dtype).reshape(where.numel(), -1)
-        swap_in(src2, torch.arange(where.numel(), device=dev), dst.view(dst.shape[0], -1), where)
+        take = torch.arange(where.numel(), device=dev)
+        swap_in(src2, torch.where(where >= 0, take, -1) if skip else take, dst.view(dst.shape[0], -1), where)
 
     for src, name, where in ((packed, "packed", rows_d), (scale, "scale", at_d), (zero, "zero", at_d),
                              (torch.full((u_d.numel(), 1), b, dtype=torch.uint8, device=dev), "bits", u_d)):

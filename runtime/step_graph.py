@@ -169,6 +169,7 @@ class StepGraphs:
             return self.original(**call)
         # what the capture's bodies returned lives in the graph's pool, written by every replay
         have = whole["graph"] = WholeStep(key, graph, inputs, output, list(plan.tokens), list(plan.q))
+        self.binding.engine.ready_seal(plan)     # with this capture: not at the first completed block
         graph.replay()                           # capture records, it does not run
         self.counts["captured"] += 1
         return self._result(have, cache)

@@ -283,10 +283,21 @@ def test_a_failed_preparation_ahead_does_not_fail_the_step_that_ran():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("bits", [None, 4])
-def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits):
+def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits, monkeypatch):
     """On a GPU (decode_graphs="step") the forward is captured once per key and replayed: the
     same tokens as the model with decode_graphs=False, logits within float32 noise, the same
-    counters."""
+    counters (quantized blocks and their errors too: blocks the steps complete are sealed from a
+    graph, captured with the step's, not at the first step that completes a block)."""
+    import inspect
+
+    from hi_sparse import host_seal
+    seal_captures, real_init = [], host_seal.SealGraph.__init__
+
+    def init(self, *a, **kw):
+        seal_captures.append([f.function for f in inspect.stack()])
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(host_seal.SealGraph, "__init__", init)
     ref, model = make_pair("llama")
     ref, model = ref.cuda(), model.cuda()
     hs.enable_hisparse_kv_cache(ref, name="test-step-eager", host_kv_bits=bits, decode_graphs=False, **SPARSE)
@@ -302,6 +313,9 @@ def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits):
     # the replayed steps were prepared while the step before them ran (their positions and clocks
     # copied in the stream's order, after that step's graph read the last ones)
     assert binding_of(model).engine._decoder.ahead_used >= 30
+    if bits is not None:
+        assert seal_captures and all("ready_seal" in stack for stack in seal_captures)
+        assert "failed" not in binding_of(model).engine.host._seal_graphs
 
 
 @pytest.mark.gpu
