@@ -108,13 +108,17 @@ class SealGraph:
     last few N. A capture that fails leaves the seal op by op (a warning, once)."""
 
     KEEP = 4                                 # graphs kept (batch sizes), each with its memory pool
+    # the layers' seals are independent: spread over this many streams in the graph, their small
+    # writes to the pinned pool (latency-bound) overlap (bench_seal_graph.py --streams)
+    STREAMS = 4
 
     def __init__(self, key: tuple, pool: Any, n: int, device: torch.device) -> None:
         self.key = key
         self.tail = torch.zeros(n * pool.block_size, dtype=torch.int64, device=device)   # the inputs
         self.units = torch.zeros(n, dtype=torch.int64, device=device)
-        self.graph, (self.errors, self.written) = capture(lambda: _fixed_seal(pool, self.tail, self.units),
-                                                          torch.cuda.graph_pool_handle())
+        self.streams = [torch.cuda.Stream(device) for _ in range(max(0, self.STREAMS - 1))]
+        self.graph, (self.errors, self.written) = capture(
+            lambda: _fixed_seal(pool, self.tail, self.units, self.streams), torch.cuda.graph_pool_handle())
 
     @classmethod
     def of(cls, pool: Any, graphs: dict, n: int, device: torch.device) -> SealGraph | None:
@@ -151,26 +155,44 @@ class SealGraph:
         return self.written // n * m, events
 
 
-def _fixed_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _fixed_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor,
+                side: list[torch.cuda.Stream]) -> tuple[torch.Tensor, int]:
     """The device work of :func:`seal_tails` at the pool's one width, indices on the device: units
-    (N,) and their tail rows (N * block_size,), -1 for none. Returns (each unit's relative error
+    (N,) and their tail rows (N * block_size,), -1 for none; layers spread over the current stream
+    and ``side`` streams (forked from it and joined back). Returns (each unit's relative error
     (2 * layers, N), bytes written for N units)."""
-    D, bs, b, dev = pool.head_dim, pool.block_size, pool.fixed_bits, units_d.device
+    bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
     none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
     errors, written = [], 0
+    main = torch.cuda.current_stream(dev)
+    streams = [main, *side]
+    for st in side:
+        st.wait_stream(main)
     for layer in range(len(pool.layers)):
-        ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
-        vo = torch.zeros_like(ko)
-        pool.prepare(layer, dev)
-        pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
-        for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
-            packed, scale, zero, err = quantize_roundtrip(x, b, LAYOUT[prefix])
-            at = unit_rows if LAYOUT[prefix] == "token" else units_d
-            _write_units(pool, layer, prefix, units_d, unit_rows, at, b, packed, scale, zero, skip=True)
-            errors.append(err)
-            written += packed.numel() + 2 * scale.numel() * scale.element_size()
+        with torch.cuda.stream(streams[layer % len(streams)]):
+            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors)
+    for st in side:
+        main.wait_stream(st)
     return torch.stack(errors), written
+
+
+def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
+                none_d: torch.Tensor, into: torch.Tensor, errors: list) -> int:
+    """One layer of :func:`_fixed_seal` on the current stream; its errors appended to ``errors``."""
+    D, bs, b, dev = pool.head_dim, pool.block_size, pool.fixed_bits, units_d.device
+    written = 0
+    ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
+    vo = torch.zeros_like(ko)
+    pool.prepare(layer, dev)
+    pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+    for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
+        packed, scale, zero, err = quantize_roundtrip(x, b, LAYOUT[prefix])
+        at = unit_rows if LAYOUT[prefix] == "token" else units_d
+        _write_units(pool, layer, prefix, units_d, unit_rows, at, b, packed, scale, zero, skip=True)
+        errors.append(err)
+        written += packed.numel() + 2 * scale.numel() * scale.element_size()
+    return written
 
 
 def _seal(pool: Any, layer: int, parts: list[tuple], together: bool | None) -> tuple[int, QuantEvents]:

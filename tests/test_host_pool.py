@@ -277,12 +277,15 @@ def test_sealing_a_batch_on_the_gpu_writes_what_the_host_writes(bits):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes():
+@pytest.mark.parametrize("streams", [1, 4])
+def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(streams, monkeypatch):
     """seal_tails with graphs (a pinned pool of one width on a GPU): captured for room for 3
     blocks the first time, replayed after, captured again once the pool grew. Every round writes
     what the op-by-op seal writes (same pool bytes, counts, bytes and errors), with new blocks and
     tail slots each round (the replay reads this round's indices, not the capture's) and fewer
     blocks than its room (padded: nothing else written, the padding's errors not counted)."""
+    from hi_sparse.host_seal import SealGraph
+    monkeypatch.setattr(SealGraph, "STREAMS", streams)      # the layers on up to 4 streams
     g = torch.Generator().manual_seed(11)
     L, dev = 3, torch.device("cuda")
     pools = []
