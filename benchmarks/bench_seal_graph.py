@@ -1,5 +1,5 @@
 """The seal after a planned decode step whose tokens complete blocks (issue 21), on a GPU with a
-pinned 4-bit pool: ``seal_tails`` of B blocks at every layer op by op (~80 launches a layer)
+pinned quantized pool (4-bit by default): ``seal_tails`` of B blocks at every layer op by op (~80 launches a layer)
 against the same seal replayed from its CUDA graph (host_seal.SealGraph): host time of the call,
 device time (CUDA events), and the capture's host time once. ``--room`` pads the graph for a
 larger batch than the blocks sealed (a batch whose sequences are at different offsets).
@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=512, help="pool blocks")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--bits", default="4", help="host_kv_bits: 4, 5, 6, 8, auto or budget (seed seals op by op)")
     ap.add_argument("--streams", default="1,4", help="comma list: streams the graph spreads the layers over "
                                                      "(host_seal.SealGraph.STREAMS; the first is the default's row)")
     args = ap.parse_args()
@@ -37,7 +38,8 @@ def main() -> int:
     dev = torch.device("cuda")
     B, L, H, D, bs = args.batch, args.layers, args.kv_heads, args.head_dim, args.block_size
     room = max(args.room, B)
-    pool = HostPool(L, H, D, bs, torch.bfloat16, pin=True, host_kv_bits=4)
+    bits = int(args.bits) if args.bits.isdigit() else args.bits
+    pool = HostPool(L, H, D, bs, torch.bfloat16, pin=True, host_kv_bits=bits)
     pool.grow(blocks=args.blocks, tails=B)
     g = torch.Generator(device=dev).manual_seed(0)
     for layer in range(L):                         # every tail full: B blocks to seal
@@ -58,7 +60,8 @@ def main() -> int:
         torch.cuda.synchronize()
         return 1e3 * host, e0.elapsed_time(e1)
 
-    print(f"seal of {B} blocks (room {room}) x {L} layers, {H} KV heads x {D}, {bs}-token blocks, 4-bit pinned pool, "
+    print(f"seal of {B} blocks (room {room}) x {L} layers, {H} KV heads x {D}, {bs}-token blocks, host_kv_bits={bits} "
+          "pinned pool, "
           f"{torch.cuda.get_device_name()}: median of {args.repeats}")
     timed(False)                                   # warm: kernels compiled
     runs = [timed(False) for _ in range(args.repeats)]

@@ -365,6 +365,8 @@ def main() -> int:
                     help="HiSparse with decode_graphs=False (the batched decode step's kernels launched every step)")
     ap.add_argument("--profile", action="store_true",
                     help="after a --hisparse-batch run, profile 2 more decode steps (torch.profiler table)")
+    ap.add_argument("--batch-bits", default="4",
+                    help="host_kv_bits of the --hisparse-batch rows: 4 (the default), 8, auto or budget")
     ap.add_argument("--profile-boundary", action="store_true",
                     help="profile (host cProfile and device kernels) the decode steps around the first block the "
                          "batch's tokens complete: the step before, the step that completes it, the step after; "
@@ -756,8 +758,9 @@ def main() -> int:
         # copy-on-write forks: one copy of the prompt's blocks, and each sequence's own blocks from
         # its partly filled last one on (what its decode adds)
         blocks = -(-ctx // args.block_size) + n * (-(-extra_tokens // args.block_size) + 1)
-        measure("hisparse-int4", 4, ids, repeat=n, inputs=(False, True), pool_blocks=blocks,
-                telemetry_ab=args.batch_telemetry)
+        bits = int(args.batch_bits) if args.batch_bits.isdigit() else args.batch_bits
+        measure("hisparse-int4" if bits == 4 else f"hisparse-{bits}", bits, ids, repeat=n, inputs=(False, True),
+                pool_blocks=blocks, telemetry_ab=args.batch_telemetry)
     singles([min(int(c), 512) if args.tiny else int(c) for c in args.late_contexts.split(",") if c], not contexts)
     if args.dense_batch:
         ids = torch.randint(0, cfg.vocab_size, (1, args.batch_context), generator=g).to(device)

@@ -201,6 +201,7 @@ class Decoder:
         self._graphs = cfg.decode_graphs and self._one_device
         self._batches: dict[tuple, Batch] = {}
         self._pending_errors: list[torch.Tensor] = []       # QuantEvents.pending, until the step ends
+        self._pending_counts: list = []                     # QuantEvents.pending_counts, likewise
         self.planned: StepPlan | None = None                # the step whose host side ran up front
         self.ahead_used = 0                                 # planned steps whose prepare ran early
         width = cfg.top_k + cfg.global_tokens                # select's token width
@@ -324,20 +325,34 @@ class Decoder:
         for e in events.errors:
             m.quant_error.observe(e)
         self._pending_errors.extend(events.pending)
+        self._pending_counts.extend(events.pending_counts)
 
     def flush_quant_errors(self) -> None:
-        """Observe the relative errors of units quantized on a GPU this step (one read-back for
-        all of them, at the step's end, instead of a host sync per seal)."""
-        if self._pending_errors:
-            hist = self.metrics.quant_error
-            errors = torch.cat([e.reshape(-1).double() for e in self._pending_errors])
-            self._pending_errors.clear()
-            # bucketed where they are (a first bound >= the value: Histogram.observe's rule, in
-            # float64 as it compares), one read-back of the counts and the sum
-            at = torch.bucketize(errors, torch.tensor(hist.bounds, dtype=torch.float64, device=errors.device))
-            counts = torch.bincount(at, minlength=len(hist.counts))
-            *counts, total = torch.cat([counts.double(), errors.sum()[None]]).tolist()
-            hist.observe_counts(counts, total)
+        """Observe the relative errors of units quantized on a GPU this step, and count the units
+        a graph's seal counted there by width (one read-back for all of them, at the step's end,
+        instead of a host sync per seal)."""
+        if not self._pending_errors:
+            return
+        m, hist = self.metrics, self.metrics.quant_error
+        errors = torch.cat([e.reshape(-1).double() for e in self._pending_errors])
+        widths = self._pending_counts
+        self._pending_errors, self._pending_counts = [], []
+        # bucketed where they are (a first bound >= the value: Histogram.observe's rule, in
+        # float64 as it compares), one read-back of the buckets, the sum and the units by width
+        at = torch.bucketize(errors, torch.tensor(hist.bounds, dtype=torch.float64, device=errors.device))
+        back = [torch.bincount(at, minlength=len(hist.counts)).double(), errors.sum()[None]]
+        back += [c.reshape(-1).double().to(errors.device) for _, c, _ in widths]
+        values = torch.cat(back).tolist()
+        n = len(hist.counts)
+        hist.observe_counts(values[:n], values[n])
+        at_width = n + 1
+        for ws, c, nbytes in widths:          # c: (keys / values, widths), nbytes alike
+            for row in nbytes:
+                for w, size in zip(ws, row):
+                    units = int(values[at_width])
+                    m.quant_blocks[w].inc(units)
+                    m.backup_bytes.inc(units * size)
+                    at_width += 1
 
     def attend(self, rows: LayerRows, seqs: list[Sequence], q: torch.Tensor) -> torch.Tensor:
         """The decode step's attention, q (B, Hq, D) on the layer's device -> (B, Hq, D)."""

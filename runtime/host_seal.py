@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hi_sparse.kernels import swap_in
+from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in
 
 from .batch_step import _cause, capture
 from .quant_policy import LAYOUT, quantize_roundtrip
@@ -28,6 +28,9 @@ class QuantEvents:
     counts: dict[int, int] = field(default_factory=dict)
     errors: list[float] = field(default_factory=list)
     pending: list[torch.Tensor] = field(default_factory=list)
+    # units by width counted on the device (a graph's seal of several widths): (widths, counts
+    # (len(widths),) on the device, bytes a unit of each width writes), read back with the errors
+    pending_counts: list[tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]] = field(default_factory=list)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -91,17 +94,20 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
 
 def seal_graph(pool: Any, graphs: dict | None, n: int, device: torch.device) -> SealGraph | None:
     """The graph :func:`seal_tails` replays to seal n units on ``device`` (captured now if it is
-    not yet), or None where the seal runs op by op: no ``graphs``, a pool of several widths (the
-    units' widths are read on the host) or unpinned, not a GPU, or a capture that failed."""
-    if graphs is None or pool.fixed_bits is None or device.type != "cuda" or not pool.pin:
+    not yet), or None where the seal runs op by op: no ``graphs``, a pool whose policy chooses
+    widths on the host ("seed"), unpinned, not a GPU, or a capture that failed."""
+    on_device = pool.fixed_bits is not None or hasattr(pool.policy, "choose_on_device")
+    if graphs is None or not on_device or device.type != "cuda" or not pool.pin:
         return None
     return SealGraph.of(pool, graphs, n, device)
 
 
 class SealGraph:
-    """:func:`seal_tails` of up to N units (a pinned pool of one width on a GPU) as one CUDA graph:
-    the tail rows gathered, quantized and written at every layer. Op by op that is ~80 launches a
-    layer, ~250 ms of host time a step at 32 layers; replayed, two index copies and one launch.
+    """:func:`seal_tails` of up to N units (a pinned pool on a GPU whose widths are chosen there)
+    as one CUDA graph: the tail rows gathered, widths chosen, quantized and written at every
+    layer. Op by op that is ~80 launches a layer, ~250 ms of host time a step at 32 layers;
+    replayed, two index copies and one launch. A pool of several widths quantizes every unit at
+    each width and keeps its chosen one (its counts by width read back at the step's end).
     Fewer units are padded with -1 (no row read or written; their errors dropped). Captured
     (recorded, not run) once per N (the engine does it as it captures a batch's step); kept while
     the pool's buffers stay where they are (a grown pool moved them: captured again) and for the
@@ -117,13 +123,15 @@ class SealGraph:
         self.tail = torch.zeros(n * pool.block_size, dtype=torch.int64, device=device)   # the inputs
         self.units = torch.zeros(n, dtype=torch.int64, device=device)
         self.streams = [torch.cuda.Stream(device) for _ in range(max(0, self.STREAMS - 1))]
-        self.graph, (self.errors, self.written) = capture(
-            lambda: _fixed_seal(pool, self.tail, self.units, self.streams), torch.cuda.graph_pool_handle())
+        self.graph, (self.errors, self.counts, self.written) = capture(
+            lambda: _graph_seal(pool, self.tail, self.units, self.streams), torch.cuda.graph_pool_handle())
 
     @classmethod
     def of(cls, pool: Any, graphs: dict, n: int, device: torch.device) -> SealGraph | None:
         if graphs.get("failed"):
             return None
+        for layer in range(len(pool.layers)):    # the bits' device copies made now, not in the capture
+            pool.prepare(layer, device)
         key = (n, device, pool.num_blocks, pool.num_tail,
                *(t.data_ptr() for layer in range(len(pool.layers)) for t in pool.buffers(layer)))
         have = graphs.get((n, device))
@@ -150,49 +158,95 @@ class SealGraph:
             padded[:src.numel()] = src
             dst.copy_(padded, non_blocking=True)
         self.graph.replay()
-        events.counts[pool.fixed_bits] = 2 * len(pool.layers) * m
         events.pending.append(self.errors[:, :m].clone())     # the next replay writes over the graph's own
+        if self.counts is not None:                           # several widths: counted on the device
+            events.pending_counts.append((pool.widths, self.counts.clone(), unit_bytes(pool)))
+            return 0, events
+        events.counts[pool.fixed_bits] = 2 * len(pool.layers) * m
         return self.written // n * m, events
 
 
-def _fixed_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor,
-                side: list[torch.cuda.Stream]) -> tuple[torch.Tensor, int]:
-    """The device work of :func:`seal_tails` at the pool's one width, indices on the device: units
-    (N,) and their tail rows (N * block_size,), -1 for none; layers spread over the current stream
-    and ``side`` streams (forked from it and joined back). Returns (each unit's relative error
-    (2 * layers, N), bytes written for N units)."""
+def unit_bytes(pool: Any) -> tuple[tuple[int, ...], ...]:
+    """Bytes a unit of keys (first) and of values writes at each of the pool's widths: its packed
+    rows and its scale / zero pairs, as :func:`store_units` counts them."""
+    D, bs = pool.head_dim, pool.block_size
+    out = []
+    for prefix in ("k", "v"):
+        layout = LAYOUT[prefix]
+        pairs = 2 * (D if layout == "channel" else bs) * PARAM_DTYPES[layout].itemsize
+        out.append(tuple(bs * packed_width(D, w) + pairs for w in pool.widths))
+    return tuple(out)
+
+
+def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor,
+                side: list[torch.cuda.Stream]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The device work of :func:`seal_tails`, indices on the device: units (N,) and their tail
+    rows (N * block_size,), -1 for none; layers spread over the current stream and ``side``
+    streams (forked from it and joined back). Returns (each unit's relative error (2 * layers,
+    N), the units by width (a pool of several widths; else None), bytes written for N units (a
+    pool of one width))."""
     bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
     none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
-    errors, written = [], 0
+    errors: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    written = 0
     main = torch.cuda.current_stream(dev)
     streams = [main, *side]
     for st in side:
         st.wait_stream(main)
     for layer in range(len(pool.layers)):
         with torch.cuda.stream(streams[layer % len(streams)]):
-            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors)
+            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors, counts)
     for st in side:
         main.wait_stream(st)
-    return torch.stack(errors), written
+    by_width = torch.stack(counts).view(-1, 2, len(pool.widths)).sum(0) if counts else None   # (k/v, widths)
+    return torch.stack(errors), by_width, written
 
 
 def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
-                none_d: torch.Tensor, into: torch.Tensor, errors: list) -> int:
-    """One layer of :func:`_fixed_seal` on the current stream; its errors appended to ``errors``."""
-    D, bs, b, dev = pool.head_dim, pool.block_size, pool.fixed_bits, units_d.device
+                none_d: torch.Tensor, into: torch.Tensor, errors: list, counts: list) -> int:
+    """One layer of :func:`_graph_seal` on the current stream: each unit's error appended to
+    ``errors``, and in a pool of several widths its keys' and its values' units by width to
+    ``counts``. Returns the bytes written (a pool of one width)."""
+    D, bs, dev = pool.head_dim, pool.block_size, units_d.device
     written = 0
     ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
     vo = torch.zeros_like(ko)
     pool.prepare(layer, dev)
     pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
     for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
-        packed, scale, zero, err = quantize_roundtrip(x, b, LAYOUT[prefix])
-        at = unit_rows if LAYOUT[prefix] == "token" else units_d
-        _write_units(pool, layer, prefix, units_d, unit_rows, at, b, packed, scale, zero, skip=True)
+        layout = LAYOUT[prefix]
+        at = unit_rows if layout == "token" else units_d
+        if pool.fixed_bits is not None:
+            packed, scale, zero, err = quantize_roundtrip(x, pool.fixed_bits, layout)
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, pool.fixed_bits, packed, scale, zero, skip=True)
+            written += packed.numel() + 2 * scale.numel() * scale.element_size()
+        else:
+            bits, packed, scale, zero, err = _at_chosen_widths(pool, x, layout)
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, bits, packed, scale, zero, skip=True)
+            counts.append(torch.stack([((bits == w) & (units_d >= 0)).sum() for w in pool.widths]))
         errors.append(err)
-        written += packed.numel() + 2 * scale.numel() * scale.element_size()
     return written
+
+
+def _at_chosen_widths(pool: Any, x: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
+    """Units x (N, T, D) quantized each at the width the pool's policy chooses, on the device:
+    (widths (N,), packed (N, T, widest row), scale, zero, relative error (N,)); a row past its
+    width's bytes is 0 (loads read a unit's own width)."""
+    N = x.shape[0]
+    bits = pool.policy.choose_on_device(x, layout)
+    packed = torch.zeros(*x.shape[:2], pool.packed_bytes, dtype=torch.uint8, device=x.device)
+    scale = zero = err = None
+    for w in pool.widths:
+        p, sc, ze, er = quantize_roundtrip(x, w, layout)
+        take = bits == w
+        packed[..., :p.shape[-1]] = torch.where(take.view(N, 1, 1), p, packed[..., :p.shape[-1]])
+        by_unit = take.view(N, *[1] * (sc.dim() - 1))
+        scale = sc if scale is None else torch.where(by_unit, sc, scale)
+        zero = ze if zero is None else torch.where(by_unit, ze, zero)
+        err = er if err is None else torch.where(take, er, err)
+    return bits, packed, scale, zero, err
 
 
 def _seal(pool: Any, layer: int, parts: list[tuple], together: bool | None) -> tuple[int, QuantEvents]:
@@ -311,11 +365,12 @@ def _on(t: torch.Tensor, dev: torch.device, staged: dict | None) -> torch.Tensor
 
 
 def _write_units(pool: Any, layer: int, prefix: str, u_d: torch.Tensor, rows_d: torch.Tensor, at_d: torch.Tensor,
-                 b: int, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, skip: bool = False) -> None:
+                 b: int | torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 skip: bool = False) -> None:
     """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
     with the row-copy kernel, in stream order: nothing waits for the device. u_d, rows_d, at_d:
-    the units, their rows and where the pairs go (rows or units), on the GPU; skip: entries
-    -1 there are not written (a pool of one width: no mirror)."""
+    the units, their rows and where the pairs go (rows or units), on the GPU; b: their width,
+    or each unit's (N,) on the GPU; skip: entries -1 there are not written."""
     store, dev, P = pool.layers[layer], packed.device, packed.shape[-1]
 
     def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
@@ -323,9 +378,13 @@ def _write_units(pool: Any, layer: int, prefix: str, u_d: torch.Tensor, rows_d: 
         take = torch.arange(where.numel(), device=dev)
         swap_in(src2, torch.where(where >= 0, take, -1) if skip else take, dst.view(dst.shape[0], -1), where)
 
+    widths = (torch.full((u_d.numel(), 1), b, dtype=torch.uint8, device=dev) if isinstance(b, int)
+              else b.to(torch.uint8).view(-1, 1))
     for src, name, where in ((packed, "packed", rows_d), (scale, "scale", at_d), (zero, "zero", at_d),
-                             (torch.full((u_d.numel(), 1), b, dtype=torch.uint8, device=dev), "bits", u_d)):
+                             (widths, "bits", u_d)):
         put(src, store[f"{prefix}_{name}"][:, :P] if name == "packed" else store[f"{prefix}_{name}"], where)
     mirror = pool._bits_on.get((layer, prefix))
-    if mirror is not None:
+    if mirror is not None and skip:
+        put(widths, mirror, u_d)
+    elif mirror is not None:
         mirror[u_d] = b

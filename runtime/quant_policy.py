@@ -127,18 +127,17 @@ class ErrorBudgetPolicy:
     budget: float = BUDGET_ERROR_BUDGET
     widths: tuple[int, ...] = BITS
 
-    def _one(self, x: torch.Tensor, layout: str) -> torch.Tensor:
+    def choose_on_device(self, x: torch.Tensor, layout: str) -> torch.Tensor:
+        """Units x (N, T, D) in ``layout`` -> their widths (N,) int64 on x's device, with no host
+        sync (a CUDA graph of the seal holds it)."""
         chosen = torch.full((x.shape[0],), self.widths[-1], dtype=torch.int64, device=x.device)
-        done = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        for b in self.widths[:-1]:
+        for b in reversed(self.widths[:-1]):       # the narrowest within the budget wins
             err = relative_error(x, fake_quantize_blocks(x, b, layout))
-            ok = (err <= self.budget) & ~done
-            chosen[ok] = b
-            done |= ok
-        return chosen.cpu()
+            chosen = torch.where(err <= self.budget, b, chosen)
+        return chosen
 
     def choose(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._one(k, LAYOUT["k"]), self._one(v, LAYOUT["v"])
+        return self.choose_on_device(k, LAYOUT["k"]).cpu(), self.choose_on_device(v, LAYOUT["v"]).cpu()
 
 
 def make_policy(host_kv_bits, budget: float | None = None):

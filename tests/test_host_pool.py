@@ -275,10 +275,22 @@ def test_sealing_a_batch_on_the_gpu_writes_what_the_host_writes(bits):
             assert (w - x.cpu()).abs().max() <= step * (k.abs().max() + v.abs().max())
 
 
+def _settled(written: int, ev) -> tuple[int, dict]:
+    """Bytes and units by width of a seal, those a graph counted on the device read back."""
+    counts = dict(ev.counts)
+    for widths, c, nbytes in ev.pending_counts:
+        for row, units in zip(nbytes, c.cpu().tolist()):
+            for w, size, u in zip(widths, row, units):
+                counts[w] = counts.get(w, 0) + u
+                written += u * size
+    return written, {w: c for w, c in counts.items() if c}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("streams", [1, 4])
-def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(streams, monkeypatch):
+@pytest.mark.parametrize("bits", [4, "auto"])
+def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bits, streams, monkeypatch):
     """seal_tails with graphs (a pinned pool of one width on a GPU): captured for room for 3
     blocks the first time, replayed after, captured again once the pool grew. Every round writes
     what the op-by-op seal writes (same pool bytes, counts, bytes and errors), with new blocks and
@@ -290,18 +302,25 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(str
     L, dev = 3, torch.device("cuda")
     pools = []
     for _ in range(2):
-        hp = HostPool(L, H, D, BS, torch.bfloat16, pin=True, host_kv_bits=4)
+        hp = HostPool(L, H, D, BS, torch.bfloat16, pin=True, host_kv_bits=bits)
         hp.grow(blocks=16, tails=4)
         pools.append(hp)
     rounds = [([5, 1, 11], [0, 1, 2]), ([2], [2]), ([7, 3], [1, 3]), ([20, 6, 25], [3, 2, 1])]
+    widths = set()
     captured = []
     for r, (blocks, slots) in enumerate(rounds):
         if r == 3:                                           # a grown pool moved its buffers
             for hp in pools:
                 hp.grow(blocks=32)
         n = len(blocks)
-        k = torch.randn(L, n, H, BS, D, generator=g).to(dev, torch.bfloat16)
-        v = torch.randn(L, n, H, BS, D, generator=g).to(dev, torch.bfloat16)
+        k, v = torch.randn(L, n, H, BS, D, generator=g), torch.randn(L, n, H, BS, D, generator=g)
+        # head 0's units on a 4-bit grid (every key channel and value token spans 0..15): "auto"
+        # takes 4 bits there and more for head 1's Gaussian units
+        ints = torch.randint(0, 16, (L, n, BS, D), generator=g).float()
+        k[:, :, 0], v[:, :, 0] = ints, ints.clone()
+        k[:, :, 0, 0], k[:, :, 0, 1] = 0.0, 15.0
+        v[:, :, 0, :, 0], v[:, :, 0, :, 1] = 0.0, 15.0
+        k, v = k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16)
         results = []
         for hp, graphs in zip(pools, (False, True)):
             for layer in range(L):
@@ -309,16 +328,22 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(str
                           torch.zeros(n, dtype=torch.long, device=dev), k[layer], v[layer])
             hp.note_device_writes(dev)
             written, ev = hp.seal_tails(list(zip(blocks, slots)), dev, graphs=graphs, room=3)
-            results.append((written, ev.counts, torch.cat([e.reshape(-1).float().cpu() for e in ev.pending])))
+            results.append((*_settled(written, ev), torch.cat([e.reshape(-1).float().cpu() for e in ev.pending])))
         captured.append(pools[1]._seal_graphs[(3 * H, dev)].graph)
         torch.cuda.synchronize()
         (w0, c0, e0), (w1, c1, e1) = results
-        assert w0 == w1 > 0 and c0 == c1 == {4: 2 * L * n * H}
+        assert w0 == w1 > 0 and c0 == c1 and sum(c0.values()) == 2 * L * n * H
+        widths |= set(c0)
         assert torch.equal(e0.sort().values, e1.sort().values)
         for layer in range(L):
             for name, t in pools[0].layers[layer].items():
                 assert torch.equal(t, pools[1].layers[layer][name]), (r, layer, name)
+            for prefix in ("k", "v"):                         # the bits' device copies ("auto")
+                mirrors = [hp._bits_on.get((layer, prefix)) for hp in pools]
+                assert (mirrors[0] is None) == (mirrors[1] is None) == (bits == 4)
+                assert mirrors[0] is None or torch.equal(mirrors[0], mirrors[1])
     assert captured[0] is captured[1] is captured[2] and captured[3] is not captured[2]
+    assert widths == {4} if bits == 4 else (len(widths) >= 2 and 4 in widths), widths
 
 
 def test_pending_errors_are_counted_as_observing_each_one_counts():
@@ -336,7 +361,7 @@ def test_pending_errors_are_counted_as_observing_each_one_counts():
     want = telemetry.Histogram(bounds)
     for e in torch.cat([p.reshape(-1) for p in pending]).tolist():
         want.observe(e)
-    dec = SimpleNamespace(_pending_errors=list(pending),
+    dec = SimpleNamespace(_pending_errors=list(pending), _pending_counts=[],
                           metrics=SimpleNamespace(quant_error=telemetry.Histogram(bounds)))
     Decoder.flush_quant_errors(dec)
     got = dec.metrics.quant_error
