@@ -315,6 +315,8 @@ class HostPool:
         before a load that may be captured in a CUDA graph."""
         if not self.quantized or self.fixed_bits is not None:
             return
+        if device.type == "cuda" and device.index is None:     # "cuda": the current one, as tensors say
+            device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._row_bytes:
             sizes = [packed_width(self.head_dim, b) for b in range(max(BITS) + 1)]
             self._row_bytes[device] = torch.tensor(sizes, device=device)
