@@ -313,9 +313,9 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bit
             for hp in pools:
                 hp.grow(blocks=32)
         n = len(blocks)
-        k, v = torch.randn(L, n, H, BS, D, generator=g), torch.randn(L, n, H, BS, D, generator=g)
+        k, v = (2 * torch.rand(2, L, n, H, BS, D, generator=g) - 1).unbind(0)
         # head 0's units on a 4-bit grid (every key channel and value token spans 0..15): "auto"
-        # takes 4 bits there and more for head 1's Gaussian units
+        # takes 4 bits there and more for head 1's uniform ones
         ints = torch.randint(0, 16, (L, n, BS, D), generator=g).float()
         k[:, :, 0], v[:, :, 0] = ints, ints.clone()
         k[:, :, 0, 0], k[:, :, 0, 1] = 0.0, 15.0
@@ -323,9 +323,11 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bit
         k, v = k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16)
         results = []
         for hp, graphs in zip(pools, (False, True)):
-            for layer in range(L):
-                hp.backup(layer, torch.tensor(blocks, device=dev)[:, None], hp.tail_units(torch.tensor(slots)).to(dev),
-                          torch.zeros(n, dtype=torch.long, device=dev), k[layer], v[layer])
+            tables, tails = torch.tensor(blocks, device=dev)[:, None], hp.tail_units(torch.tensor(slots)).to(dev)
+            for layer in range(L):      # a block's first tokens, then the decode token that completes it
+                for lo, hi in ((0, BS - 1), (BS - 1, BS)):
+                    hp.backup(layer, tables, tails, torch.full((n,), lo, device=dev), k[layer, :, :, lo:hi],
+                              v[layer, :, :, lo:hi])
             hp.note_device_writes(dev)
             written, ev = hp.seal_tails(list(zip(blocks, slots)), dev, graphs=graphs, room=3)
             results.append((*_settled(written, ev), torch.cat([e.reshape(-1).float().cpu() for e in ev.pending])))
