@@ -29,8 +29,10 @@ class QuantEvents:
     errors: list[float] = field(default_factory=list)
     pending: list[torch.Tensor] = field(default_factory=list)
     # units by width counted on the device (a graph's seal of several widths): (widths, counts
-    # (len(widths),) on the device, bytes a unit of each width writes), read back with the errors
-    pending_counts: list[tuple[tuple[int, ...], torch.Tensor, tuple[int, ...]]] = field(default_factory=list)
+    # (keys / values, widths) on the device, bytes a unit of each writes alike: unit_bytes), read
+    # back with the errors
+    pending_counts: list[tuple[tuple[int, ...], torch.Tensor, tuple[tuple[int, ...], ...]]] = field(
+        default_factory=list)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
