@@ -368,3 +368,51 @@ def test_pending_errors_are_counted_as_observing_each_one_counts():
     Decoder.flush_quant_errors(dec)
     got = dec.metrics.quant_error
     assert got.counts == want.counts and got.sum == pytest.approx(want.sum) and dec._pending_errors == []
+
+
+@pytest.mark.parametrize("bits", [4, "auto", "budget"])
+def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(bits):
+    """The body a seal graph records (host_seal._seal_layer: indices on the device, every width
+    chosen there, each unit quantized at every width and its own kept, units counted by width),
+    run eagerly on the CPU: the same pool bytes, errors and units by width as seal_tails op by op."""
+    from hi_sparse import host_seal
+
+    g = torch.Generator().manual_seed(4)
+    L, blocks, slots = 2, [5, 1, 11], [0, 1, 2]
+    n = len(blocks)
+    pools = []
+    for _ in range(2):
+        hp = HostPool(L, H, D, BS, torch.float32, pin=False, host_kv_bits=bits)
+        hp.grow(blocks=16, tails=4)
+        pools.append(hp)
+    k, v = (2 * torch.rand(2, L, n, H, BS, D, generator=g) - 1).unbind(0)
+    ints = torch.randint(0, 16, (L, n, BS, D), generator=g).float()      # head 0 on a 4-bit grid
+    k[:, :, 0], v[:, :, 0] = ints, ints.clone()
+    k[:, :, 0, 0], k[:, :, 0, 1] = 0.0, 15.0
+    v[:, :, 0, :, 0], v[:, :, 0, :, 1] = 0.0, 15.0
+    tables = torch.tensor(blocks)[:, None]
+    for hp in pools:
+        for layer in range(L):
+            for lo, hi in ((0, BS - 1), (BS - 1, BS)):
+                hp.backup(layer, tables, hp.tail_units(torch.tensor(slots)), torch.full((n,), lo),
+                          k[layer, :, :, lo:hi], v[layer, :, :, lo:hi])
+    written, ev = pools[0].seal_tails(list(zip(blocks, slots)), torch.device("cpu"))
+    hp = pools[1]
+    units = (torch.tensor(blocks)[:, None] * H + torch.arange(H)).reshape(-1)
+    tail = (hp.unit_rows(torch.tensor(slots)[:, None], torch.arange(H)[None])[..., None] + torch.arange(BS)).reshape(-1)
+    unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
+    errors, counts = [], []
+    ours = sum(host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.full_like(tail, -1),
+                                     torch.arange(tail.numel()), errors, counts) for layer in range(L))
+    assert torch.equal(torch.cat(errors).sort().values, torch.tensor(ev.errors).sort().values)
+    if bits == 4:
+        assert ours == written and not counts
+    else:
+        by_width = torch.stack(counts).view(-1, 2, len(hp.widths)).sum(0)
+        got = {w: int(c) for w, c in zip(hp.widths, by_width.sum(0)) if c}
+        assert got == ev.counts and len(got) >= 2
+        nbytes = host_seal.unit_bytes(hp)
+        assert sum(int(c) * b for row_c, row_b in zip(by_width, nbytes) for c, b in zip(row_c, row_b)) == written
+    for layer in range(L):
+        for name, t in pools[0].layers[layer].items():
+            assert torch.equal(t, hp.layers[layer][name]), (layer, name)
