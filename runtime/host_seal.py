@@ -98,7 +98,7 @@ def seal_graph(pool: Any, graphs: dict | None, n: int, device: torch.device) -> 
     """The graph :func:`seal_tails` replays to seal n units on ``device`` (captured now if it is
     not yet), or None where the seal runs op by op: no ``graphs``, a pool whose policy chooses
     widths on the host ("seed"), unpinned, not a GPU, or a capture that failed."""
-    on_device = pool.fixed_bits is not None or hasattr(pool.policy, "narrowest_within")
+    on_device = pool.fixed_bits is not None or hasattr(pool.policy, "choose_on_device")
     if graphs is None or not on_device or device.type != "cuda" or not pool.pin:
         return None
     return SealGraph.of(pool, graphs, n, device)
@@ -235,15 +235,13 @@ def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tens
 def _at_chosen_widths(pool: Any, x: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
     """Units x (N, T, D) quantized each at the width the pool's policy chooses, on the device:
     (widths (N,), packed (N, T, widest row), scale, zero, relative error (N,)); a row past its
-    width's bytes is 0 (loads read a unit's own width). Every width is quantized anyway (a graph
-    cannot branch on the choice), so the choice is made from those round trips' errors, not from
-    a second measurement."""
+    width's bytes is 0 (loads read a unit's own width)."""
     N = x.shape[0]
-    at = {w: quantize_roundtrip(x, w, layout) for w in pool.widths}
-    bits = pool.policy.narrowest_within({w: at[w][3] for w in pool.policy.widths[:-1]}, N, x.device)
+    bits = pool.policy.choose_on_device(x, layout)
     packed = torch.zeros(*x.shape[:2], pool.packed_bytes, dtype=torch.uint8, device=x.device)
     scale = zero = err = None
-    for w, (p, sc, ze, er) in at.items():
+    for w in pool.widths:
+        p, sc, ze, er = quantize_roundtrip(x, w, layout)
         take = bits == w
         packed[..., :p.shape[-1]] = torch.where(take.view(N, 1, 1), p, packed[..., :p.shape[-1]])
         by_unit = take.view(N, *[1] * (sc.dim() - 1))

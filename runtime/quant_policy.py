@@ -127,19 +127,14 @@ class ErrorBudgetPolicy:
     budget: float = BUDGET_ERROR_BUDGET
     widths: tuple[int, ...] = BITS
 
-    def narrowest_within(self, errors: dict[int, torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
-        """n units' widths (n,) int64 on ``device`` from their relative errors (n,) at each of
-        ``widths`` but the widest: the narrowest within the budget, else the widest; no host sync."""
-        chosen = torch.full((n,), self.widths[-1], dtype=torch.int64, device=device)
-        for b in reversed(self.widths[:-1]):
-            chosen = torch.where(errors[b] <= self.budget, b, chosen)
-        return chosen
-
     def choose_on_device(self, x: torch.Tensor, layout: str) -> torch.Tensor:
         """Units x (N, T, D) in ``layout`` -> their widths (N,) int64 on x's device, with no host
-        sync, measured on the reference arithmetic (no packing)."""
-        errors = {b: relative_error(x, fake_quantize_blocks(x, b, layout)) for b in self.widths[:-1]}
-        return self.narrowest_within(errors, x.shape[0], x.device)
+        sync (a CUDA graph of the seal holds it)."""
+        chosen = torch.full((x.shape[0],), self.widths[-1], dtype=torch.int64, device=x.device)
+        for b in reversed(self.widths[:-1]):       # the narrowest within the budget wins
+            err = relative_error(x, fake_quantize_blocks(x, b, layout))
+            chosen = torch.where(err <= self.budget, b, chosen)
+        return chosen
 
     def choose(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.choose_on_device(k, LAYOUT["k"]).cpu(), self.choose_on_device(v, LAYOUT["v"]).cpu()
