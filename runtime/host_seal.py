@@ -62,9 +62,10 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     step's forward, in stream order, by :func:`seal_many`'s arithmetic, with the work a batch's
     seal repeats per sequence and layer done once: one gather of every tail row a layer, and the
     rows' and units' indices staged on ``device`` once for every layer. graphs (a dict the pool
-    keeps): a pinned pool of one width on a GPU seals by replaying a CUDA graph of the whole seal
-    (:class:`SealGraph`), not op by op, one for up to ``room`` blocks (a batch's size: however
-    many of its sequences complete a block on a step)."""
+    keeps): a pinned pool on a GPU whose widths are chosen there (one width, "auto", "budget")
+    seals by replaying a CUDA graph of the whole seal (:class:`SealGraph`), not op by op, one for
+    up to ``room`` blocks (a batch's size: however many of its sequences complete a block on a
+    step)."""
     events = QuantEvents()
     if not pool.quantized or not items:
         return 0, events
@@ -140,7 +141,8 @@ class SealGraph:
         if have is not None and have.key == key:
             return have
         graphs.pop((n, device), None)
-        for old in [k for k in graphs if k != "failed"][:-cls.KEEP + 1]:
+        kept = [k for k in graphs if k != "failed"]
+        for old in kept[:max(0, len(kept) - cls.KEEP + 1)]:     # the oldest, leaving room for this one
             del graphs[old]
         try:
             have = graphs[(n, device)] = cls(key, pool, n, device)
