@@ -2,8 +2,7 @@
 pinned quantized pool (4-bit by default): ``seal_tails`` of B blocks at every layer op by op (~80 launches a layer)
 against the same seal replayed from its CUDA graph (host_seal.SealGraph): host time of the call,
 device time (CUDA events), and the capture's host time once. ``--room`` pads the graph for a
-larger batch than the blocks sealed (a batch whose sequences are at different offsets);
-``--together`` how many units the graph quantizes in one go (layers grouped).
+larger batch than the blocks sealed (a batch whose sequences are at different offsets).
 
     python benchmarks/bench_seal_graph.py --batch 24 --layers 32
 """
@@ -11,13 +10,11 @@ larger batch than the blocks sealed (a batch whose sequences are at different of
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 
 import torch
 
-from hi_sparse import host_seal
 from hi_sparse.host_pool import HostPool
 from hi_sparse.host_seal import SealGraph
 
@@ -32,9 +29,6 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=512, help="pool blocks")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--together", default=str(host_seal.SEAL_UNITS_TOGETHER),
-                    help="comma list of host_seal.SEAL_UNITS_TOGETHER values: units the graph quantizes in one go "
-                         "(layers grouped up to that many; 1: layer by layer)")
     ap.add_argument("--bits", default="4", help="host_kv_bits: 4, 5, 6, 8, auto or budget (seed seals op by op)")
     ap.add_argument("--streams", default="1,4", help="comma list: streams the graph spreads the layers over "
                                                      "(host_seal.SealGraph.STREAMS; the first is the default's row)")
@@ -73,24 +67,19 @@ def main() -> int:
     runs = [timed(False) for _ in range(args.repeats)]
     print(f"  {'op by op':22s} host {statistics.median(r[0] for r in runs):8.3f} ms   "
           f"device {statistics.median(r[1] for r in runs):7.3f} ms")
-    lists = ([int(x) for x in a.split(",")] for a in (args.together, args.streams))
-    for together, streams in itertools.product(*lists):
-        SealGraph.STREAMS, host_seal.SEAL_UNITS_TOGETHER = streams, together
+    for streams in (int(x) for x in args.streams.split(",")):
+        SealGraph.STREAMS = streams
         pool._seal_graphs.clear()
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         pool.ready_seal(room, dev)
         capture_ms = 1e3 * (time.perf_counter() - t0)
         assert "failed" not in pool._seal_graphs, "the capture failed (see the warning)"
         timed(True)
         runs = [timed(True) for _ in range(args.repeats)]
-        per = max(1, together // (room * H))
         print(f"  {f'graph, {streams} stream(s)':22s} host {statistics.median(r[0] for r in runs):8.3f} ms   "
-              f"device {statistics.median(r[1] for r in runs):7.3f} ms   ({min(per, L)} layer(s) quantized together; "
-              f"capture: host {capture_ms:.1f} ms, {(torch.cuda.memory_reserved() - reserved) / 2**20:.0f} MiB "
-              "reserved, once per batch size and pool layout)")
+              f"device {statistics.median(r[1] for r in runs):7.3f} ms   (capture: host {capture_ms:.1f} ms, once per "
+              "batch size and pool layout)")
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -107,10 +107,9 @@ def seal_graph(pool: Any, graphs: dict | None, n: int, device: torch.device) -> 
 
 class SealGraph:
     """:func:`seal_tails` of up to N units (a pinned pool on a GPU whose widths are chosen there)
-    as one CUDA graph (:func:`seal_body`): the tail rows gathered at every layer, all layers'
-    units quantized together (widths chosen), written at every layer. Op by op that is ~80
-    launches a layer, ~250 ms of host time a step at 32 layers; replayed, two index copies and
-    one launch. A pool of several widths quantizes every unit at
+    as one CUDA graph: the tail rows gathered, widths chosen, quantized and written at every
+    layer. Op by op that is ~80 launches a layer, ~250 ms of host time a step at 32 layers;
+    replayed, two index copies and one launch. A pool of several widths quantizes every unit at
     each width and keeps its chosen one (its counts by width read back at the step's end).
     Fewer units are padded with -1 (no row read or written; their errors dropped). Captured
     (recorded, not run) once per N (the engine does it as it captures a batch's step); kept while
@@ -183,93 +182,56 @@ def unit_bytes(pool: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-# units quantized in one go by a seal graph (layers together, up to this many units; a batch of
-# 24 sequences with 8 KV heads: 10 layers a group): a few launches per group, not a few dozen per
-# layer, and the temporaries of the quantization (fp32, ~32 KiB a unit at 64 x 128) bounded
-SEAL_UNITS_TOGETHER = 2048
-
-Spread = Callable[[range, Callable[[int], None]], None]
-
-
 def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor,
                 side: list[torch.cuda.Stream]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """:func:`seal_body` as a seal graph records it: the layers' gathers and writes (small
-    copies, latency-bound) spread over the current stream and ``side`` streams (forked from it
-    and joined back)."""
-    main = torch.cuda.current_stream(units_d.device)
-    streams = [main, *side]
-
-    def spread(layers: range, work: Callable[[int], None]) -> None:
-        for st in side:
-            st.wait_stream(main)
-        for layer in layers:
-            with torch.cuda.stream(streams[layer % len(streams)]):
-                work(layer)
-        for st in side:
-            main.wait_stream(st)
-    return seal_body(pool, tail_d, units_d, spread)
-
-
-def _in_order(layers: range, work: Callable[[int], None]) -> None:
-    for layer in layers:
-        work(layer)
-
-
-def seal_body(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, spread: Spread = _in_order
-              ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """The device work of :func:`seal_tails`, indices on the device: units (N,) and their tail
-    rows (N * block_size,), -1 for none. By groups of layers (SEAL_UNITS_TOGETHER): every
-    layer's tail rows gathered, the group's units quantized together (a pool of several widths:
-    widths chosen, each unit quantized at every width and its chosen one kept), written at every
-    layer. ``spread(layers, work)`` runs work(layer) for each (default: in order). Returns (each
-    unit's relative error (2 * layers, N), layer-major, keys then values; the units by width
-    (keys / values, widths): a pool of several widths, else None; bytes written for N units: a
-    pool of one width)."""
-    L, bs, dev, N = len(pool.layers), pool.block_size, units_d.device, units_d.numel()
+    rows (N * block_size,), -1 for none; layers spread over the current stream and ``side``
+    streams (forked from it and joined back). Returns (each unit's relative error (2 * layers,
+    N), the units by width (a pool of several widths; else None), bytes written for N units (a
+    pool of one width))."""
+    bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
-    per = max(1, SEAL_UNITS_TOGETHER // max(N, 1))
-    errors, counts, written = [], [], 0
-    for lo in range(0, L, per):
-        e, c, w = _seal_group(pool, range(lo, min(L, lo + per)), tail_d, units_d, unit_rows, spread)
-        errors.append(e)
-        counts.append(c)
-        written += w
-    if pool.fixed_bits is not None:
-        return torch.cat(errors), None, written
-    return torch.cat(errors), torch.stack(counts).sum(0), 0
-
-
-def _seal_group(pool: Any, layers: range, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
-                spread: Spread) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """:func:`seal_body` for some layers: (errors (2 * len(layers), N), units by width or None,
-    bytes written)."""
-    G, D, bs, dev, N = len(layers), pool.head_dim, pool.block_size, units_d.device, units_d.numel()
     none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
-    kv = torch.zeros(2, G, tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
+    errors: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    written = 0
+    main = torch.cuda.current_stream(dev)
+    streams = [main, *side]
+    for st in side:
+        st.wait_stream(main)
+    for layer in range(len(pool.layers)):
+        with torch.cuda.stream(streams[layer % len(streams)]):
+            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors, counts)
+    for st in side:
+        main.wait_stream(st)
+    by_width = torch.stack(counts).view(-1, 2, len(pool.widths)).sum(0) if counts else None   # (k/v, widths)
+    return torch.stack(errors), by_width, written
 
-    def gather(layer: int) -> None:
-        pool.prepare(layer, dev)
-        pool.load(layer, none_d, tail_d, kv[0, layer - layers.start], kv[1, layer - layers.start], into, count=False)
-    spread(layers, gather)
-    done = []                      # per keys / values: (widths (G * N,) or the pool's, packed, scale, zero, error)
-    for x, prefix in zip(kv.view(2, G * N, bs, D), "kv"):
+
+def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
+                none_d: torch.Tensor, into: torch.Tensor, errors: list, counts: list) -> int:
+    """One layer of :func:`_graph_seal` on the current stream: each unit's error appended to
+    ``errors``, and in a pool of several widths its keys' and its values' units by width to
+    ``counts``. Returns the bytes written (a pool of one width)."""
+    D, bs, dev = pool.head_dim, pool.block_size, units_d.device
+    written = 0
+    ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
+    vo = torch.zeros_like(ko)
+    pool.prepare(layer, dev)
+    pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+    for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
+        layout = LAYOUT[prefix]
+        at = unit_rows if layout == "token" else units_d
         if pool.fixed_bits is not None:
-            done.append((pool.fixed_bits, *quantize_roundtrip(x, pool.fixed_bits, LAYOUT[prefix])))
+            packed, scale, zero, err = quantize_roundtrip(x, pool.fixed_bits, layout)
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, pool.fixed_bits, packed, scale, zero, skip=True)
+            written += packed.numel() + 2 * scale.numel() * scale.element_size()
         else:
-            done.append(_at_chosen_widths(pool, x, LAYOUT[prefix]))
-
-    def write(layer: int) -> None:
-        at = slice((layer - layers.start) * N, (layer - layers.start + 1) * N)
-        for (bits, packed, scale, zero, _), prefix in zip(done, "kv"):
-            _write_units(pool, layer, prefix, units_d, unit_rows, unit_rows if LAYOUT[prefix] == "token" else units_d,
-                         bits if isinstance(bits, int) else bits[at], packed[at], scale[at], zero[at], skip=True)
-    spread(layers, write)
-    errors = torch.stack([d[4].view(G, N) for d in done], 1).reshape(2 * G, N)
-    if pool.fixed_bits is not None:
-        return errors, None, sum(d[1].numel() + 2 * d[2].numel() * d[2].element_size() for d in done)
-    valid = units_d >= 0
-    return errors, torch.stack([torch.stack([((d[0].view(G, N) == w) & valid).sum() for w in pool.widths])
-                                for d in done]), 0
+            bits, packed, scale, zero, err = _at_chosen_widths(pool, x, layout)
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, bits, packed, scale, zero, skip=True)
+            counts.append(torch.stack([((bits == w) & (units_d >= 0)).sum() for w in pool.widths]))
+        errors.append(err)
+    return written
 
 
 def _at_chosen_widths(pool: Any, x: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:

@@ -371,15 +371,12 @@ def test_pending_errors_are_counted_as_observing_each_one_counts():
 
 
 @pytest.mark.parametrize("bits", [4, "auto", "budget"])
-@pytest.mark.parametrize("together", [2048, 1])        # units quantized in one go: every layer, or one layer
-def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(bits, together, monkeypatch):
-    """The body a seal graph records (host_seal.seal_body: indices on the device, all layers'
-    units quantized together, every width chosen there, each unit quantized at every width and
-    its own kept, units counted by width),
+def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(bits):
+    """The body a seal graph records (host_seal._seal_layer: indices on the device, every width
+    chosen there, each unit quantized at every width and its own kept, units counted by width),
     run eagerly on the CPU: the same pool bytes, errors and units by width as seal_tails op by op."""
     from hi_sparse import host_seal
 
-    monkeypatch.setattr(host_seal, "SEAL_UNITS_TOGETHER", together)
     g = torch.Generator().manual_seed(4)
     L, blocks, slots = 2, [5, 1, 11], [0, 1, 2]
     n = len(blocks)
@@ -403,15 +400,15 @@ def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(b
     hp = pools[1]
     units = (torch.tensor(blocks)[:, None] * H + torch.arange(H)).reshape(-1)
     tail = (hp.unit_rows(torch.tensor(slots)[:, None], torch.arange(H)[None])[..., None] + torch.arange(BS)).reshape(-1)
-    m = units.numel()                    # padded to a graph's room with -1: nothing read or written
-    units, tail = torch.cat([units, torch.full((H,), -1)]), torch.cat([tail, torch.full((H * BS,), -1)])
-    errors, by_width, ours = host_seal.seal_body(hp, tail, units)
-    assert errors.shape == (2 * L, units.numel())
-    errors, ours = errors[:, :m], ours // units.numel() * m
-    assert torch.equal(errors.reshape(-1).sort().values, torch.tensor(ev.errors).sort().values)
+    unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
+    errors, counts = [], []
+    ours = sum(host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.full_like(tail, -1),
+                                     torch.arange(tail.numel()), errors, counts) for layer in range(L))
+    assert torch.equal(torch.cat(errors).sort().values, torch.tensor(ev.errors).sort().values)
     if bits == 4:
-        assert ours == written and by_width is None
+        assert ours == written and not counts
     else:
+        by_width = torch.stack(counts).view(-1, 2, len(hp.widths)).sum(0)
         got = {w: int(c) for w, c in zip(hp.widths, by_width.sum(0)) if c}
         assert got == ev.counts and len(got) >= 2
         nbytes = host_seal.unit_bytes(hp)
