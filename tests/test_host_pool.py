@@ -286,6 +286,29 @@ def _settled(written: int, ev) -> tuple[int, dict]:
     return written, {w: c for w, c in counts.items() if c}
 
 
+def _units_of_two_widths(g: torch.Generator, L: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (L, n, H, BS, D) of n blocks: head 0's units on a 4-bit grid (every key
+    channel and value token spans 0..15), so "auto" takes 4 bits there and more for head 1's
+    uniform ones."""
+    k, v = (2 * torch.rand(2, L, n, H, BS, D, generator=g) - 1).unbind(0)
+    ints = torch.randint(0, 16, (L, n, BS, D), generator=g).float()
+    k[:, :, 0], v[:, :, 0] = ints, ints.clone()
+    k[:, :, 0, 0], k[:, :, 0, 1] = 0.0, 15.0
+    v[:, :, 0, :, 0], v[:, :, 0, :, 1] = 0.0, 15.0
+    return k, v
+
+
+def _back_up_as_decode(hp: HostPool, blocks: list[int], slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Back up k, v (L, n, H, BS, D) into blocks' tails at slots as decode does: a block's first
+    tokens, then the token that completes it (a backup of a whole block skips the tails)."""
+    dev = k.device
+    tables, tails = torch.tensor(blocks, device=dev)[:, None], hp.tail_units(torch.tensor(slots)).to(dev)
+    for layer in range(k.shape[0]):
+        for lo, hi in ((0, BS - 1), (BS - 1, BS)):
+            hp.backup(layer, tables, tails, torch.full((len(blocks),), lo, device=dev), k[layer, :, :, lo:hi],
+                      v[layer, :, :, lo:hi])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("streams", [1, 4])
@@ -313,21 +336,10 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bit
             for hp in pools:
                 hp.grow(blocks=32)
         n = len(blocks)
-        k, v = (2 * torch.rand(2, L, n, H, BS, D, generator=g) - 1).unbind(0)
-        # head 0's units on a 4-bit grid (every key channel and value token spans 0..15): "auto"
-        # takes 4 bits there and more for head 1's uniform ones
-        ints = torch.randint(0, 16, (L, n, BS, D), generator=g).float()
-        k[:, :, 0], v[:, :, 0] = ints, ints.clone()
-        k[:, :, 0, 0], k[:, :, 0, 1] = 0.0, 15.0
-        v[:, :, 0, :, 0], v[:, :, 0, :, 1] = 0.0, 15.0
-        k, v = k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16)
+        k, v = (t.to(dev, torch.bfloat16) for t in _units_of_two_widths(g, L, n))
         results = []
         for hp, graphs in zip(pools, (False, True)):
-            tables, tails = torch.tensor(blocks, device=dev)[:, None], hp.tail_units(torch.tensor(slots)).to(dev)
-            for layer in range(L):      # a block's first tokens, then the decode token that completes it
-                for lo, hi in ((0, BS - 1), (BS - 1, BS)):
-                    hp.backup(layer, tables, tails, torch.full((n,), lo, device=dev), k[layer, :, :, lo:hi],
-                              v[layer, :, :, lo:hi])
+            _back_up_as_decode(hp, blocks, slots, k, v)
             hp.note_device_writes(dev)
             written, ev = hp.seal_tails(list(zip(blocks, slots)), dev, graphs=graphs, room=3)
             results.append((*_settled(written, ev), torch.cat([e.reshape(-1).float().cpu() for e in ev.pending])))
@@ -385,17 +397,9 @@ def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(b
         hp = HostPool(L, H, D, BS, torch.float32, pin=False, host_kv_bits=bits)
         hp.grow(blocks=16, tails=4)
         pools.append(hp)
-    k, v = (2 * torch.rand(2, L, n, H, BS, D, generator=g) - 1).unbind(0)
-    ints = torch.randint(0, 16, (L, n, BS, D), generator=g).float()      # head 0 on a 4-bit grid
-    k[:, :, 0], v[:, :, 0] = ints, ints.clone()
-    k[:, :, 0, 0], k[:, :, 0, 1] = 0.0, 15.0
-    v[:, :, 0, :, 0], v[:, :, 0, :, 1] = 0.0, 15.0
-    tables = torch.tensor(blocks)[:, None]
+    k, v = _units_of_two_widths(g, L, n)
     for hp in pools:
-        for layer in range(L):
-            for lo, hi in ((0, BS - 1), (BS - 1, BS)):
-                hp.backup(layer, tables, hp.tail_units(torch.tensor(slots)), torch.full((n,), lo),
-                          k[layer, :, :, lo:hi], v[layer, :, :, lo:hi])
+        _back_up_as_decode(hp, blocks, slots, k, v)
     written, ev = pools[0].seal_tails(list(zip(blocks, slots)), torch.device("cpu"))
     hp = pools[1]
     units = (torch.tensor(blocks)[:, None] * H + torch.arange(H)).reshape(-1)
