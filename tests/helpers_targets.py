@@ -198,12 +198,45 @@ def start_target(name: str = "decode-0", *, rate: float = 100.0, duration: float
     raise RuntimeError(f"target {name} did not publish within {timeout} s")
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A local port to listen on, free now, that no other caller in this process was given.
+
+    Binding port 0 and closing the socket hands out a port from the ephemeral range, which the
+    kernel goes on to give to outgoing connections (a Prometheus scraping, a client posting)
+    before the test's server binds it: a test with a dozen servers then fails now and again
+    with "Address already in use". So the port comes from outside that range, at random, and
+    is never given twice.
+    """
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    lo, hi = _ephemeral_range()
+    candidates = range(10000, lo) if lo - 10000 >= 2000 else range(hi + 1, 65536)
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(2000):
+        port = rng.choice(candidates)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free local port in {candidates.start}-{candidates.stop - 1} after 2000 tries")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +17,10 @@ from easymats import catalogue
 from easymats.demo_summary import collect, summarise, threshold_findings, windowed_hit_rate
 from easymats.segment import segments_for_pid
 
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers_targets import free_port  # noqa: E402
+
 EASYMATS = os.path.join(os.path.dirname(sys.executable), "easymats")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -52,7 +48,7 @@ def _nontrivial(spec: catalogue.MetricSpec, scrapes: list[dict]) -> bool:
 
 @pytest.mark.slow
 def test_easymats_demo_runs_logs_and_serves_every_runtime_metric(tmp_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "demo.log"
     exe = os.path.join(os.path.dirname(sys.executable), "easymats")
     proc = subprocess.Popen([exe, "demo", "--duration", "20", "--listen", f"127.0.0.1:{port}",
