@@ -161,30 +161,6 @@ def test_report_on_a_real_agent_log(tmp_path):
     assert page.count("data:image/png;base64,") >= 6
 
 
-# -- a log from a real run of the demo workload ---------------------------------------------------------
-
-@pytest.mark.slow
-def test_report_on_the_demo_log(tmp_path):
-    """`easymats demo --synthetic` runs the real HiSparse workload (a random-weight transformers
-    model and the long-context driver; test_demo runs the real model) with the agent attached;
-    its log must produce a full report."""
-    log = tmp_path / "easymats-demo.log"
-    demo = run("demo", "--synthetic", "--duration", "20", "--quiet", "--listen", "127.0.0.1:0",
-               "--output", str(log), timeout=400, cwd=str(tmp_path))
-    assert demo.returncode == 0, demo.stdout + demo.stderr
-    out, pngs = tmp_path / "demo.html", tmp_path / "png"
-    p = run("report", str(log), "--out", str(out), "--png", str(pngs))
-    assert p.returncode == 0, p.stderr
-    m = re.search(r"(\d+) samples of (\d+) target\(s\)", p.stdout)
-    assert m and int(m.group(1)) >= 50 and int(m.group(2)) >= 1, p.stdout
-    page = out.read_text()
-    # the workload audits anchors, recycles blocks and swaps tokens in: those series have numbers
-    for title in ("Anchor hit rate", "Hot buffer hit rate", "Active blocks", "Decode tokens/s"):
-        assert re.search(rf"<td>{title}</td><td>[\d.]+", page), title
-    assert len(os.listdir(pngs)) >= 6 and page.count("data:image/png;base64,") == len(os.listdir(pngs))
-    assert "Findings</h2>" in page
-
-
 def test_doctor_reports_a_target_that_exits_mid_window():
     import threading
 
