@@ -35,6 +35,7 @@ if not _handed_over:
         superblock_bounds,
         top_blocks,
         two_level_candidates,
+        two_level_least,
         two_level_pays,
         widen_bounds,
     )
@@ -57,7 +58,8 @@ if not _handed_over:
 
     __all__ = [
         "sparse_decode_attention", "swap_in", "swap_in_dequant", "quantize_blocks", "dequantize_blocks",
-        "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_pays",
+        "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_least",
+        "two_level_pays",
         "reference_sparse_decode_attention", "reference_swap_in",
         "reference_swap_in_dequant", "reference_quantize_blocks", "reference_dequantize_blocks",
         "reference_block_bounds", "reference_block_scores", "pack_codes", "unpack_codes", "packed_width",

@@ -74,13 +74,20 @@ def superblock_bounds(kmin: torch.Tensor, kmax: torch.Tensor, group: int) -> tup
     return fold(kmin, float("inf"), torch.amin), fold(kmax, float("-inf"), torch.amax)
 
 
+def two_level_least(group: int, n_super: int) -> int | None:
+    """The fewest blocks at which two-level scoring pays (:func:`two_level_pays`); None where it
+    never does (group <= 1)."""
+    return 4 * n_super * group if group > 1 else None
+
+
 def two_level_pays(nb, group: int, n_super: int):
     """Whether two-level scoring reads clearly fewer bounds than scoring all nb blocks: the refined
     blocks (n_super * group) are at most a quarter of them. group <= 1 turns it off. nb: an int
     (-> bool), or a tensor of block counts (-> a bool tensor, elementwise)."""
+    least = two_level_least(group, n_super)
     if isinstance(nb, torch.Tensor):
-        return (nb >= 4 * n_super * group) & (group > 1)
-    return group > 1 and nb >= 4 * n_super * group
+        return nb >= least if least is not None else torch.zeros_like(nb, dtype=torch.bool)
+    return least is not None and nb >= least
 
 
 def two_level_candidates(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, smin: torch.Tensor,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hi_sparse.kernels import sparse_decode_attention, two_level_pays
+from hi_sparse.kernels import sparse_decode_attention, two_level_least, two_level_pays
 from hi_sparse.kernels._dispatch import use_triton
 from hi_sparse.kernels.counts import reference_tally, tally
 from hi_sparse.kernels.swap_in import swap_plan
@@ -56,11 +56,35 @@ def tail_block(n: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.div(n - 1, block_size, rounding_mode="floor")
 
 
-def bucket(n: int) -> int:
-    """n rounded up to a multiple of 1/8 of its power of two (at most 12.5 % more): a captured
-    step keyed by a block count changes key ~8 times per doubling of the context, not every block."""
-    q = 1 << max(0, n.bit_length() - 4)
+# The finest step of the block counts in a graph's key, in tokens. Below ~4K tokens (64-token
+# blocks) 1/8 of the power of two is one or two blocks; on the H200 at 1-2K tokens the key then
+# changed after every completed block, each change an eager step and a capture of 20-40x a step.
+BUCKET_LEAST_TOKENS = 512
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """n rounded up to a multiple of 1/8 of its power of two (at most 12.5 % more), and of
+    ``least``: a captured step keyed by a block count changes key ~8 times per doubling of the
+    context, not every block."""
+    q = max(least, 1 << max(0, n.bit_length() - 4))
     return -(-n // q) * q
+
+
+def attend_blocks(n_max: int, room: int, ps: int, window: int, first_lo: int, group: int,
+                  n_super: int) -> tuple[int, int]:
+    """(selection blocks, candidate blocks) of attend_body for a longest sequence of ``n_max``
+    tokens in blocks of ``ps``, ``room`` blocks of bounds, the batch's first visible position
+    ``first_lo``. Rounded up (:func:`bucket`, at least BUCKET_LEAST_TOKENS apart; select masks
+    blocks past a row's tokens) so that a captured step keeps its key over many blocks; the
+    candidates are bounded as if the longest sequence filled its rounded count, so both change on
+    the same step. The rounding never turns on two-level scoring that the sequence's own block
+    count would not use (it would select differently)."""
+    real = -(-n_max // ps)
+    nb = min(room, bucket(real, max(1, BUCKET_LEAST_TOKENS // ps)))
+    least = two_level_least(group, n_super)
+    if least is not None and real < least <= nb:
+        nb = max(real, min(room, least - 1))
+    return nb, min(nb, candidate_blocks(nb, nb * ps - window, first_lo, ps))
 
 
 def append_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConfig, shape: KVShape,
@@ -263,9 +287,8 @@ class Decoder:
         blocks past a row's tokens) within the bounds' room, so a captured step keeps its key
         over many blocks."""
         ps, n_max = self.cfg.select_block, max(lengths)
-        room = rows.bank.size("kmin", 1)
-        nb = min(room, bucket(-(-n_max // ps)))
-        n_cand = min(nb, bucket(candidate_blocks(nb, n_max - self.cfg.window_size, batch.first_lo, ps)))
+        nb, n_cand = attend_blocks(n_max, rows.bank.size("kmin", 1), ps, self.cfg.window_size, batch.first_lo,
+                                   self.cfg.bound_group, self.n_super)
         mixed = len({two_level_pays(-(-n // ps), self.cfg.bound_group, self.n_super) for n in lengths}) > 1
         holes = any(self.storage.has_holes(s) for s in seqs)
         return nb, n_cand, mixed, holes

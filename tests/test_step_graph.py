@@ -6,6 +6,7 @@ the host side; on a GPU (gpu-marked) the forward is captured and replayed."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -13,8 +14,10 @@ from test_integration import make_pair, prompt
 
 import hi_sparse as hs
 from hi_sparse import step_graph
-from hi_sparse.decode import bucket
+from hi_sparse.decode import attend_blocks, bucket
 from hi_sparse.integration import binding_of
+from hi_sparse.kernels import two_level_pays
+from hi_sparse.selection import candidate_blocks
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 # sparse (top_k below the context), 8-token blocks: steps cross block and bucket boundaries
@@ -46,6 +49,26 @@ def test_bucket_rounds_up_by_at_most_an_eighth():
         assert n <= b <= n + max(1, n // 8 + 1), (n, b)
     # a few keys per doubling, not one per block
     assert len({bucket(n) for n in range(1025, 2049)}) == 8
+    assert [bucket(n, 8) for n in (1, 8, 9, 20, 200)] == [8, 8, 16, 24, 208]
+
+
+def test_attend_blocks_change_together_and_rarely_and_bound_what_they_must():
+    """On the H200 at 1-2K tokens the selection and candidate block counts stepped on alternate
+    blocks (1/8 of a power of two is two 64-token blocks there): a new key, an eager step and a
+    capture after every completed block (benchmarks/stall_profile.py). Now both change on the same
+    step, at least BUCKET_LEAST_TOKENS apart; they still cover every block and candidate, and the
+    rounding never turns on two-level scoring the sequence alone would not use."""
+    keys = [attend_blocks(n, 1 << 20, 64, 64, 0, 16, 4) for n in range(1001, 1701)]
+    assert sum(a != b for a, b in zip(keys, keys[1:])) == 2      # 11 before: every block from 1,088
+    for ps, window, first_lo, group, n_super, spare in itertools.product(
+            (8, 64), (8, 64, 1024), (0, 100), (1, 2, 16), (2, 5), (0, 8)):
+        for n in range(1, 6000, 13):
+            real = -(-n // ps)
+            room = real + spare                        # the bounds hold at least the tokens' blocks
+            nb, n_cand = attend_blocks(n, room, ps, window, first_lo, group, n_super)
+            assert real <= nb <= room, (n, ps, nb)
+            assert candidate_blocks(nb, n - window, first_lo, ps) <= n_cand <= nb, (n, ps, window, n_cand)
+            assert two_level_pays(nb, group, n_super) == two_level_pays(real, group, n_super), (n, nb)
 
 
 def _planned_against_layers(label: str, **options):
