@@ -71,6 +71,32 @@ def test_attend_blocks_change_together_and_rarely_and_bound_what_they_must():
             assert two_level_pays(nb, group, n_super) == two_level_pays(real, group, n_super), (n, nb)
 
 
+def test_a_planned_decode_keeps_its_graph_key_over_many_blocks():
+    """The key a whole-step graph is replayed under, taken from the planned path on the CPU over
+    300 steps from 1,000 tokens (64-token blocks, a 4-bit host): it changed after every completed
+    block before (an eager step and a capture each on the H200); now only where the rounded block
+    count steps up (1,024, when the banks and the host pool grow too)."""
+    _, model = make_pair("llama", max_position_embeddings=4096)
+    hs.enable_hisparse_kv_cache(model, max_seq_len=4096, block_size=64, window_size=64, global_tokens=8,
+                                top_k=128, host_kv_bits=4)
+    graphs = step_graph.of(model)
+    graphs.plan_on_cpu = True
+    keys: list = []
+    run = graphs._run
+
+    def record(plan, call, cache):
+        keys.append((plan.starts[0], plan.key))
+        return run(plan, call, cache)
+
+    graphs._run = record
+    ids, mask = prompt(1, 1000)
+    _run(model, ids, mask, 300)
+    changed = [p for (p, a), (_, b) in zip(keys, keys[1:]) if a != b]
+    assert len(keys) == 299 and keys[0][0] == 1000, (len(keys), keys[0][0])
+    assert changed == [1023], changed
+    hs.disable_hisparse_kv_cache(model)
+
+
 def _planned_against_layers(label: str, **options):
     """The same model twice with ``options``, one through the planned path (eagerly, on the CPU):
     both decode 40 tokens of a left-padded batch with equal tokens, logits (bit for bit) and
