@@ -9,20 +9,13 @@ of the host side of the boundary step (its seal after the forward included).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
-import os
 import pstats
-import sys
-import time
 
-import torch
+from decode_run import LLAMA_32_LAYERS, decode, random_llama
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-from test_integration import make_pair, prompt  # noqa: E402
-
-import hi_sparse as hs  # noqa: E402
-from hi_sparse import hf_compat  # noqa: E402
+import hi_sparse as hs
 
 
 def main() -> int:
@@ -32,33 +25,14 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=40, help="prompt tokens (the boundary step is position 63)")
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    _, model = make_pair("llama", dtype=torch.bfloat16 if dev == "cuda" else torch.float32, num_hidden_layers=32,
-                         hidden_size=1024, intermediate_size=2048, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=128)
-    model = model.to(dev)
+    model, dev = random_llama(**LLAMA_32_LAYERS)
     hs.enable_hisparse_kv_cache(model, name="boundary", max_seq_len=512, block_size=64, window_size=64,
                                 global_tokens=8, top_k=128, host_kv_bits=4, telemetry=False)
-    ids, mask = prompt(args.batch, args.prompt)
-    kw = hf_compat.installed_cache_kwarg()
-    times, prof = [], cProfile.Profile()
-    with torch.no_grad():
-        out = model(ids.to(dev), attention_mask=mask.to(dev), use_cache=True)
-        cache, tok = hf_compat.output_cache(out), out.logits[:, -1:].argmax(-1)
-        for step in range(args.steps):       # blocks complete at position 63
-            pos = args.prompt + step
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if pos == 63:
-                prof.enable()
-            out = model(tok, **{kw: cache}, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            if pos == 63:
-                prof.disable()
-            times.append((pos, round(1e3 * (time.perf_counter() - t0), 2)))
+    prof = cProfile.Profile()
+    # blocks complete at position 63: the host side of that step profiled
+    steps = decode(model, dev, args.batch, args.prompt, args.steps,
+                   around=lambda pos: prof if pos == 63 else contextlib.nullcontext())
+    times = [(pos, round(ms, 2)) for pos, ms in steps]
     print("step ms by position:", times, flush=True)
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)

@@ -2,7 +2,8 @@
 random-weight Llama decodes from a --prompt-token context, and after every step each buffer of
 layer 0 that a captured step's key names (its bounds bank, hot rows, hot buffer, host pool) is
 compared with the step before; a changed address or shape is printed with the step graphs'
-counts (eager, captured, replayed), so the step that re-captures can be matched to what moved.
+counts (eager, captured, replayed), so the step that re-captures can be matched to what moved
+(the first step's line holds what the prefill allocated too).
 
     python benchmarks/key_trace.py --prompt 1000 --steps 140
 
@@ -14,17 +15,11 @@ capture after every completed block at this context; this names what moved there
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-import torch
+from decode_run import decode, host_bits, random_llama
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-from test_integration import make_pair, prompt  # noqa: E402
-
-import hi_sparse as hs  # noqa: E402
-from hi_sparse import hf_compat  # noqa: E402
+import hi_sparse as hs
+from hi_sparse import step_graph
 
 
 def keyed_buffers(decoder, layer: int = 0) -> dict[str, object]:
@@ -41,33 +36,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=140)
-    ap.add_argument("--bits", default="4", help="host_kv_bits: none, 4, 8 or auto")
+    ap.add_argument("--bits", type=host_bits, default=4, help="host_kv_bits: none, 4, 5, 6, 8, auto, ...")
     args = ap.parse_args()
-    bits = None if args.bits == "none" else args.bits if args.bits == "auto" else int(args.bits)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    _, model = make_pair("llama", dtype=torch.bfloat16 if dev == "cuda" else torch.float32, num_hidden_layers=2,
-                         hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-                         head_dim=32)
-    model = model.to(dev)
+    model, dev = random_llama(hidden_size=256, intermediate_size=512, num_attention_heads=8, head_dim=32)
     hs.enable_hisparse_kv_cache(model, name="keys", max_seq_len=4096, block_size=64, window_size=64,
-                                global_tokens=8, top_k=128, host_kv_bits=bits, telemetry=False)
-    decoder = hs.integration.binding_of(model).engine._decoder
-    graphs = getattr(model.model.forward, "step_graphs", None)
-    ids, mask = prompt(1, args.prompt)
-    kw = hf_compat.installed_cache_kwarg()
-    with torch.no_grad():
-        out = model(ids.to(dev), attention_mask=mask.to(dev), use_cache=True)
-        cache, tok = hf_compat.output_cache(out), out.logits[:, -1:].argmax(-1)
-        before = keyed_buffers(decoder)
-        for step in range(args.steps):
-            out = model(tok, **{kw: cache}, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-            now = keyed_buffers(decoder)
-            moved = [(n, before.get(n), v) for n, v in now.items() if before.get(n) != v]
-            counts = dict(graphs.counts) if graphs is not None else "no step graphs"
-            if moved or step % 16 == 0:
-                print(f"position {args.prompt + step}: {counts} moved: {moved}", flush=True)
-            before = now
+                                global_tokens=8, top_k=128, host_kv_bits=args.bits, telemetry=False)
+    decoder, graphs = hs.integration.binding_of(model).engine._decoder, step_graph.of(model)
+    before = keyed_buffers(decoder)
+    for pos, _ in decode(model, dev, 1, args.prompt, args.steps):
+        now = keyed_buffers(decoder)
+        moved = [(n, before.get(n), v) for n, v in now.items() if before.get(n) != v]
+        if moved or (pos - args.prompt) % 16 == 0:
+            print(f"position {pos}: {graphs.counts} moved: {moved}", flush=True)
+        before = now
     return 0
 
 

@@ -283,9 +283,7 @@ class Decoder:
     def _attend_shapes(self, rows: LayerRows, batch: Batch, seqs: list[Sequence],
                        lengths: list[int]) -> tuple[int, int, bool, bool]:
         """attend_body's host shapes for token counts ``lengths``: (selection blocks, candidate
-        blocks, mixed levels, holes). Block counts are rounded up (:func:`bucket`; select masks
-        blocks past a row's tokens) within the bounds' room, so a captured step keeps its key
-        over many blocks."""
+        blocks, mixed levels, holes); the block counts from :func:`attend_blocks`."""
         ps, n_max = self.cfg.select_block, max(lengths)
         nb, n_cand = attend_blocks(n_max, rows.bank.size("kmin", 1), ps, self.cfg.window_size, batch.first_lo,
                                    self.cfg.bound_group, self.n_super)

@@ -24,6 +24,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -196,6 +197,13 @@ def start_target(name: str = "decode-0", *, rate: float = 100.0, duration: float
             raise RuntimeError(f"target {name} exited with {proc.returncode} before publishing")
     proc.kill()
     raise RuntimeError(f"target {name} did not publish within {timeout} s")
+
+
+def private_segment_dir() -> str:
+    """A new private segment directory (0700) for a test's processes, never the user's."""
+    d = tempfile.mkdtemp(prefix="easymats-test-")
+    os.chmod(d, 0o700)
+    return d
 
 
 _PORTS_GIVEN: set[int] = set()

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from easymats.demo_summary import collect, summarise, threshold_findings, window
 from easymats.segment import segments_for_pid
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers_targets import free_port  # noqa: E402
+from helpers_targets import free_port, private_segment_dir  # noqa: E402
 
 EASYMATS = os.path.join(os.path.dirname(sys.executable), "easymats")
 
@@ -55,8 +54,7 @@ def synthetic_demo(tmp_path_factory) -> SimpleNamespace:
     transformers model; test_setup runs the real model), /metrics scraped every 0.5 s while it
     ran: its exit status, output, scrapes and log."""
     tmp = tmp_path_factory.mktemp("demo")
-    segments = tempfile.mkdtemp(prefix="easymats-test-")
-    os.chmod(segments, 0o700)
+    segments = private_segment_dir()       # the autouse fixture is per test; this run serves two
     port, log = free_port(), tmp / "demo.log"
     proc = subprocess.Popen([EASYMATS, "demo", "--duration", "20", "--listen", f"127.0.0.1:{port}",
                              "--output", str(log), "--quiet", "--synthetic"], cwd=tmp,
