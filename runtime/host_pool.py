@@ -393,11 +393,14 @@ class HostPool:
             nbytes = nbytes + torch.where(rows >= 0, row, 0).sum()
         return nbytes
 
-    def read(self, layer: int, block_table: torch.Tensor, tail_slot: int, full_blocks: int,
-             heads: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.float32,
+    def read(self, layer: int, block_table: torch.Tensor, tail_slot: int | torch.Tensor,
+             full_blocks: int | torch.Tensor, heads: torch.Tensor, pos: torch.Tensor,
+             dtype: torch.dtype = torch.float32,
              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens ``pos`` at ``heads`` (broadcast to a common shape S) -> two (*S, D) tensors
-        on ``device`` (default: the host). block_table: (W,) on the host.
+        on ``device`` (default: the host). block_table: (W,) on the host; or the tables (B, W) of
+        B sequences, whose tokens S's first dimension indexes (B, ...), with their tail slots
+        and full blocks as (B,) tensors on the host (ints where the same).
 
         ``full_blocks``: blocks of the sequence that are complete (quantized pools keep the rest
         in the tail). Used by prefill attention, the audit and recalibration. On a CUDA device
@@ -406,24 +409,28 @@ class HostPool:
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:     # "cuda": the current one, by index
             device = torch.device("cuda", torch.cuda.current_device())
+        tables = block_table[None] if block_table.dim() == 1 else block_table
+        per_seq = [t.reshape(-1, 1) if isinstance(t, torch.Tensor) else t for t in (tail_slot, full_blocks)]
         if device.type == "cpu":
             self._host_visible()
         else:       # the row arithmetic runs where the gather does: no pageable copy, no host sync
-            heads, pos, block_table = (_to_device(t, device) for t in (heads, pos, block_table))
+            heads, pos, tables = (_to_device(t, device) for t in (heads, pos, tables))
+            per_seq = [_to_device(t, device) if isinstance(t, torch.Tensor) else t for t in per_seq]
+        tail_slots, full = per_seq
         self.prepare(layer, device)
         heads, pos = torch.broadcast_tensors(heads, pos)
         shape = pos.shape
-        heads, pos = heads.reshape(1, -1), pos.reshape(1, -1)
+        heads, pos = heads.reshape(tables.shape[0], -1), pos.reshape(tables.shape[0], -1)
         # read in the stored dtype (swap-in copies without converting), convert once at the end
         out_k = torch.empty(pos.numel(), self.head_dim, dtype=self.dtype, device=device)
         out_v = torch.empty(pos.numel(), self.head_dim, dtype=self.dtype, device=device)
-        rows = self.main_rows(block_table[None], heads, pos)[0]
+        rows = self.main_rows(tables, heads, pos)
         tail = None
         if self.quantized:
-            in_tail = pos[0] // self.block_size >= full_blocks
-            tail = torch.where(in_tail, self.tail_rows(tail_slot, heads[0], pos[0]), -1)
+            in_tail = pos // self.block_size >= full
+            tail = torch.where(in_tail, self.tail_rows(tail_slots, heads, pos), -1).reshape(-1)
             rows = torch.where(in_tail, -1, rows)
         idx = torch.arange(pos.numel(), device=device)
-        self.load(layer, rows.to(device), None if tail is None else tail.to(device), out_k, out_v, idx, count=False)
+        self.load(layer, rows.reshape(-1), tail, out_k, out_v, idx, count=False)
         out_k, out_v = out_k.to(dtype), out_v.to(dtype)
         return out_k.view(*shape, self.head_dim), out_v.view(*shape, self.head_dim)

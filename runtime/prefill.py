@@ -12,6 +12,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from .host_pool import HostPool
+from .host_seal import to_device
 from .layers import KVShape, LayerRows
 from .page_table import PageTable
 from .recalibration import remember_queries
@@ -39,10 +40,35 @@ class ContextReader:
                               pos.cpu(), dtype, device=dev if dev.type == "cuda" else None)
         return k.to(dev), v.to(dev)
 
+    def read_batch(self, seqs: list[Sequence], layer: LayerRows, heads: torch.Tensor, n: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The keys of the first n positions of B sequences at KV heads heads (H,) in one read ->
+        (B, H, n, D) on the layer's device; a position at or past a sequence's length holds a copy
+        of its last token (:meth:`visible_batch` masks it out)."""
+        tables = [self.storage.block_table(s) for s in seqs]
+        padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True, padding_value=-1)
+        lengths = torch.tensor([s.lengths[layer.index] for s in seqs])
+        pos = torch.minimum(torch.arange(n), (lengths - 1).clamp_min(0)[:, None])         # (B, n)
+        full = torch.tensor([self.pages.num_tokens(s.seq_id) // self.block_size for s in seqs])
+        dev = layer.device
+        k, _ = self.host.read(layer.index, padded, torch.tensor([s.tail_slot for s in seqs]), full,
+                              heads.cpu()[None, :, None], pos[:, None], dtype,
+                              device=dev if dev.type == "cuda" else None)
+        return k.to(dev)
+
     def visible(self, s: Sequence, layer: LayerRows, n: int) -> torch.Tensor:
         """(n,) bool on the layer's device: positions after the left padding and outside holes."""
-        pos = torch.arange(n, device=layer.device)
-        return (pos >= s.first_token) & ~layer.bank.t["holes"][s.row][pos // self.block_size]
+        return self.visible_batch([s], layer, n)[0]
+
+    def visible_batch(self, seqs: list[Sequence], layer: LayerRows, n: int) -> torch.Tensor:
+        """(B, n) bool on the layer's device: each sequence's positions after its left padding,
+        before its length at the layer, and outside holes."""
+        dev = layer.device
+        per_seq = torch.tensor([[s.first_token, s.lengths[layer.index], s.row] for s in seqs])
+        first, length, row = to_device(per_seq, dev).unbind(1)
+        pos = torch.arange(n, device=dev)
+        holes = layer.bank.t["holes"][row[:, None], (pos // self.block_size)[None]]
+        return (pos >= first[:, None]) & (pos < length[:, None]) & ~holes
 
 
 class PrefillAttention:

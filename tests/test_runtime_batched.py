@@ -329,3 +329,23 @@ def test_a_fork_in_a_full_streaming_pool_evicts_no_block_it_shares():
         assert eng.pages.seqs[i].blocks[:P // 8] == prompt[:P // 8]          # no hole in the shared prompt
     g = torch.Generator().manual_seed(9)
     _run(eng, ids, *(torch.randn(L, 2, h, 1, D, generator=g) for h in (HKV, HKV, HQ)), 0, 1)
+
+
+def test_a_batch_read_of_ragged_contexts_is_each_context_read_alone():
+    """What the audit reads in one call for a whole batch (ContextReader.read_batch and
+    visible_batch): each sequence's keys as a read of it alone, from a quantized pool (full
+    blocks and the float tail); positions after its left padding and before its length visible."""
+    torch.manual_seed(4)
+    lengths, pads = [70, 29, 13], [0, 3, 6]
+    eng, _ = _engines(4, 1)
+    K, V, Q = (torch.randn(L, 3, h, 70, D) for h in (HKV, HKV, HQ))
+    for b, (n, pad) in enumerate(zip(lengths, pads)):
+        _run(eng, eng.add_sequences(1, pad_lengths=[pad]), K[:, b:b + 1], V[:, b:b + 1], Q[:, b:b + 1], 0, n)
+    seqs, reader, layer = list(eng.seqs.values()), eng._recalibrator.reader, eng.layers[1]
+    keys = reader.read_batch(seqs, layer, torch.arange(HKV), 72)
+    visible = reader.visible_batch(seqs, layer, 72)
+    assert keys.shape == (3, HKV, 72, D) and visible.shape == (3, 72)
+    for b, (s, n, pad) in enumerate(zip(seqs, lengths, pads)):
+        alone, _ = reader.read(s, layer, torch.arange(HKV)[:, None], torch.arange(n)[None])
+        assert torch.equal(keys[b, :, :n], alone)
+        assert visible[b].tolist() == [pad <= p < n for p in range(72)]
