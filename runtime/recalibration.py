@@ -26,6 +26,7 @@ import torch
 from easymats.catalogue import RECALIBRATION_REASONS
 from hi_sparse.kernels.recent import push_recent
 
+from .host_seal import to_device
 from .probe import fit_params, one_thread_on_cpu, write_params
 from .row_bank import RowBank
 from .trace import phase
@@ -36,6 +37,9 @@ if TYPE_CHECKING:          # prefill imports this module (remember_queries)
     from .sequences import Sequence
 
 RECENCY_DECAY = 0.5  # weight per step of query age: after a topic shift the new topic wins fast
+NEGATIVES = 512      # probe training rows per sequence and KV head besides its heaviest tokens
+FIT_ROWS = 16384     # a probe's training rows of one recalibration, at most about
+SCORE_KEYS = 1 << 27  # elements of the keys one scoring read holds (fp32: 512 MB), at most about
 REASONS = RECALIBRATION_REASONS
 
 
@@ -48,31 +52,37 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, 
 
 
 def audit_hits(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, selected: torch.Tensor,
-               top_m: int, scale: float, measure: str = "top_m") -> tuple[float, float]:
-    """(lookups, hits) of one query q (D,) against the selection ``selected`` (K,, -1 padded).
+               top_m: int, scale: float, measure: str = "top_m") -> torch.Tensor:
+    """(lookups, hits) of B queries q (B, D) against their selections ``selected`` (B, K), -1
+    padded: (B, 2) fp32 on q's device, no host sync; keys (B, L, D), visible (B, L) bool.
     "top_m": the true top-m tokens and how many were selected; "mass": one lookup, and the share
-    of the query's exact attention that fell on selected tokens."""
-    if not bool(visible.any()):
-        return 0, 0
-    p = attention_probs(q, keys, visible, scale)
-    held = selected[selected >= 0]
+    of the query's exact attention that fell on selected tokens. A query with nothing visible
+    counts neither."""
+    n_visible = visible.sum(1)
+    seen = n_visible > 0
+    p = attention_probs(q[:, None], keys, visible[:, None], scale)[:, 0].nan_to_num(0.0)  # (B, L)
+    held = selected >= 0
     if measure == "mass":
-        return 1, float(p[held].sum().clamp(max=1.0))
-    m = min(top_m, int(visible.sum()))
-    top = p.topk(m).indices
-    return m, int(torch.isin(top, held).sum())
+        kept = (p.gather(1, selected.clamp_min(0)) * held).sum(1).clamp(max=1.0)
+        return torch.stack([seen.float(), torch.where(seen, kept, 0.0)], 1)
+    m = n_visible.clamp(max=top_m)                                                      # (B,)
+    # visible tokens rank above the hidden ones even where their weight underflows to 0
+    top = p.masked_fill(~visible, -1.0).topk(min(top_m, p.shape[1]), dim=1).indices   # (B, M)
+    ranked = torch.arange(top.shape[1], device=p.device)[None] < m[:, None]
+    hit = ((top[:, :, None] == selected[:, None, :]) & held[:, None, :]).any(2) & ranked
+    return torch.stack([m.float(), hit.sum(1).float()], 1)
 
 
 def attention_mass(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float,
                    weights: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted mean attention weight each token received: queries (Q, D), keys (L, D),
-    weights (Q,) or None (uniform) -> (L,) fp32; or per head: queries (H, Q, D), keys (H, L, D)
-    -> (H, L)."""
+    weights (Q,) or None (uniform) -> (L,) fp32; or per head: queries (H, Q, D), keys (H, L, D),
+    weights (Q,) or (H, Q) -> (H, L)."""
     p = attention_probs(queries, keys, visible, scale)
     if weights is None:
         return p.mean(-2)
     w = weights.float().to(p.device)
-    return (p * w[:, None]).sum(-2) / w.sum()
+    return (p * w[..., None]).sum(-2) / w.sum(-1, keepdim=True)
 
 
 def remember_queries(bank: RowBank, rows: slice, q: torch.Tensor) -> None:
@@ -164,25 +174,33 @@ class RecalibrationController:
         self.history.clear()  # judge drift on audits of the new anchors only
 
 
-def score_tokens(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, window: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention mass per token and KV head from recent queries.
+def score_tokens(queries: torch.Tensor, kept: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                 lengths: torch.Tensor, window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention mass per token and KV head from recent queries, for B sequences at once.
 
-    queries (Q, Hkv, G, D) oldest first; keys (Hkv, n, D); visible (n,) bool. Returns
-    (mass (Hkv, n) with tokens inside the window zeroed, targets (Hkv, n) in [0, 1], outside (n,)).
-    No host sync: everything stays on keys' device.
+    queries (B, R, Hkv, G, D) oldest first, of which the last kept[b] are sequence b's (the rest
+    weigh nothing); keys (B, Hkv, n, D); visible (B, n) bool; kept, lengths (B,) int64 on keys'
+    device. Returns (mass (B, Hkv, n), zero but outside the window, targets (B, Hkv, n) in
+    [0, 1], outside (B, n)). No host sync: everything stays on keys' device.
     """
-    nq, H, G, D = queries.shape
-    n, dev = keys.shape[1], keys.device
-    outside = visible & (torch.arange(n, device=dev) < n - window)
-    w = (RECENCY_DECAY ** torch.arange(nq - 1, -1, -1, dtype=torch.float32, device=dev)).repeat_interleave(G)
-    # KV heads in batched products (a loop over heads launched ~30 small kernels each), as many at
-    # once as keep the scores under 2**26 elements (one head at a time at 1M tokens)
-    qh = queries.permute(1, 0, 2, 3).reshape(H, nq * G, D)
-    per = max(1, (1 << 26) // max(1, nq * G * n))
-    mass = torch.cat([attention_mass(qh[h:h + per], keys[h:h + per], visible, scale, w) for h in range(0, H, per)])
-    mass = torch.where(outside[None], mass, torch.zeros_like(mass))
-    return mass, distillation_target(mass, visible.sum()), outside
+    B, R, H, G, D = queries.shape
+    n, dev = keys.shape[2], keys.device
+    outside = visible & (torch.arange(n, device=dev)[None] < (lengths - window)[:, None])
+    age = torch.arange(R - 1, -1, -1, device=dev)
+    valid = age[None] < kept[:, None]                                                    # (B, R)
+    w = (RECENCY_DECAY ** age.float())[None] * valid
+    q = torch.where(valid[:, :, None, None, None], queries, 0.0)       # rows not kept: stale, weightless
+    # (sequence, KV head) pairs in batched products, as many at once as keep the scores under
+    # 2**26 elements (one at a time at 1M tokens)
+    qh = q.permute(0, 2, 1, 3, 4).reshape(B * H, R * G, D)
+    wh = w.repeat_interleave(G, dim=1).repeat_interleave(H, dim=0)                       # (B*H, R*G)
+    vh = visible.repeat_interleave(H, dim=0)[:, None]                                    # (B*H, 1, n)
+    kh = keys.reshape(B * H, n, D)
+    per = max(1, (1 << 26) // max(1, R * G * n))
+    mass = torch.cat([attention_mass(qh[r:r + per], kh[r:r + per], vh[r:r + per], scale, wh[r:r + per])
+                      for r in range(0, B * H, per)]).view(B, H, n)
+    mass = torch.where(outside[:, None], mass, 0.0)
+    return mass, distillation_target(mass, visible.sum(1)[:, None, None]), outside
 
 
 def training_set(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, outside: torch.Tensor,
@@ -214,16 +232,18 @@ def training_set(keys: torch.Tensor, mass: torch.Tensor, target: torch.Tensor, o
 
 
 def pick_anchors(mass: torch.Tensor, target: torch.Tensor, outside: torch.Tensor,
-                 slots: int, n_outside: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``slots`` heaviest tokens per head outside the window, -1 padded: (positions, scores),
-    each (Hkv, slots). Scores are their targets, so a probe-picked token must beat them.
-    ``n_outside``: the outside tokens when the caller knows (no host sync to count them)."""
-    a = min(slots, int(outside.sum()) if n_outside is None else n_outside)
-    top = mass.topk(a, dim=1).indices
-    score = target.gather(1, top)
-    pad = slots - a
-    return (torch.nn.functional.pad(top, (0, pad), value=-1),
-            torch.nn.functional.pad(score, (0, pad), value=-1.0))
+                 slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``slots`` heaviest tokens per head outside the window, -1 padded where fewer are
+    outside: (positions, scores), each (..., Hkv, slots) of mass, target (..., Hkv, n) and
+    outside (..., n). Scores are their targets, so a probe-picked token must beat them. No host
+    sync."""
+    k = min(slots, mass.shape[-1])
+    val, top = mass.masked_fill(~outside[..., None, :], -1.0).topk(k, dim=-1)
+    held = val >= 0                                     # outside the window: mass 0 or more
+    pos = torch.where(held, top, -1)
+    score = torch.where(held, target.gather(-1, top), -1.0)
+    return (torch.nn.functional.pad(pos, (0, slots - k), value=-1),
+            torch.nn.functional.pad(score, (0, slots - k), value=-1.0))
 
 
 class Audit(NamedTuple):
@@ -241,19 +261,20 @@ class Recalibrator:
 
     def __init__(self, cfg, shape: KVShape, layers: list[LayerRows], reader: ContextReader) -> None:
         self.cfg, self.shape, self.layers, self.reader = cfg, shape, layers, reader
+        self._fits = 0
 
     def audit(self, layer: LayerRows, seqs: list[Sequence], q: torch.Tensor, head: int) -> list[tuple[float, float]]:
         """(lookups, hits) per sequence of query head ``head`` of q (B, Hq, D) against the
-        sequence's last selection at this layer (``audit_measure``: top-m tokens or attention mass)."""
+        sequence's last selection at this layer (``audit_measure``: top-m tokens or attention
+        mass): the batch's contexts read at once and one read-back of the counts."""
         kv_head = head // self.shape.group_size
-        out = []
-        for b, s in enumerate(seqs):
-            n = s.lengths[layer.index]
-            keys, _ = self.reader.read(s, layer, torch.tensor([kv_head]), torch.arange(n))
-            out.append(audit_hits(q[b, head], keys, self.reader.visible(s, layer, n),
-                                  s.selection(layer.index)[kv_head], self.cfg.audit_top_m, self.shape.scale,
-                                  self.cfg.audit_measure))
-        return out
+        n = max(s.lengths[layer.index] for s in seqs)
+        keys = self.reader.read_batch(seqs, layer, torch.tensor([kv_head]), n)[:, 0]       # (B, n, D)
+        picked = [s.selection(layer.index)[kv_head] for s in seqs]
+        selected = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True, padding_value=-1)
+        counts = audit_hits(q[:, head], keys, self.reader.visible_batch(seqs, layer, n), selected,
+                            self.cfg.audit_top_m, self.shape.scale, self.cfg.audit_measure)
+        return [(lookups, hits) for lookups, hits in counts.tolist()]
 
     def start(self, seqs: list[Sequence], reason: str, background: bool) -> "RecalibrationJob":
         """Re-score anchors from the attention mass recent queries gave, and refit each probe
@@ -268,15 +289,16 @@ class Recalibrator:
         if self.cfg.global_tokens == 0:
             return job  # nothing is pinned, so there is nothing to re-score or fit
         fits: dict[torch.device, list] = {}
+        fit = self._fit_sequences(seqs)
         for layer in self.layers:
             with layer.on_device():
-                inputs = self._inputs(layer, seqs, copy=background)
-            if not inputs:
+                inputs = self._inputs(layer, seqs)
+            if inputs is None:
                 continue
             job.inputs.append(inputs)          # made on the current stream: kept until the commit
             stream = job.stream_for(layer.device) if background else None
             with layer.on_device(), one_thread_on_cpu(layer.device), job.on(stream), phase("recalibrate.score"):
-                data = self._layer(layer, inputs, job)
+                data = self._layer(layer, inputs, fit, job)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
         for device_fits in fits.values():
@@ -291,46 +313,70 @@ class Recalibrator:
         job.launched()
         return job
 
-    def _inputs(self, layer: LayerRows, seqs: list[Sequence], copy: bool) -> list[tuple]:
-        """What one layer's scoring reads besides the host pool, per sequence with context and
-        queries: (sequence, queries (nq, Hkv, G, D), visible (n,) bool, n, tokens outside the
-        window or None with holes); ``copy``: copies, so that later steps may change the rows."""
-        cfg, shape, i = self.cfg, self.shape, layer.index
-        out = []
-        for s in seqs:
-            nq, n = s.queries_kept[i], s.lengths[i]
-            if nq == 0 or n - s.first_token <= cfg.window_size:
-                continue
-            qs = s.queries[i][-nq:].view(nq, shape.num_kv_heads, shape.group_size, shape.head_dim)
-            visible = self.reader.visible(s, layer, n)
-            # without holes every token from the first visible one to the window is outside it
-            n_out = None if self.reader.storage.has_holes(s) else n - cfg.window_size - s.first_token
-            out.append((s, qs.clone() if copy else qs, visible, n, n_out))
-        if out:
-            self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
-        return out
+    def _fit_sequences(self, seqs: list[Sequence]) -> set[int]:
+        """The ids of the sequences whose tokens train the probes: all where they give up to
+        FIT_ROWS rows a layer, else as many as do, spread evenly over the batch (shifted each
+        recalibration). A probe learns what a key looks like, not a sequence: 24 sequences of 8
+        heads gave 104K rows a layer, and the fit of 32 layers took ~1 s of the H200."""
+        each = self.shape.num_kv_heads * (self.cfg.recalibrate_topk + NEGATIVES)
+        k = max(1, FIT_ROWS // each)
+        if len(seqs) <= k:
+            return {s.seq_id for s in seqs}
+        self._fits += 1
+        stride = len(seqs) / k
+        return {seqs[int(j * stride) + self._fits % int(stride)].seq_id for j in range(k)}
 
-    def _layer(self, layer: LayerRows, inputs: list[tuple], job: "RecalibrationJob"
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One layer's anchors re-scored, on its device, into the job; returns its probe's
-        training set (keys, targets), or None when it has none."""
+    def _inputs(self, layer: LayerRows, seqs: list[Sequence]) -> tuple | None:
+        """What one layer's scoring reads besides the host pool, of the sequences with context and
+        queries: (those sequences, their recent queries (B, R, Hkv, G, D), queries kept (B,),
+        visible (B, n) bool, lengths (B,), tokens outside the window per sequence or None with
+        holes); copies, so that later steps may change the rows; None when no sequence has both."""
         cfg, shape, i = self.cfg, self.shape, layer.index
+        todo = [s for s in seqs if s.queries_kept[i] and s.lengths[i] - s.first_token > cfg.window_size]
+        if not todo:
+            return None
+        per_seq = to_device(torch.tensor([[s.row, s.queries_kept[i], s.lengths[i]] for s in todo]), layer.device)
+        rows, kept, lengths = per_seq.unbind(1)
+        bank = layer.bank.t["queries"]
+        queries = bank[rows].view(len(todo), bank.shape[1], shape.num_kv_heads, shape.group_size, shape.head_dim)
+        visible = self.reader.visible_batch(todo, layer, max(s.lengths[i] for s in todo))
+        # without holes every token from the first visible one to the window is outside it
+        n_out = [None if self.reader.storage.has_holes(s) else s.lengths[i] - cfg.window_size - s.first_token
+                 for s in todo]
+        self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
+        return todo, queries, kept, visible, lengths, n_out
+
+    def _layer(self, layer: LayerRows, inputs: tuple, fit: set[int], job: "RecalibrationJob"
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One layer's anchors re-scored, on its device, into the job, the sequences' contexts
+        read and scored together (as many at once as keep the keys under SCORE_KEYS elements);
+        returns its probe's training set (keys, targets) from the sequences ``fit`` names, or
+        None when it has none."""
+        cfg, shape, i = self.cfg, self.shape, layer.index
+        seqs, queries, kept, visible, lengths, n_out = inputs
         xs, ys = [], []
         # on a GPU the sample is drawn there and nothing waits for the device (a prefill's first
         # recalibration of 32 layers took ~10 host syncs per layer); the CPU keeps its own stream
         # of random numbers
         g = torch.Generator(device=layer.device).manual_seed(cfg.seed + i)
-        H = shape.num_kv_heads
-        for s, qs, visible, n, n_out in inputs:
-            keys, _ = self.reader.read(s, layer, torch.arange(H)[:, None], torch.arange(n)[None])
-            mass, target, outside = score_tokens(qs, keys, visible, cfg.window_size, shape.scale)
-            if n_out is None and not bool(outside.any()):
-                continue
-            x, y = training_set(keys, mass, target, outside, cfg.recalibrate_topk, 512, g,
-                                n_out if layer.device.type == "cuda" else None)
-            xs.append(x)
-            ys.append(y)
-            job.anchors.append((s, i, *pick_anchors(mass, target, outside, cfg.global_tokens, n_out)))
+        H, n_all = shape.num_kv_heads, [s.lengths[i] for s in seqs]
+        per = max(1, SCORE_KEYS // (H * max(n_all) * shape.head_dim))
+        for lo in range(0, len(seqs), per):
+            part = slice(lo, lo + per)
+            n = max(n_all[part])
+            keys = self.reader.read_batch(seqs[part], layer, torch.arange(H), n)
+            mass, target, outside = score_tokens(queries[part], kept[part], keys, visible[part, :n], lengths[part],
+                                                 cfg.window_size, shape.scale)
+            pos, score = pick_anchors(mass, target, outside, cfg.global_tokens)
+            for b, (s, m) in enumerate(zip(seqs[part], n_out[part])):
+                if m is None and not bool(outside[b].any()):
+                    continue          # holes left nothing outside the window: the anchors stay
+                job.anchors.append((s, i, pos[b], score[b]))
+                if s.seq_id in fit:
+                    x, y = training_set(keys[b], mass[b], target[b], outside[b], cfg.recalibrate_topk, NEGATIVES, g,
+                                        m if layer.device.type == "cuda" else None)
+                    xs.append(x)
+                    ys.append(y)
         return (torch.cat(xs), torch.cat(ys)) if xs else None
 
 
