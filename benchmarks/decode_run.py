@@ -40,8 +40,10 @@ def random_llama(**shape: Any) -> tuple[torch.nn.Module, str]:
 def decode(model: torch.nn.Module, dev: str, batch: int, prompt_len: int, steps: int,
            around: Callable[[int], Any] = lambda pos: contextlib.nullcontext()) -> Iterator[tuple[int, float]]:
     """Prefill a ``prompt_len``-token prompt of ``batch`` sequences, then decode greedily, yielding
-    (position, milliseconds) after each step, timed between device syncs; ``around(position)``: a
-    context each step runs in (a profiler, say)."""
+    (position, milliseconds) after each step, timed until its token is ready: the current stream
+    synchronized, as a caller reading the token waits (work a step queued on side streams, a
+    background recalibration, runs on); ``around(position)``: a context each step runs in (a
+    profiler, say)."""
     ids, mask = prompt(batch, prompt_len)
     kw = hf_compat.installed_cache_kwarg()
     with torch.no_grad():
@@ -50,11 +52,11 @@ def decode(model: torch.nn.Module, dev: str, batch: int, prompt_len: int, steps:
         for step in range(steps):
             pos = prompt_len + step
             if dev == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             t0 = time.perf_counter()
             with around(pos):
                 out = model(tok, **{kw: cache}, use_cache=True)
                 tok = out.logits[:, -1:].argmax(-1)
                 if dev == "cuda":
-                    torch.cuda.synchronize()
+                    torch.cuda.current_stream().synchronize()
             yield pos, 1e3 * (time.perf_counter() - t0)

@@ -1,9 +1,10 @@
 """Which decode steps stall, and what they cost over a long decode (issue 21): a random-weight
 32-layer Llama (8 KV heads of 128, the shape of boundary_profile.py) decodes B sequences for
-many steps with whole-step graphs; every step is timed with a sync. Prints the median step, each
-step over --over times the median with its position and what it did (completed a host block, ran
-eagerly or captured its whole-step graph: a new key, started a recalibration), and the share of
-the decode's time those steps added over the median.
+many steps with whole-step graphs; every step is timed until its token is ready. Prints the
+median step, each step over --over times the median with its position and what it did (completed
+a host block, ran eagerly or captured its whole-step graph: a new key, started or committed a
+recalibration), the share of the decode's time those steps added over the median, and the host
+time of the engine's parts a stall may come from (the audit, a recalibration's launches).
 
     python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections import defaultdict
 
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
 import hi_sparse as hs
-from hi_sparse import step_graph
+from hi_sparse import recalibration, step_graph
 
 
 def main() -> int:
@@ -33,16 +36,18 @@ def main() -> int:
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
                                 global_tokens=8, top_k=128, host_kv_bits=args.bits, telemetry=False)
     engine, graphs = hs.integration.binding_of(model).engine, step_graph.of(model)
+    host_ms = timed_parts(engine)
 
-    def state() -> tuple[int, int, int]:
-        return sum(engine.stats.recalibrations.values()), graphs.counts["eager"], graphs.counts["captured"]
+    def state() -> tuple[int, ...]:
+        return (len(host_ms["a recalibration's launch"]), sum(engine.stats.recalibrations.values()),
+                graphs.counts["eager"], graphs.counts["captured"])
 
     times: list[tuple[int, float, list[str]]] = []
     before = state()
     for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps):
         now = state()
-        did = [what for what, a, b in zip(("started a recalibration", "ran eagerly (a new key)", "captured its graph"),
-                                          before, now) if a != b]
+        did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
+                                           "captured its graph"), before, now) if a != b]
         if pos % block == block - 1:
             did.insert(0, "completed a block")
         times.append((pos, ms, did))
@@ -60,7 +65,33 @@ def main() -> int:
     print(f"stalls added {extra:.1f} ms over {len(steady)} steps: {100 * extra / total:.1f} % of the decode's "
           f"{total:.0f} ms; {len(steady) / total * 1e3 * args.batch:.0f} tok/s against "
           f"{args.batch / med * 1e3:.0f} at the median")
+    for part, spent in host_ms.items():
+        print(f"host time in {part}: {len(spent)} calls, {sum(spent):.1f} ms, the longest {max(spent):.1f} ms")
     return 0
+
+
+def timed_parts(engine) -> dict[str, list[float]]:
+    """Host milliseconds of each call of the engine's parts a stall may come from (the audit, a
+    recalibration's launch, committing one and waiting for it), filled in as the decode runs."""
+    spent: dict[str, list[float]] = defaultdict(list)
+
+    def timed(obj, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                spent[label].append(1e3 * (time.perf_counter() - t0))
+        setattr(obj, name, call)
+    timed(engine, "_audit", "the audit")
+    timed(engine._recalibrator, "start", "a recalibration's launch")
+    timed(engine._recalibrator, "_inputs", "  its inputs of one layer")
+    timed(engine._recalibrator, "_layer", "  its scoring of one layer")
+    timed(recalibration, "fit_params", "  its probes' fit")
+    timed(engine, "settle_recalibration", "settling a recalibration (commit, waits)")
+    return spent
 
 
 if __name__ == "__main__":
