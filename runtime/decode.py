@@ -60,6 +60,10 @@ def tail_block(n: torch.Tensor, block_size: int) -> torch.Tensor:
 # blocks) 1/8 of the power of two is one or two blocks; on the H200 at 1-2K tokens the key then
 # changed after every completed block, each change an eager step and a capture of 20-40x a step.
 BUCKET_LEAST_TOKENS = 512
+# ... and in blocks: a multiple of 16, so that the sizes and strides that follow from the count
+# keep their divisibility by 16, on which Triton specializes integer arguments (each new
+# specialization a compile: a key change at 1,536 tokens, 24 -> 32 blocks, took 0.8 s eagerly)
+BUCKET_LEAST_BLOCKS = 16
 
 
 def bucket(n: int, least: int = 1) -> int:
@@ -74,13 +78,14 @@ def attend_blocks(n_max: int, room: int, ps: int, window: int, first_lo: int, gr
                   n_super: int) -> tuple[int, int]:
     """(selection blocks, candidate blocks) of attend_body for a longest sequence of ``n_max``
     tokens in blocks of ``ps``, ``room`` blocks of bounds, the batch's first visible position
-    ``first_lo``. Rounded up (:func:`bucket`, at least BUCKET_LEAST_TOKENS apart; select masks
+    ``first_lo``. Rounded up (:func:`bucket`, at least BUCKET_LEAST_TOKENS and BUCKET_LEAST_BLOCKS
+    apart; select masks
     blocks past a row's tokens) so that a captured step keeps its key over many blocks; the
     candidates are bounded as if the longest sequence filled its rounded count, so both change on
     the same step. The rounding never turns on two-level scoring that the sequence's own block
     count would not use (it would select differently)."""
     real = -(-n_max // ps)
-    nb = min(room, bucket(real, max(1, BUCKET_LEAST_TOKENS // ps)))
+    nb = min(room, bucket(real, max(BUCKET_LEAST_BLOCKS, BUCKET_LEAST_TOKENS // ps)))
     least = two_level_least(group, n_super)
     if least is not None and real < least <= nb:
         nb = max(real, min(room, least - 1))
