@@ -40,19 +40,24 @@ class ContextReader:
                               pos.cpu(), dtype, device=dev if dev.type == "cuda" else None)
         return k.to(dev), v.to(dev)
 
-    def read_batch(self, seqs: list[Sequence], layer: LayerRows, heads: torch.Tensor, n: int,
+    def read_batch(self, seqs: list[Sequence], layer: LayerRows, n: int, head: int | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The keys of the first n positions of B sequences at KV heads heads (H,) in one read ->
-        (B, H, n, D) on the layer's device; a position at or past a sequence's length holds a copy
-        of its last token (:meth:`visible_batch` masks it out)."""
-        tables = [self.storage.block_table(s) for s in seqs]
-        padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True, padding_value=-1)
-        lengths = torch.tensor([s.lengths[layer.index] for s in seqs])
-        pos = torch.minimum(torch.arange(n), (lengths - 1).clamp_min(0)[:, None])         # (B, n)
-        full = torch.tensor([self.pages.num_tokens(s.seq_id) // self.block_size for s in seqs])
+        """The keys of the first n positions of B sequences at every KV head (or at ``head`` only)
+        in one read -> (B, Hkv or 1, n, D) on the layer's device; a position at or past a
+        sequence's length holds a copy of its last token (:meth:`visible_batch` masks it out).
+        What the read needs is copied to a GPU in one transfer."""
+        tables = torch.nn.utils.rnn.pad_sequence([self.storage.block_table(s) for s in seqs], batch_first=True,
+                                                 padding_value=-1)
+        per_seq = torch.tensor([[s.tail_slot, self.pages.num_tokens(s.seq_id) // self.block_size,
+                                 s.lengths[layer.index]] for s in seqs])
         dev = layer.device
-        k, _ = self.host.read(layer.index, padded, torch.tensor([s.tail_slot for s in seqs]), full,
-                              heads.cpu()[None, :, None], pos[:, None], dtype,
+        meta = to_device(torch.cat([tables, per_seq], 1), dev)
+        W = tables.shape[1]
+        tail, full, length = meta[:, W:].unbind(1)
+        pos = torch.minimum(torch.arange(n, device=dev), (length - 1).clamp_min(0)[:, None])   # (B, n)
+        H = self.host.num_kv_heads
+        heads = torch.arange(H, device=dev) if head is None else torch.full((1,), head, device=dev)
+        k, _ = self.host.read(layer.index, meta[:, :W], tail, full, heads[None, :, None], pos[:, None], dtype,
                               device=dev if dev.type == "cuda" else None)
         return k.to(dev)
 

@@ -269,7 +269,7 @@ class Recalibrator:
         mass): the batch's contexts read at once and one read-back of the counts."""
         kv_head = head // self.shape.group_size
         n = max(s.lengths[layer.index] for s in seqs)
-        keys = self.reader.read_batch(seqs, layer, torch.tensor([kv_head]), n)[:, 0]       # (B, n, D)
+        keys = self.reader.read_batch(seqs, layer, n, kv_head)[:, 0]                      # (B, n, D)
         picked = [s.selection(layer.index)[kv_head] for s in seqs]
         selected = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True, padding_value=-1)
         counts = audit_hits(q[:, head], keys, self.reader.visible_batch(seqs, layer, n), selected,
@@ -364,7 +364,7 @@ class Recalibrator:
         for lo in range(0, len(seqs), per):
             part = slice(lo, lo + per)
             n = max(n_all[part])
-            keys = self.reader.read_batch(seqs[part], layer, torch.arange(H), n)
+            keys = self.reader.read_batch(seqs[part], layer, n)
             mass, target, outside = score_tokens(queries[part], kept[part], keys, visible[part, :n], lengths[part],
                                                  cfg.window_size, shape.scale)
             pos, score = pick_anchors(mass, target, outside, cfg.global_tokens)

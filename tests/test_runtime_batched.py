@@ -342,10 +342,11 @@ def test_a_batch_read_of_ragged_contexts_is_each_context_read_alone():
     for b, (n, pad) in enumerate(zip(lengths, pads)):
         _run(eng, eng.add_sequences(1, pad_lengths=[pad]), K[:, b:b + 1], V[:, b:b + 1], Q[:, b:b + 1], 0, n)
     seqs, reader, layer = list(eng.seqs.values()), eng._recalibrator.reader, eng.layers[1]
-    keys = reader.read_batch(seqs, layer, torch.arange(HKV), 72)
+    keys = reader.read_batch(seqs, layer, 72)
     visible = reader.visible_batch(seqs, layer, 72)
     assert keys.shape == (3, HKV, 72, D) and visible.shape == (3, 72)
     for b, (s, n, pad) in enumerate(zip(seqs, lengths, pads)):
         alone, _ = reader.read(s, layer, torch.arange(HKV)[:, None], torch.arange(n)[None])
         assert torch.equal(keys[b, :, :n], alone)
+        assert torch.equal(reader.read_batch(seqs, layer, 72, head=1)[b, 0, :n], alone[1])
         assert visible[b].tolist() == [pad <= p < n for p in range(72)]
