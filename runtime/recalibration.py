@@ -368,10 +368,14 @@ class Recalibrator:
             mass, target, outside = score_tokens(queries[part], kept[part], keys, visible[part, :n], lengths[part],
                                                  cfg.window_size, shape.scale)
             pos, score = pick_anchors(mass, target, outside, cfg.global_tokens)
-            for b, (s, m) in enumerate(zip(seqs[part], n_out[part])):
-                if m is None and not bool(outside[b].any()):
-                    continue          # holes left nothing outside the window: the anchors stay
-                job.anchors.append((s, i, pos[b], score[b]))
+            # holes may leave nothing outside the window: that sequence's anchors stay
+            held = [b for b, m in enumerate(n_out[part]) if m is not None or bool(outside[b].any())]
+            if len(held) < len(pos):
+                at = to_device(torch.tensor(held, dtype=torch.int64), pos.device)
+                pos, score = pos[at], score[at]
+            job.anchors.append(([seqs[lo + b] for b in held], i, pos, score))
+            for b in held:
+                s, m = seqs[lo + b], n_out[lo + b]
                 if s.seq_id in fit:
                     x, y = training_set(keys[b], mass[b], target[b], outside[b], cfg.recalibrate_topk, NEGATIVES, g,
                                         m if layer.device.type == "cuda" else None)
@@ -393,7 +397,7 @@ class RecalibrationJob:
         # committed later (at a step boundary, or when something would overwrite what it reads);
         # on a CPU its work is done at once, so it is ready at the next boundary
         self.background = background
-        self.anchors: list[tuple] = []                  # (sequence, layer, positions, scores)
+        self.anchors: list[tuple] = []                  # (sequences, layer, positions, scores (B, Hkv, A))
         self.fits: list[tuple[list, list[torch.Tensor]]] = []   # (probes, stacked parameters)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.events: list = []
@@ -438,8 +442,12 @@ class RecalibrationJob:
         streams' order: steps after this read them)."""
         for device, stream in self.streams.items():
             torch.cuda.current_stream(device).wait_stream(stream)
-        for s, i, positions, scores in self.anchors:
-            s.anchors[i], s.anchor_p[i] = positions, scores
+        for seqs, i, positions, scores in self.anchors:      # a layer's sequences in one write each
+            if seqs:
+                bank = seqs[0].banks[i].t
+                rows = to_device(torch.tensor([s.row for s in seqs], dtype=torch.int64), positions.device)
+                bank["anchors"].index_copy_(0, rows, positions.to(bank["anchors"].dtype))
+                bank["anchor_p"].index_copy_(0, rows, scores.to(bank["anchor_p"].dtype))
         for probes, params in self.fits:
             write_params(probes, params)
         if self.streams:   # made on the side streams, read on the current ones: not reused before

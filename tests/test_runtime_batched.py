@@ -350,3 +350,36 @@ def test_a_batch_read_of_ragged_contexts_is_each_context_read_alone():
         assert torch.equal(keys[b, :, :n], alone)
         assert torch.equal(reader.read_batch(seqs, layer, 72, head=1)[b, 0, :n], alone[1])
         assert visible[b].tolist() == [pad <= p < n for p in range(72)]
+
+
+def test_a_recalibration_scores_alike_one_sequence_a_read_at_a_time_and_with_holes(monkeypatch):
+    """A layer's sequences are scored together, as many at a time as keep the keys under
+    SCORE_KEYS: one at a time (SCORE_KEYS 1) the anchors and fitted probes are the same, also for
+    sequences that lost blocks to streaming mode (holes: their outside tokens are counted on the
+    host) and of different lengths."""
+    from hi_sparse import recalibration
+
+    def run(score_keys):
+        monkeypatch.setattr(recalibration, "SCORE_KEYS", score_keys)
+        torch.manual_seed(12)
+        eng = _engines(None, 1, streaming=True, host_pool_blocks=38, global_tokens=1, recalibrate_every=10 ** 6)[0]
+        g = torch.Generator().manual_seed(13)
+        ids = []
+        for n in (120, 90, 60):
+            sid = eng.add_sequences(1)
+            _run(eng, sid, *(torch.randn(L, 1, h, n, D, generator=g) for h in (HKV, HKV, HQ)), 0, n)
+            ids += sid
+        for _ in range(12):
+            _run(eng, ids, *(torch.randn(L, 3, h, 1, D, generator=g) for h in (HKV, HKV, HQ)), 0, 1)
+        eng.request_recalibration()
+        _run(eng, ids, *(torch.randn(L, 3, h, 1, D, generator=g) for h in (HKV, HKV, HQ)), 0, 1)
+        assert eng.stats.recalibrations["request"] == 1
+        holes = [eng.pages.seqs[i].holes for i in ids]
+        anchors = [eng.seqs[i].anchors[layer].clone() for i in ids for layer in range(L)]
+        return holes, anchors, [p.detach().clone() for probe in eng.probes for p in probe.parameters()]
+
+    holes, anchors, probes = run(1 << 27)
+    holes1, anchors1, probes1 = run(1)
+    assert holes == holes1 and any(holes) and all(int((a >= 0).sum()) > 0 for a in anchors)
+    assert all(torch.equal(a, b) for a, b in zip(anchors, anchors1))
+    assert all(torch.equal(a, b) for a, b in zip(probes, probes1))
