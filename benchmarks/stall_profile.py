@@ -65,7 +65,7 @@ def main() -> int:
     print(f"stalls added {extra:.1f} ms over {len(steady)} steps: {100 * extra / total:.1f} % of the decode's "
           f"{total:.0f} ms; {len(steady) / total * 1e3 * args.batch:.0f} tok/s against "
           f"{args.batch / med * 1e3:.0f} at the median")
-    for part, spent in host_ms.items():
+    for part, spent in (item for item in host_ms.items() if item[1]):
         print(f"host time in {part}: {len(spent)} calls, {sum(spent):.1f} ms, the longest {max(spent):.1f} ms")
     return 0
 
