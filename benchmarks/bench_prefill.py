@@ -23,6 +23,7 @@ import sys
 import time
 
 import torch
+from call_timers import CallTimers
 
 
 def build_model(layers: int, hidden: int, device: str, dtype: torch.dtype):
@@ -34,30 +35,6 @@ def build_model(layers: int, hidden: int, device: str, dtype: torch.dtype):
                       vocab_size=32000, max_position_embeddings=1 << 20)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(device, dtype).eval()
-
-
-class Timers:
-    """Wall time spent inside some engine methods (wrapped for the run)."""
-
-    def __init__(self) -> None:
-        self.spent: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def wrap(self, obj, name: str, label: str, sync):
-        fn = getattr(obj, name)
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                sync()
-                self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - t0
-        setattr(obj, name, timed)
-        try:
-            yield
-        finally:
-            setattr(obj, name, fn)
 
 
 def main() -> int:
@@ -89,7 +66,7 @@ def main() -> int:
     parts: list[dict[str, float]] = []
     for _ in range(args.repeats):
         for label in ("dense", "hisparse"):
-            timers = Timers()
+            timers = CallTimers()
             with torch.no_grad(), contextlib.ExitStack() as stack:
                 cache = DynamicCache(config=model.config) if label == "dense" else None
                 if label == "hisparse":
@@ -100,7 +77,7 @@ def main() -> int:
                     stack.enter_context(timers.wrap(eng, "append", "append", sync))
                     stack.enter_context(timers.wrap(eng._prefill, "attend", "prefill attention", sync))
                     stack.enter_context(timers.wrap(eng, "end_step", "end of step (recalibration)", sync))
-                    stack.enter_context(timers.wrap(eng._recalibrator, "recalibrate", "recalibration", sync))
+                    stack.enter_context(timers.wrap(eng._recalibrator, "start", "recalibration", sync))
                 sync()
                 t0 = time.perf_counter()
                 out = model(input_ids=ids, past_key_values=cache, use_cache=True)

@@ -12,10 +12,10 @@ time of the engine's parts a stall may come from (the audit, a recalibration's l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
-import time
-from collections import defaultdict
 
+from call_timers import CallTimers
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
 import hi_sparse as hs
@@ -36,22 +36,25 @@ def main() -> int:
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
                                 global_tokens=8, top_k=128, host_kv_bits=args.bits, telemetry=False)
     engine, graphs = hs.integration.binding_of(model).engine, step_graph.of(model)
-    host_ms = timed_parts(engine)
+    timers = CallTimers()
 
     def state() -> tuple[int, ...]:
-        return (len(host_ms["a recalibration's launch"]), sum(engine.stats.recalibrations.values()),
+        return (len(timers.calls["a recalibration's launch"]), sum(engine.stats.recalibrations.values()),
                 graphs.counts["eager"], graphs.counts["captured"])
 
     times: list[tuple[int, float, list[str]]] = []
-    before = state()
-    for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps):
-        now = state()
-        did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
-                                           "captured its graph"), before, now) if a != b]
-        if pos % block == block - 1:
-            did.insert(0, "completed a block")
-        times.append((pos, ms, did))
-        before = now
+    with contextlib.ExitStack() as stack:
+        for part in timed_parts(engine, timers):
+            stack.enter_context(part)
+        before = state()
+        for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps):
+            now = state()
+            did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
+                                               "captured its graph"), before, now) if a != b]
+            if pos % block == block - 1:
+                did.insert(0, "completed a block")
+            times.append((pos, ms, did))
+            before = now
     steady = [t for _, t, _ in times[2:]]        # the first two: the eager warm-up and the capture
     med = statistics.median(steady)
     print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}: "
@@ -65,33 +68,22 @@ def main() -> int:
     print(f"stalls added {extra:.1f} ms over {len(steady)} steps: {100 * extra / total:.1f} % of the decode's "
           f"{total:.0f} ms; {len(steady) / total * 1e3 * args.batch:.0f} tok/s against "
           f"{args.batch / med * 1e3:.0f} at the median")
-    for part, spent in (item for item in host_ms.items() if item[1]):
-        print(f"host time in {part}: {len(spent)} calls, {sum(spent):.1f} ms, the longest {max(spent):.1f} ms")
+    for part, spent in timers.calls.items():
+        if spent:
+            print(f"host time in {part}: {len(spent)} calls, {1e3 * sum(spent):.1f} ms, "
+                  f"the longest {1e3 * max(spent):.1f} ms")
     return 0
 
 
-def timed_parts(engine) -> dict[str, list[float]]:
-    """Host milliseconds of each call of the engine's parts a stall may come from (the audit, a
-    recalibration's launch, committing one and waiting for it), filled in as the decode runs."""
-    spent: dict[str, list[float]] = defaultdict(list)
-
-    def timed(obj, name: str, label: str) -> None:
-        inner = getattr(obj, name)
-
-        def call(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                spent[label].append(1e3 * (time.perf_counter() - t0))
-        setattr(obj, name, call)
-    timed(engine, "_audit", "the audit")
-    timed(engine._recalibrator, "start", "a recalibration's launch")
-    timed(engine._recalibrator, "_inputs", "  its inputs of one layer")
-    timed(engine._recalibrator, "_layer", "  its scoring of one layer")
-    timed(recalibration, "fit_params", "  its probes' fit")
-    timed(engine, "settle_recalibration", "settling a recalibration (commit, waits)")
-    return spent
+def timed_parts(engine, timers: CallTimers) -> list:
+    """The engine's parts a stall may come from (the audit, a recalibration's launch, committing one
+    and waiting for it), each timed by ``timers`` while the contexts returned are entered."""
+    return [timers.wrap(engine, "_audit", "the audit"),
+            timers.wrap(engine._recalibrator, "start", "a recalibration's launch"),
+            timers.wrap(engine._recalibrator, "_inputs", "  its inputs of one layer"),
+            timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer"),
+            timers.wrap(recalibration, "fit_params", "  its probes' fit"),
+            timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)")]
 
 
 if __name__ == "__main__":

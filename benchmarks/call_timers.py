@@ -1,0 +1,40 @@
+"""Host time spent in some methods of the engine during a benchmark run: each wrapped for the run
+and restored after it (bench_prefill.py, stall_profile.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+
+class CallTimers:
+    """Seconds of each call of the wrapped methods, by label (``calls``), and their totals (``spent``)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = defaultdict(list)
+
+    @property
+    def spent(self) -> dict[str, float]:
+        return {label: sum(times) for label, times in self.calls.items() if times}
+
+    @contextlib.contextmanager
+    def wrap(self, obj, name: str, label: str, sync: Callable[[], None] | None = None) -> Iterator[None]:
+        """``obj.name`` timed under ``label`` until the context ends (``sync``: called before each
+        call's end is read, to count the device work it queued)."""
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if sync is not None:
+                    sync()
+                self.calls[label].append(time.perf_counter() - t0)
+        setattr(obj, name, timed)
+        try:
+            yield
+        finally:
+            setattr(obj, name, fn)
