@@ -4,7 +4,8 @@ many steps with whole-step graphs; every step is timed until its token is ready.
 median step, each step over --over times the median with its position and what it did (completed
 a host block, ran eagerly or captured its whole-step graph: a new key, started or committed a
 recalibration), the share of the decode's time those steps added over the median, and the host
-time of the engine's parts a stall may come from (the audit, a recalibration's launches).
+time of the engine's parts a stall may come from (the audit, a recalibration's launch in the
+step, and its worker thread's launches, which overlap the steps).
 
     python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800
 """
@@ -39,8 +40,8 @@ def main() -> int:
     timers = CallTimers()
 
     def state() -> tuple[int, ...]:
-        return (len(timers.calls["a recalibration's launch"]), sum(engine.stats.recalibrations.values()),
-                graphs.counts["eager"], graphs.counts["captured"])
+        return (len(timers.calls["a recalibration's launch (in the step)"]), sum(engine.stats.recalibrations.values()),
+                graphs.counts["eager"], graphs.counts["captured"], graphs.counts["capture_retried"])
 
     times: list[tuple[int, float, list[str]]] = []
     with contextlib.ExitStack() as stack:
@@ -50,7 +51,8 @@ def main() -> int:
         for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps):
             now = state()
             did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
-                                               "captured its graph"), before, now) if a != b]
+                                               "captured its graph", "(a capture met an unloaded kernel)"),
+                                              before, now) if a != b]
             if pos % block == block - 1:
                 did.insert(0, "completed a block")
             times.append((pos, ms, did))
@@ -79,10 +81,11 @@ def timed_parts(engine, timers: CallTimers) -> list:
     """The engine's parts a stall may come from (the audit, a recalibration's launch, committing one
     and waiting for it), each timed by ``timers`` while the contexts returned are entered."""
     return [timers.wrap(engine, "_audit", "the audit"),
-            timers.wrap(engine._recalibrator, "start", "a recalibration's launch"),
-            timers.wrap(engine._recalibrator, "_inputs", "  its inputs of one layer"),
-            timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer"),
-            timers.wrap(recalibration, "fit_params", "  its probes' fit"),
+            timers.wrap(engine._recalibrator, "start", "a recalibration's launch (in the step)"),
+            timers.wrap(engine._recalibrator, "_inputs", "  its inputs of one layer (in the step)"),
+            timers.wrap(engine._recalibrator, "_work", "its worker's launches (another thread)"),
+            timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker)"),
+            timers.wrap(recalibration, "fit_params", "  its probes' fit (worker)"),
             timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)")]
 
 

@@ -94,6 +94,12 @@ class HiSparseConfig:
                                          # CUDA (H200, 32K prefill 1.14x dense, 1.25x without);
                                          # False (the CPU's default): at the end of the step that
                                          # is due, waiting
+    recalibration_lag: int | None = None  # a background recalibration is committed at the end
+                                         # of the step this many decode steps after its launch,
+                                         # waiting for it there (the same step whatever the
+                                         # timing: reproducible decodes; it may stall a step).
+                                         # None: at the first step end after it finished, and
+                                         # with a worker thread (CUDA) not before 32 steps
     audit_every: int = 16                # decode steps between audits (0 = never)
     audit_top_m: int = 8                 # true top-m tokens compared against the selection ("top_m")
     # what an audit measures: "mass", the share of the query's exact attention that fell on the
@@ -228,6 +234,10 @@ class HiSparseConfig:
         need(self.background_recalibration is None or isinstance(self.background_recalibration, bool),
              f"background_recalibration must be True, False or None (on CUDA), "
              f"got {self.background_recalibration!r}")
+        need(self.recalibration_lag is None or (isinstance(self.recalibration_lag, int)
+                                                and not isinstance(self.recalibration_lag, bool)
+                                                and self.recalibration_lag >= 0),
+             f"recalibration_lag must be None or a number of decode steps >= 0, got {self.recalibration_lag!r}")
         need(isinstance(self.decode_kernels, bool),
              f"decode_kernels must be True or False, got {self.decode_kernels!r}")
         for name in ("fused_norms", "fused_rotary", "fused_projections"):

@@ -39,9 +39,15 @@ from .metrics import DeviceCounters, Gauges, Publisher, RuntimeMetrics, Stats
 from .page_table import PageTable
 from .prefill import ContextReader, PrefillAttention
 from .probe import ImportanceProbe
-from .recalibration import REASONS, Audit, RecalibrationController, RecalibrationJob, Recalibrator
+from .recal_job import RecalibrationJob
+from .recalibration import REASONS, Audit, RecalibrationController, Recalibrator
 from .sequences import SequenceTable
 from .storage import Storage
+
+# decode steps a recalibration's worker thread runs before its result is used, at least (with
+# recalibration_lag None): it takes ~150-320 ms of host time at 32 layers, ~40-70 steps of 1-3K
+# tokens on the H200; one that finishes within them lands on the same step whatever the timing
+WORKER_LAG = 32
 
 
 class HiSparseEngine:
@@ -216,7 +222,7 @@ class HiSparseEngine:
         rows = self.layers[layer]
         k, v = k.to(rows.device, self.shape.dtype), v.to(rows.device, self.shape.dtype)
         if self._decoder.planned is None:
-            self._settle_before_append(seqs, layer, T)
+            self._launch_deferred()    # from the state before the append
         with rows.on_device():
             self._decoder.append(rows, seqs, k, v)
         if self._decoder.planned is not None:
@@ -267,7 +273,7 @@ class HiSparseEngine:
         ahead, self._ahead = self._ahead, None
         if any(len(set(s.lengths)) != 1 for s in seqs):
             return None                  # a forward stopped part-way left the layers uneven
-        self._settle_before_append(seqs, 0, 1)
+        self._launch_deferred()
         plan = self._decoder.plan(seqs, ahead)
         self._decoder.planned = plan
         return plan
@@ -385,6 +391,8 @@ class HiSparseEngine:
     def _launch(self, live: list, reason: str, background: bool) -> None:
         job = self._recalibrator.start(live, reason, background=background)
         if job.background:
+            lag = self.cfg.recalibration_lag
+            job.due = self.decode_steps + (lag if lag is not None else WORKER_LAG if job.threaded else 0)
             self._recal_job = job
         else:
             job.commit()
@@ -392,33 +400,28 @@ class HiSparseEngine:
 
     def _launch_deferred(self) -> None:
         """Launch the background recalibration that came due at a prefill's end (from the state
-        the prefill left: nothing has changed it since)."""
+        the prefill left: nothing has changed it since). Appends need not wait for one running:
+        it reads copies of what they change (the float tails a next block reuses, recent queries;
+        recal_job.py), and what would free or move the blocks it reads (a free, a fork, a growing
+        pool) settles it first."""
         reason, self._recal_deferred = self._recal_deferred, None
         if reason is not None:
             self._launch(list(self._sequences.live.values()), reason, background=True)
 
     def settle_recalibration(self, wait: bool = True) -> bool:
         """Commit a background recalibration (``background_recalibration``): now, waiting for
-        the device if it has not finished (``wait``: one still deferred is launched first), or
-        only if it has. True when none is left."""
+        it if it has not finished (``wait``: one still deferred is launched first), or only if it
+        is due (``recalibration_lag``: at its step, waiting; else once it finished, no sooner
+        than its step). True when none is left."""
         if wait:
             self._launch_deferred()
         job = self._recal_job
-        if job is not None and (wait or job.ready()):
+        due = job is not None and self.decode_steps >= job.due
+        if job is not None and (wait or (due and (self.cfg.recalibration_lag is not None or job.ready()))):
+            self._recal_job = None         # one that failed is dropped: commit raises its error
             job.commit()
-            self._recal_job = None
             self._recalibrated(job.reason)
         return self._recal_job is None and self._recal_deferred is None
-
-    def _settle_before_append(self, seqs: list, layer: int, T: int) -> None:
-        """A background recalibration still reading the host pool finishes first when this append
-        would overwrite what it reads: a prefill chunk (it may seal and reuse a tail), or a token
-        at or past a sequence's hazard (the float tail it read, reused once the next block starts).
-        One still deferred (an append without begin_step) is launched first, from the state before it."""
-        self._launch_deferred()
-        job = self._recal_job
-        if job is not None and (T > 1 or any(s.lengths[layer] >= job.hazards.get(s.seq_id, 1 << 62) for s in seqs)):
-            self.settle_recalibration()
 
     def _recalibrated(self, reason: str) -> None:
         self.recal.done(reason)

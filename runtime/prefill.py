@@ -40,24 +40,70 @@ class ContextReader:
                               pos.cpu(), dtype, device=dev if dev.type == "cuda" else None)
         return k.to(dev), v.to(dev)
 
+    def read_meta(self, seqs: list[Sequence], layer: LayerRows, tables: dict | None = None) -> torch.Tensor:
+        """What :meth:`read_batch` reads B sequences by, as they are now: (B, W + 3) int64 on the
+        host, each row a block table (-1 padded to W) then its tail slot, complete blocks and
+        length at the layer. ``tables``: block tables by sequence id, filled as they are made
+        (the layers of one step share them)."""
+        made = {} if tables is None else tables
+        tables = torch.nn.utils.rnn.pad_sequence([made[s.seq_id] if s.seq_id in made else
+                                                  made.setdefault(s.seq_id, self.storage.block_table(s))
+                                                  for s in seqs], batch_first=True, padding_value=-1)
+        per_seq = torch.tensor([[s.tail_slot, self.pages.num_tokens(s.seq_id) // self.block_size,
+                                 s.lengths[layer.index]] for s in seqs])
+        return torch.cat([tables, per_seq], 1)
+
+    def read_tails(self, meta: torch.Tensor, layer: LayerRows) -> torch.Tensor | None:
+        """The float tails of the sequences ``meta`` describes, read now: (B, Hkv, block, D) keys
+        in the stored dtype on the layer's device, what a later :meth:`read_batch` with ``meta``
+        takes its tail positions from (a sequence's next block reuses its tail); None for a pool
+        without tails."""
+        if not self.host.quantized:
+            return None
+        full, length = meta[:, -2], meta[:, -1]
+        # (clamped to the last token: where it ends a block the tail holds none, and its block
+        # table no block past it)
+        pos = torch.minimum((full * self.block_size)[:, None] + torch.arange(self.block_size),
+                            (length - 1).clamp_min(0)[:, None])                                # (B, block)
+        return self._read(meta, layer, pos[:, None], None, self.host.dtype)
+
     def read_batch(self, seqs: list[Sequence], layer: LayerRows, n: int, head: int | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, meta: torch.Tensor | None = None,
+                   tails: torch.Tensor | None = None) -> torch.Tensor:
         """The keys of the first n positions of B sequences at every KV head (or at ``head`` only)
         in one read -> (B, Hkv or 1, n, D) on the layer's device; a position at or past a
         sequence's length holds a copy of its last token (:meth:`visible_batch` masks it out).
-        What the read needs is copied to a GPU in one transfer."""
-        tables = torch.nn.utils.rnn.pad_sequence([self.storage.block_table(s) for s in seqs], batch_first=True,
-                                                 padding_value=-1)
-        per_seq = torch.tensor([[s.tail_slot, self.pages.num_tokens(s.seq_id) // self.block_size,
-                                 s.lengths[layer.index]] for s in seqs])
+        What the read needs is copied to a GPU in one transfer. ``meta`` (:meth:`read_meta`,
+        taken earlier): the sequences as they were then, and ``tails`` (:meth:`read_tails`, read
+        then) their float tails: a read that runs later reads what was there then."""
+        meta = self.read_meta(seqs, layer) if meta is None else meta
+        pos = torch.arange(n)[None]
+        k = self._read(meta, layer, pos, head, dtype)
+        if tails is None:
+            return k
+        dev = k.device
+        full, length = to_device(meta[:, -2:], dev).unbind(1)
+        at = torch.minimum(torch.arange(n, device=dev), (length - 1).clamp_min(0)[:, None])              # (B, n)
+        in_tail = (at // self.block_size >= full[:, None])[:, None, :, None]
+        heads = slice(None) if head is None else slice(head, head + 1)
+        from_tail = tails[:, heads].gather(2, (at % self.block_size)[:, None, :, None].expand(-1, k.shape[1], -1,
+                                                                                                k.shape[3]))
+        return torch.where(in_tail, from_tail.to(dtype), k)
+
+    def _read(self, meta: torch.Tensor, layer: LayerRows, pos: torch.Tensor, head: int | None,
+              dtype: torch.dtype) -> torch.Tensor:
+        """Keys at positions ``pos`` ((1 or B, n), clamped to each length; or (B, 1, n)) of the
+        sequences ``meta`` describes -> (B, Hkv or 1, n, D) on the layer's device."""
         dev = layer.device
-        meta = to_device(torch.cat([tables, per_seq], 1), dev)
-        W = tables.shape[1]
+        meta = to_device(meta, dev)
+        W = meta.shape[1] - 3
         tail, full, length = meta[:, W:].unbind(1)
-        pos = torch.minimum(torch.arange(n, device=dev), (length - 1).clamp_min(0)[:, None])   # (B, n)
+        pos = pos.to(dev)
+        if pos.dim() == 2:
+            pos = torch.minimum(pos, (length - 1).clamp_min(0)[:, None])[:, None]                 # (B, 1, n)
         H = self.host.num_kv_heads
         heads = torch.arange(H, device=dev) if head is None else torch.full((1,), head, device=dev)
-        k, _ = self.host.read(layer.index, meta[:, :W], tail, full, heads[None, :, None], pos[:, None], dtype,
+        k, _ = self.host.read(layer.index, meta[:, :W], tail, full, heads[None, :, None], pos, dtype,
                               device=dev if dev.type == "cuda" else None)
         return k.to(dev)
 

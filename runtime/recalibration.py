@@ -16,7 +16,6 @@ distillation targets. :class:`Recalibrator` runs both against an engine's layers
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,7 +26,8 @@ from easymats.catalogue import RECALIBRATION_REASONS
 from hi_sparse.kernels.recent import push_recent
 
 from .host_seal import to_device
-from .probe import fit_params, one_thread_on_cpu, write_params
+from .probe import fit_params, one_thread_on_cpu
+from .recal_job import RecalibrationJob
 from .row_bank import RowBank
 from .trace import phase
 
@@ -262,6 +262,7 @@ class Recalibrator:
     def __init__(self, cfg, shape: KVShape, layers: list[LayerRows], reader: ContextReader) -> None:
         self.cfg, self.shape, self.layers, self.reader = cfg, shape, layers, reader
         self._fits = 0
+        self.threaded: bool | None = None    # a background job's worker thread: None on a GPU (tests: True)
 
     def audit(self, layer: LayerRows, seqs: list[Sequence], q: torch.Tensor, head: int) -> list[tuple[float, float]]:
         """(lookups, hits) per sequence of query head ``head`` of q (B, Hq, D) against the
@@ -276,42 +277,50 @@ class Recalibrator:
                             self.cfg.audit_top_m, self.shape.scale, self.cfg.audit_measure)
         return [(lookups, hits) for lookups, hits in counts.tolist()]
 
-    def start(self, seqs: list[Sequence], reason: str, background: bool) -> "RecalibrationJob":
+    def start(self, seqs: list[Sequence], reason: str, background: bool) -> RecalibrationJob:
         """Re-score anchors from the attention mass recent queries gave, and refit each probe
         (the probes of the layers on one device in one batched fit), into a job whose
         :meth:`RecalibrationJob.commit` writes them. ``background``: the job is committed later;
-        on a GPU its work is queued on a side stream after what the device has queued so far,
-        from copies of what later steps change (recent queries, visibility), and the call returns
-        without waiting (on a CPU the work is done now); the job's
-        ``hazards`` says from which position a sequence's next append would overwrite what it
-        reads (the float tail it may still read is reused once the next block starts)."""
-        job = RecalibrationJob(reason, self.cfg.cache_block_size, background)
+        on a GPU a worker thread queues its work on a side stream after what the device has
+        queued so far, from copies of what later steps change (recent queries, visibility, block
+        tables, float tails: made now), and the call returns without waiting (recal_job.py); on a
+        CPU the work is done now."""
+        job = RecalibrationJob(reason, background)
         if self.cfg.global_tokens == 0:
             return job  # nothing is pinned, so there is nothing to re-score or fit
-        fits: dict[torch.device, list] = {}
         fit = self._fit_sequences(seqs)
+        thread = background and (any(layer.device.type == "cuda" for layer in self.layers) if self.threaded is None
+                                 else self.threaded)
+        tables: dict[int, torch.Tensor] = {}
+        work = []
         for layer in self.layers:
             with layer.on_device():
-                inputs = self._inputs(layer, seqs)
-            if inputs is None:
-                continue
-            job.inputs.append(inputs)          # made on the current stream: kept until the commit
-            stream = job.stream_for(layer.device) if background else None
+                inputs = self._inputs(layer, seqs, tables, tails=thread)
+            if inputs is not None:
+                job.inputs.append(inputs)      # made on the current stream: kept until the commit
+                work.append((layer, inputs))
+        # the side streams wait for the copies just queued; the work comes after them
+        streams = {layer.device: job.stream_for(layer.device) for layer, _ in work} if background else {}
+        job.run(lambda: self._work(work, fit, job, streams), thread)
+        return job
+
+    def _work(self, work: list, fit: set[int], job: RecalibrationJob, streams: dict) -> None:
+        """Each layer's contexts read and scored into ``job``, then the probes of each device fitted
+        together, on the side streams ``streams`` (the current ones without)."""
+        fits: dict[torch.device, list] = {}
+        for layer, inputs in work:
+            stream = streams.get(layer.device)
             with layer.on_device(), one_thread_on_cpu(layer.device), job.on(stream), phase("recalibrate.score"):
                 data = self._layer(layer, inputs, fit, job)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
         for device_fits in fits.values():
             device = device_fits[0][0].device
-            stream = job.stream_for(device) if background else None
             probes = [layer.probe for layer, _ in device_fits]
-            with device_fits[0][0].on_device(), one_thread_on_cpu(device), job.on(stream), phase("recalibrate.fit"):
+            with (device_fits[0][0].on_device(), one_thread_on_cpu(device), job.on(streams.get(device)),
+                  phase("recalibrate.fit")):
                 params, _ = fit_params(probes, [data for _, data in device_fits])
             job.fits.append((probes, params))
-        for s in seqs:
-            job.note(s)
-        job.launched()
-        return job
 
     def _fit_sequences(self, seqs: list[Sequence]) -> set[int]:
         """The ids of the sequences whose tokens train the probes: all where they give up to
@@ -326,11 +335,15 @@ class Recalibrator:
         stride = len(seqs) / k
         return {seqs[int(j * stride) + self._fits % int(stride)].seq_id for j in range(k)}
 
-    def _inputs(self, layer: LayerRows, seqs: list[Sequence]) -> tuple | None:
+    def _inputs(self, layer: LayerRows, seqs: list[Sequence], tables: dict | None = None,
+                tails: bool = False) -> tuple | None:
         """What one layer's scoring reads besides the host pool, of the sequences with context and
         queries: (those sequences, their recent queries (B, R, Hkv, G, D), queries kept (B,),
         visible (B, n) bool, lengths (B,), tokens outside the window per sequence or None with
-        holes); copies, so that later steps may change the rows; None when no sequence has both."""
+        holes, their lengths, the reads' block tables (ContextReader.read_meta; ``tables``: each
+        sequence's, by id, made once for every layer), with ``tails`` their float tails read now
+        (else None)); copies, so that later steps may change the rows; None when no sequence has
+        both."""
         cfg, shape, i = self.cfg, self.shape, layer.index
         todo = [s for s in seqs if s.queries_kept[i] and s.lengths[i] - s.first_token > cfg.window_size]
         if not todo:
@@ -344,7 +357,9 @@ class Recalibrator:
         n_out = [None if self.reader.storage.has_holes(s) else s.lengths[i] - cfg.window_size - s.first_token
                  for s in todo]
         self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
-        return todo, queries, kept, visible, lengths, n_out
+        meta = self.reader.read_meta(todo, layer, tables)
+        snap = self.reader.read_tails(meta, layer) if tails else None
+        return todo, queries, kept, visible, lengths, n_out, [s.lengths[i] for s in todo], meta, snap
 
     def _layer(self, layer: LayerRows, inputs: tuple, fit: set[int], job: "RecalibrationJob"
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -353,18 +368,19 @@ class Recalibrator:
         returns its probe's training set (keys, targets) from the sequences ``fit`` names, or
         None when it has none."""
         cfg, shape, i = self.cfg, self.shape, layer.index
-        seqs, queries, kept, visible, lengths, n_out = inputs
+        seqs, queries, kept, visible, lengths, n_out, n_all, meta, tails = inputs
         xs, ys = [], []
         # on a GPU the sample is drawn there and nothing waits for the device (a prefill's first
         # recalibration of 32 layers took ~10 host syncs per layer); the CPU keeps its own stream
         # of random numbers
         g = torch.Generator(device=layer.device).manual_seed(cfg.seed + i)
-        H, n_all = shape.num_kv_heads, [s.lengths[i] for s in seqs]
+        H = shape.num_kv_heads
         per = max(1, SCORE_KEYS // (H * max(n_all) * shape.head_dim))
         for lo in range(0, len(seqs), per):
             part = slice(lo, lo + per)
             n = max(n_all[part])
-            keys = self.reader.read_batch(seqs[part], layer, n)
+            keys = self.reader.read_batch(seqs[part], layer, n, meta=meta[part],
+                                          tails=None if tails is None else tails[part])
             mass, target, outside = score_tokens(queries[part], kept[part], keys, visible[part, :n], lengths[part],
                                                  cfg.window_size, shape.scale)
             pos, score = pick_anchors(mass, target, outside, cfg.global_tokens)
@@ -382,76 +398,3 @@ class Recalibrator:
                     xs.append(x)
                     ys.append(y)
         return (torch.cat(xs), torch.cat(ys)) if xs else None
-
-
-class RecalibrationJob:
-    """A recalibration's results (anchors per sequence and layer, fitted probe parameters) until
-    :meth:`commit` writes them, at a step boundary. Computed at once, or queued on a side CUDA
-    stream per device (:meth:`Recalibrator.start` with ``background``): then :meth:`ready` says
-    whether the device finished, and :meth:`commit` makes the current streams wait for it."""
-
-    _streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def __init__(self, reason: str, block_size: int, background: bool = False) -> None:
-        self.reason, self.block_size = reason, block_size
-        # committed later (at a step boundary, or when something would overwrite what it reads);
-        # on a CPU its work is done at once, so it is ready at the next boundary
-        self.background = background
-        self.anchors: list[tuple] = []                  # (sequences, layer, positions, scores (B, Hkv, A))
-        self.fits: list[tuple[list, list[torch.Tensor]]] = []   # (probes, stacked parameters)
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.events: list = []
-        self.hazards: dict[int, int] = {}               # sequence id -> first position that reuses its tail
-        self.inputs: list = []
-
-    def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The side stream of ``device`` (CUDA), made to wait for what the current stream has
-        queued until now (each layer's inputs are copied there just before)."""
-        if device.type != "cuda":
-            return None
-        stream = RecalibrationJob._streams.get(device)
-        if stream is None:
-            stream = RecalibrationJob._streams[device] = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        self.streams[device] = stream
-        return stream
-
-    @staticmethod
-    def on(stream: torch.cuda.Stream | None):
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def note(self, s: Sequence) -> None:
-        """Sequence s was read up to its current length: a tail block it read is reused once its
-        next block starts (a length at a block boundary leaves nothing in the tail)."""
-        n = s.length
-        if n % self.block_size:
-            self.hazards[s.seq_id] = (n // self.block_size + 1) * self.block_size
-
-    def launched(self) -> None:
-        for device, stream in self.streams.items():
-            event = torch.cuda.Event()
-            event.record(stream)
-            self.events.append(event)
-
-    def ready(self) -> bool:
-        """The device finished the job (always, for one computed at once)."""
-        return all(e.query() for e in self.events)
-
-    def commit(self) -> None:
-        """Write the anchors and probe parameters (after the side streams' work, in the current
-        streams' order: steps after this read them)."""
-        for device, stream in self.streams.items():
-            torch.cuda.current_stream(device).wait_stream(stream)
-        for seqs, i, positions, scores in self.anchors:      # a layer's sequences in one write each
-            if seqs:
-                bank = seqs[0].banks[i].t
-                rows = to_device(torch.tensor([s.row for s in seqs], dtype=torch.int64), positions.device)
-                bank["anchors"].index_copy_(0, rows, positions.to(bank["anchors"].dtype))
-                bank["anchor_p"].index_copy_(0, rows, scores.to(bank["anchor_p"].dtype))
-        for probes, params in self.fits:
-            write_params(probes, params)
-        if self.streams:   # made on the side streams, read on the current ones: not reused before
-            for t in [t for _, _, p, sc in self.anchors for t in (p, sc)] + [t for _, ps in self.fits for t in ps]:
-                if t.is_cuda:
-                    t.record_stream(torch.cuda.current_stream(t.device))
-        self.anchors, self.fits, self.inputs = [], [], []

@@ -9,9 +9,12 @@ and replayed, the way transformers' static cache lets a dense model be captured:
 - the engine does the host side of the step for every layer up front (``engine.plan_decode``:
   pages, positions and LRU clocks into device tensors, the bodies' shapes), so the forward's
   appends and attends are device work only, whose shapes and buffer addresses make the key;
-- the forward runs eagerly the first time a key is seen (workspaces, compilation), is captured
+- the forward runs eagerly the first time a batch steps (workspaces, compilation), is captured
   the second time, and replays while the key holds. Shapes are rounded up (decode.bucket), so
-  the key changes a few times per doubling of the context, not every block;
+  the key changes a few times per doubling of the context, not every block; a new key of a batch
+  that has replayed is captured at once (the kernels are loaded; an eager step first cost as much
+  as the capture again), unless the capture meets a kernel Triton has not loaded (it cannot while
+  a stream captures): that step runs eagerly and the next captures;
 - afterwards the engine does what follows each body on the host (``engine.finish_decode``:
   lengths, selections, counters, the audit from the step's saved queries).
 
@@ -75,7 +78,8 @@ class StepGraphs:
         self.graphs = (binding.config.decode_graphs == "step" and len(devices) == 1
                        and next(iter(devices)).type == "cuda")
         self.plan_on_cpu = False       # tests: plan every step without graphs (the same host side)
-        self.counts = {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0}
+        # captures that met a kernel not loaded yet (then run eagerly) are "capture_retried"
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0, "capture_retried": 0}
 
     @property
     def original(self) -> Any:
@@ -152,14 +156,23 @@ class StepGraphs:
             plan.tokens[:], plan.q[:] = have.tokens, have.queries
             self.counts["replayed"] += 1
             return self._result(have, cache)
-        if whole.get("warm") != key:             # first sight: eager (compiles, workspaces)
+        if whole.get("warm") != key:
+            # A new key of a batch that has replayed a graph (its context passed a bucket): the
+            # same kernels at new sizes, captured at once; a first sight of the batch, or a
+            # capture that meets a kernel not loaded yet (Triton cannot load one while a stream
+            # captures: the first sight of a specialization), runs eagerly first
+            first = have is None
             whole.pop("graph", None)
             whole["warm"] = key
+            if not first:
+                try:
+                    return self._capture(plan, call, tensors, key, cache)
+                except RuntimeError:
+                    self.counts["capture_retried"] += 1
             self.counts["eager"] += 1
             return self.original(**call)
-        inputs = {k: t.clone() for k, t in tensors.items()}    # outside the graph's pool: they persist
         try:
-            graph, output = capture(lambda: self.original(**{**call, **inputs}), torch.cuda.graph_pool_handle())
+            return self._capture(plan, call, tensors, key, cache)
         except RuntimeError as exc:
             warnings.warn(f"HiSparse: CUDA graph capture of the whole decode step failed ({_cause(exc)}); the "
                           "model decodes layer by layer from now on (set decode_graphs=True to silence this)",
@@ -167,7 +180,13 @@ class StepGraphs:
             self.graphs = False
             self.counts["eager"] += 1
             return self.original(**call)
+
+    def _capture(self, plan: Any, call: dict, tensors: dict, key: tuple, cache: Any) -> Any:
+        """The forward captured under ``key`` and replayed once (this step's result)."""
+        inputs = {k: t.clone() for k, t in tensors.items()}    # outside the graph's pool: they persist
+        graph, output = capture(lambda: self.original(**{**call, **inputs}), torch.cuda.graph_pool_handle())
         # what the capture's bodies returned lives in the graph's pool, written by every replay
+        whole = plan.batch.whole
         have = whole["graph"] = WholeStep(key, graph, inputs, output, list(plan.tokens), list(plan.q))
         self.binding.engine.ready_seal(plan)     # with this capture: not at the first completed block
         graph.replay()                           # capture records, it does not run

@@ -6,6 +6,9 @@ bookkeeping; on a GPU (gpu-marked) it runs on a side stream while steps go on.""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -76,7 +79,6 @@ def test_the_default_is_background_on_cuda_only_and_a_bad_value_is_refused():
         HiSparseConfig(**base, background_recalibration="yes").validate()
 
 
-@pytest.mark.parametrize("what", ["prefill chunk", "tail reuse", "fork", "free", "host pool growth"])
 def _prefilled(bg, T: int = 203):
     """A prefill of T tokens with its recalibration launched (as the next step's start does)."""
     k, v, q = _data(T)
@@ -119,41 +121,12 @@ def test_a_deferred_recalibration_launches_at_whatever_comes_first(what):
         assert _same(_state(bg, sid[0]), _state(sync, ids[0][0]))
 
 
-@pytest.mark.parametrize("what", ["prefill chunk", "tail reuse", "fork", "free", "host pool growth"])
-def test_what_would_overwrite_its_reads_commits_it_first(what):
-    """Each settle point commits the job before the change (a 203-token prompt leaves 11 tokens of
-    its 16-token block in the float tail: position 208 starts reusing it)."""
+@pytest.mark.parametrize("what", ["fork", "free", "host pool growth"])
+def test_what_would_free_or_move_its_reads_commits_it_first(what):
+    """Each settle point commits the job before the change."""
     _, bg = _engines()
     sid = _prefilled(bg)
-    job = bg._recal_job
-    assert job is not None and job.hazards == {sid[0]: 208}
-    kd, vd, qd = _data(1, seed=1)
-    if what == "prefill chunk":
-        k2, v2, q2 = _data(5, seed=2)
-        bg.begin_step()
-        bg.append(0, sid, k2, v2)
-        assert bg._recal_job is None
-        return
-    if what == "tail reuse":
-        for _ in range(4):                             # positions 203..206: nothing it read is touched
-            bg.begin_step()
-            for layer in range(L):
-                bg.append(layer, sid, kd, vd)
-                bg.attend(layer, sid, qd)
-            assert bg._recal_job is job
-            bg._prefill.end_step()                     # a boundary without the poll that would commit
-            bg._step_decoded = False
-        bg.begin_step()
-        bg.append(0, sid, kd, vd)                      # position 207 completes the block: still its
-        assert bg._recal_job is job
-        bg.attend(0, sid, qd)
-        bg.append(1, sid, kd, vd)
-        bg.attend(1, sid, qd)
-        bg._prefill.end_step()
-        bg.begin_step()
-        bg.append(0, sid, kd, vd)                      # position 208 reuses the tail: committed first
-        assert bg._recal_job is None
-        return
+    assert bg._recal_job is not None
     if what == "fork":
         forks = bg.fork_sequences(sid[0], 2)
         assert bg._recal_job is None
@@ -167,6 +140,91 @@ def test_what_would_overwrite_its_reads_commits_it_first(what):
         return
     bg.host.grow(blocks=bg.host.num_blocks + 8)
     assert bg._recal_job is None
+
+
+@pytest.mark.parametrize("T", [203, 208])
+def test_a_read_from_copies_made_earlier_reads_what_was_there_then(T):
+    """ContextReader.read_batch with the block tables and float tails taken earlier (read_meta,
+    read_tails) reads the context as it was then, after appends have filled the block, sealed it
+    and reused the tail (203 tokens leave 11 in the tail of a 16-token block; 208 end a block:
+    the tail holds none, and the block table no block past it)."""
+    sync, _ = _engines()
+    sid = sync.add_sequences(1)
+    k, v, q = _data(T)
+    run_prefill(sync, sid, k, v, q)
+    s, rows, reader = sync.seqs[sid[0]], sync.layers[1], sync._recalibrator.reader
+    want = reader.read_batch([s], rows, T)
+    meta = reader.read_meta([s], rows)
+    tails = reader.read_tails(meta, rows)
+    k2, v2, q2 = _data(9, seed=2)                   # 9 more: block 12 sealed and its tail reused (203)
+    run_prefill(sync, sid, k2, v2, q2)
+    if T == 203:                                    # the tail held 192..202 as floats
+        assert not torch.equal(reader.read_batch([s], rows, T), want)
+    assert torch.equal(reader.read_batch([s], rows, T, meta=meta, tails=tails), want)
+    assert torch.equal(reader.read_batch([s], rows, 100, head=1, meta=meta, tails=tails), want[:, 1:, :100])
+
+
+def _gated(bg):
+    """Hold bg's next worker at its start until the returned event is set."""
+    gate, work = threading.Event(), bg._recalibrator._work
+
+    def held(*args):
+        assert gate.wait(60), "the test never opened the gate"
+        work(*args)
+
+    bg._recalibrator._work = held
+    return gate
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_steps_go_on_while_the_worker_runs_and_it_scores_the_step_it_started_at(device):
+    """A job on a worker thread (on a GPU every background job; on the CPU when asked) does not
+    stop the steps: a prefill chunk and decode steps that seal the block it read from the float
+    tail and reuse that tail run while it waits, and what it commits is what a recalibration at
+    once computed at the prefill's end."""
+    sync, bg = _engines(device)
+    bg._recalibrator.threaded = True
+    k, v, q = _data(203, device)
+    ids = [e.add_sequences(1) for e in (sync, bg)]
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)
+    gate = _gated(bg)
+    bg._launch_deferred()
+    job = bg._recal_job
+    assert job is not None and job._worker.is_alive()
+    k2, v2, q2 = _data(5, device, seed=2)
+    run_prefill(bg, ids[1], k2, v2, q2)              # 203..207: completes the block
+    kd, vd, qd = _data(1, device, seed=1)
+    for _ in range(6):                               # 208..213: the tail reused
+        run_decode(bg, ids[1], qd, kd, vd)
+    assert bg._recal_job is job and job._worker.is_alive() and bg.stats.recalibrations["schedule"] == 0
+    gate.set()
+    assert bg.settle_recalibration() and bg.stats.recalibrations["schedule"] == 1
+    assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+
+
+def test_a_worker_that_fails_raises_at_the_commit_and_writes_nothing():
+    _, bg = _engines()
+    bg._recalibrator.threaded = True
+    sid = _prefilled_after(bg, lambda: setattr(bg._recalibrator, "_work", _fails))
+    before = _state(bg, sid[0])
+    with pytest.raises(RuntimeError, match="schedule recalibration failed in the background .*broken on purpose"):
+        bg.settle_recalibration()
+    assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 0
+    assert _same(_state(bg, sid[0]), before)
+
+
+def _fails(*args):
+    raise ValueError("broken on purpose")
+
+
+def _prefilled_after(bg, change):
+    k, v, q = _data(203)
+    sid = bg.add_sequences(1)
+    run_prefill(bg, sid, k, v, q)
+    change()
+    bg._launch_deferred()
+    return sid
 
 
 def test_no_background_job_while_one_is_pending_and_requests_wait_for_it():
@@ -203,3 +261,33 @@ def test_on_a_gpu_the_side_stream_job_equals_the_one_at_once():
     bg.settle_recalibration()
     assert bg._recal_job is None
     assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+
+
+@pytest.mark.parametrize("lag", [None, 3])
+def test_a_worker_s_result_lands_on_a_step_fixed_by_the_lag_not_by_the_timing(lag):
+    """recalibration_lag None: no sooner than WORKER_LAG steps after the launch, then at the first
+    step end after the worker finished (it finished at once here); a number: at the end of that
+    step, waiting for the worker (here one that takes 0.3 s). (A pool that grows settles it at
+    once: this one has room.)"""
+    from hi_sparse.engine import WORKER_LAG
+    _, bg = _engines(recalibration_lag=lag, host_pool_blocks=64)
+    bg._recalibrator.threaded = True
+    if lag is not None:
+        work = bg._recalibrator._work
+        bg._recalibrator._work = lambda *a: (time.sleep(0.3), work(*a))
+    sid = _prefilled(bg)
+    job = bg._recal_job
+    kd, vd, qd = _data(1, seed=1)
+    steps = WORKER_LAG if lag is None else lag
+    for step in range(steps):
+        run_decode(bg, sid, qd, kd, vd)
+        if lag is None and bg._recal_job is job:
+            job._worker.join()                       # finished: still not committed before its step
+        assert (bg._recal_job is None) == (step == steps - 1), step
+    assert bg.stats.recalibrations["schedule"] == 1
+
+
+def test_a_bad_lag_is_refused_with_the_fix():
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="recalibration_lag must be None or a number of decode steps >= 0"):
+            _engines(recalibration_lag=bad)

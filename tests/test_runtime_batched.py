@@ -22,7 +22,8 @@ L, HQ, HKV, D = 2, 4, 2, 16
 def _engines(bits, group, device="cpu", dtype=torch.float32, **kw):
     cfg = dict(max_seq_len=1024, cache_block_size=8, window_size=8, global_tokens=4, top_k=24,
                device_buffer_tokens=40, host_kv_bits=bits, bound_group=group, audit_every=5,
-               telemetry=False, prefetch_blocks=1, recalibrate_every=10 ** 6, recalibrate_topk=8)
+               telemetry=False, prefetch_blocks=1, recalibrate_every=10 ** 6, recalibrate_topk=8,
+               recalibration_lag=1)       # the engines compared land a recalibration on the same step
     cfg.update(kw)
     return [HiSparseEngine(HiSparseConfig(**cfg), L, HQ, HKV, D, device=device, dtype=dtype) for _ in range(2)]
 

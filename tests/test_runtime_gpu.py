@@ -51,7 +51,7 @@ def test_planted_needles_and_topic_shift_on_cuda(bits, meta):
     wl = PlantedWorkload(Hkv, Hq, D, seed=1)
     cfg = HiSparseConfig(max_seq_len=8192, cache_block_size=32, window_size=32, global_tokens=12, top_k=128,
                          audit_every=1, audit_top_m=8, drift_floor=0.0, telemetry=False, host_kv_bits=bits,
-                         metadata_device=meta)
+                         metadata_device=meta, recalibration_lag=1)
     eng = HiSparseEngine(cfg, 1, Hq, Hkv, D, device="cuda")
     (sid,) = eng.add_sequences(1)
     seg = wl.segment(2048, topic="A", anchors=8, needles=(0, 1, 2, 3), margin=64)
@@ -72,8 +72,8 @@ def test_planted_needles_and_topic_shift_on_cuda(bits, meta):
     run_prefill(eng, [sid], segb.k[None].cuda(), segb.v[None].cuda())
     shifted = rate(lambda: wl.topic_query("B"), 6)
     eng.request_recalibration()
-    # the step that reads the request launches it; on CUDA in the background (the default), so
-    # the step after commits it for the steps that follow
+    # the step that reads the request launches it; on CUDA in the background (the default), and
+    # with recalibration_lag 1 the step after commits it for the steps that follow
     rate(lambda: wl.topic_query("B"), 2)
     assert shifted <= 0.7 and rate(lambda: wl.topic_query("B"), 6) >= 0.95
     st = eng.stats

@@ -21,7 +21,8 @@ L, HQ, HKV, D = 2, 4, 2, 16
 
 def _engine(device="cpu", dtype=torch.float32, **kw):
     cfg = dict(max_seq_len=1024, window_size=8, global_tokens=4, top_k=40, device_buffer_tokens=80,
-               audit_every=5, telemetry=False, recalibrate_every=150, recalibrate_topk=8)
+               audit_every=5, telemetry=False, recalibrate_every=150, recalibrate_topk=8,
+               recalibration_lag=1)        # the engines compared land a recalibration on the same step
     cfg.update(kw)
     return HiSparseEngine(HiSparseConfig(**cfg), L, HQ, HKV, D, device=device, dtype=dtype)
 

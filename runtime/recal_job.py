@@ -1,0 +1,126 @@
+"""A recalibration's results until they are written, and where its work runs.
+
+:meth:`Recalibrator.start <hi_sparse.recalibration.Recalibrator.start>` returns a job. Its work
+(each layer's contexts read and scored, the probes fitted) is done at once, or, for a background
+recalibration on a GPU, by a worker thread that queues it on a side stream per device while the
+decode steps go on: a launch is a few thousand small kernels (~150-320 ms of host time for 32
+layers on the H200), which in the step stalled it 45-65 steps' worth. Everything the worker reads
+that later steps change was copied when the job started (recent queries, visibility, block
+tables, float tails), so the job reads the state of the step it started at whenever it runs, and
+no later append has to wait for it. :meth:`RecalibrationJob.commit` (at a step boundary, or first
+when something would free or move what it reads) waits for the worker and the side streams, then
+writes anchors and probes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+import torch
+
+from .host_seal import to_device
+from .probe import write_params
+
+
+class RecalibrationJob:
+    """A recalibration's results (anchors per sequence and layer, fitted probe parameters) until
+    :meth:`commit` writes them, at a step boundary. Computed at once, or by a worker thread on a
+    side CUDA stream per device (:meth:`run`, ``background``): then :meth:`ready` says whether
+    the worker and the device finished, and :meth:`commit` waits for both."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, reason: str, background: bool = False) -> None:
+        self.reason = reason
+        # committed later (at a step boundary, or when something would free what it reads); on a
+        # CPU its work is done at once, so it is ready at the next boundary
+        self.background = background
+        self.anchors: list[tuple] = []                  # (sequences, layer, positions, scores (B, Hkv, A))
+        self.fits: list[tuple[list, list[torch.Tensor]]] = []   # (probes, stacked parameters)
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.events: list = []
+        self.inputs: list = []
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.threaded = False           # its work runs (or ran) on a worker thread
+        self.due = 0                    # the decode step from whose end it may be committed (the engine's)
+
+    def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream of ``device`` (CUDA), made to wait for what the current stream has
+        queued until now (the job's inputs are copied there just before)."""
+        if device.type != "cuda":
+            return None
+        stream = RecalibrationJob._streams.get(device)
+        if stream is None:
+            stream = RecalibrationJob._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        self.streams[device] = stream
+        return stream
+
+    @staticmethod
+    def on(stream: torch.cuda.Stream | None):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def run(self, work: Callable[[], None], thread: bool) -> None:
+        """Do ``work`` (which queues the job's device work), now or on a worker thread (gradients
+        off there too: the setting is per thread); then record where the side streams are."""
+        def body() -> None:
+            try:
+                with torch.no_grad():
+                    work()
+                    self._launched()
+            except BaseException as exc:   # raised by commit, in the thread that steps
+                self._error = exc
+
+        if not thread:
+            work()
+            self._launched()
+            return
+        self.threaded = True
+        self._worker = threading.Thread(target=body, name="hisparse-recalibration")
+        self._worker.start()
+
+    def _launched(self) -> None:
+        for stream in self.streams.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.events.append(event)
+
+    def ready(self) -> bool:
+        """The worker and the device finished the job (always, for one computed at once)."""
+        if self._worker is not None and self._worker.is_alive():
+            return False
+        return all(e.query() for e in self.events)
+
+    def wait(self) -> None:
+        """Until the worker has queued everything; its error, if it failed, raised here."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.anchors, self.fits, self.inputs = [], [], []
+            raise RuntimeError(f"HiSparse: the {self.reason} recalibration failed in the background "
+                               f"({type(error).__name__}: {error}); nothing of it was written") from error
+
+    def commit(self) -> None:
+        """Write the anchors and probe parameters (after the worker and the side streams' work, in
+        the current streams' order: steps after this read them)."""
+        self.wait()
+        for device, stream in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+        for seqs, i, positions, scores in self.anchors:      # a layer's sequences in one write each
+            if seqs:
+                bank = seqs[0].banks[i].t
+                rows = to_device(torch.tensor([s.row for s in seqs], dtype=torch.int64), positions.device)
+                bank["anchors"].index_copy_(0, rows, positions.to(bank["anchors"].dtype))
+                bank["anchor_p"].index_copy_(0, rows, scores.to(bank["anchor_p"].dtype))
+        for probes, params in self.fits:
+            write_params(probes, params)
+        if self.streams:   # made on the side streams, read on the current ones: not reused before
+            for t in [t for _, _, p, sc in self.anchors for t in (p, sc)] + [t for _, ps in self.fits for t in ps]:
+                if t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
+        self.anchors, self.fits, self.inputs = [], [], []
