@@ -60,12 +60,7 @@ class ContextReader:
         without tails."""
         if not self.host.quantized:
             return None
-        full, length = meta[:, -2], meta[:, -1]
-        # (clamped to the last token: where it ends a block the tail holds none, and its block
-        # table no block past it)
-        pos = torch.minimum((full * self.block_size)[:, None] + torch.arange(self.block_size),
-                            (length - 1).clamp_min(0)[:, None])                                # (B, block)
-        return self._read(meta, layer, pos[:, None], None, self.host.dtype)
+        return self.host.read_tails(layer.index, to_device(meta[:, -3].contiguous(), layer.device))
 
     def read_batch(self, seqs: list[Sequence], layer: LayerRows, n: int, head: int | None = None,
                    dtype: torch.dtype = torch.float32, meta: torch.Tensor | None = None,

@@ -160,9 +160,11 @@ def write_params(probes: list[ImportanceProbe], params: list[torch.Tensor]) -> N
     where they are), which are fitted from then on."""
     w1, c1, w2, c2 = params
     with torch.no_grad():
+        w1t = w1.transpose(1, 2).contiguous()               # (P, hidden, D): fc1.weight's layout
+        dst, src = [], []
         for i, p in enumerate(probes):
-            p.fc1.weight.copy_(w1[i].T)
-            p.fc1.bias.copy_(c1[i])
-            p.fc2.weight[0].copy_(w2[i])
-            p.fc2.bias[0].copy_(c2[i])
+            dst += [p.fc1.weight, p.fc1.bias, p.fc2.weight[0], p.fc2.bias]
+            src += [w1t[i], c1[i], w2[i], c2[i:i + 1]]
+        torch._foreach_copy_(dst, src)                      # every probe's in a launch or two
+        for p in probes:
             p.fitted = True

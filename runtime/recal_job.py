@@ -111,10 +111,14 @@ class RecalibrationJob:
         self.wait()
         for device, stream in self.streams.items():
             torch.cuda.current_stream(device).wait_stream(stream)
+        made: dict[tuple, torch.Tensor] = {}                 # the rows of one batch, made once
         for seqs, i, positions, scores in self.anchors:      # a layer's sequences in one write each
             if seqs:
                 bank = seqs[0].banks[i].t
-                rows = to_device(torch.tensor([s.row for s in seqs], dtype=torch.int64), positions.device)
+                at = (positions.device, *(s.row for s in seqs))
+                rows = made.get(at)
+                if rows is None:
+                    rows = made[at] = to_device(torch.tensor(at[1:], dtype=torch.int64), positions.device)
                 bank["anchors"].index_copy_(0, rows, positions.to(bank["anchors"].dtype))
                 bank["anchor_p"].index_copy_(0, rows, scores.to(bank["anchor_p"].dtype))
         for probes, params in self.fits:

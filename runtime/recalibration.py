@@ -291,11 +291,11 @@ class Recalibrator:
         fit = self._fit_sequences(seqs)
         thread = background and (any(layer.device.type == "cuda" for layer in self.layers) if self.threaded is None
                                  else self.threaded)
-        tables: dict[int, torch.Tensor] = {}
+        shared: dict = {}
         work = []
         for layer in self.layers:
             with layer.on_device():
-                inputs = self._inputs(layer, seqs, tables, tails=thread)
+                inputs = self._inputs(layer, seqs, shared, tails=thread)
             if inputs is not None:
                 job.inputs.append(inputs)      # made on the current stream: kept until the commit
                 work.append((layer, inputs))
@@ -335,31 +335,38 @@ class Recalibrator:
         stride = len(seqs) / k
         return {seqs[int(j * stride) + self._fits % int(stride)].seq_id for j in range(k)}
 
-    def _inputs(self, layer: LayerRows, seqs: list[Sequence], tables: dict | None = None,
+    def _inputs(self, layer: LayerRows, seqs: list[Sequence], shared: dict | None = None,
                 tails: bool = False) -> tuple | None:
         """What one layer's scoring reads besides the host pool, of the sequences with context and
         queries: (those sequences, their recent queries (B, R, Hkv, G, D), queries kept (B,),
-        visible (B, n) bool, lengths (B,), tokens outside the window per sequence or None with
-        holes, their lengths, the reads' block tables (ContextReader.read_meta; ``tables``: each
-        sequence's, by id, made once for every layer), with ``tails`` their float tails read now
-        (else None)); copies, so that later steps may change the rows; None when no sequence has
-        both."""
+        visible (B, n) bool (or None: the worker makes it from the first visible positions and
+        lengths, which then follow), lengths (B,), tokens outside the window per sequence or
+        None with holes, their lengths, the reads' block tables (ContextReader.read_meta), with
+        ``tails`` their float tails read now (else None)); copies, so that later steps may change
+        the rows; None when no sequence has both. ``shared``: what the layers before made, reused
+        where this layer's sequences stand alike (the layers of a step do)."""
         cfg, shape, i = self.cfg, self.shape, layer.index
         todo = [s for s in seqs if s.queries_kept[i] and s.lengths[i] - s.first_token > cfg.window_size]
         if not todo:
             return None
-        per_seq = to_device(torch.tensor([[s.row, s.queries_kept[i], s.lengths[i]] for s in todo]), layer.device)
-        rows, kept, lengths = per_seq.unbind(1)
+        shared = {} if shared is None else shared
+        like = (layer.device, tuple((s.row, s.queries_kept[i], s.lengths[i], s.first_token) for s in todo))
+        if shared.get("like") != like:
+            shared.update(like=like, per_seq=to_device(torch.tensor(like[1]), layer.device),
+                          meta=self.reader.read_meta(todo, layer, shared.setdefault("tables", {})))
+        rows, kept, lengths, first = shared["per_seq"].unbind(1)
         bank = layer.bank.t["queries"]
         queries = bank[rows].view(len(todo), bank.shape[1], shape.num_kv_heads, shape.group_size, shape.head_dim)
-        visible = self.reader.visible_batch(todo, layer, max(s.lengths[i] for s in todo))
+        holes = [self.reader.storage.has_holes(s) for s in todo]
+        # a worker makes the visibility of contexts without holes (no bank read) from the copies
+        visible = (self.reader.visible_batch(todo, layer, max(s.lengths[i] for s in todo)) if any(holes)
+                   or not tails else None)
         # without holes every token from the first visible one to the window is outside it
-        n_out = [None if self.reader.storage.has_holes(s) else s.lengths[i] - cfg.window_size - s.first_token
-                 for s in todo]
+        n_out = [None if h else s.lengths[i] - cfg.window_size - s.first_token for s, h in zip(todo, holes)]
         self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
-        meta = self.reader.read_meta(todo, layer, tables)
+        meta = shared["meta"]
         snap = self.reader.read_tails(meta, layer) if tails else None
-        return todo, queries, kept, visible, lengths, n_out, [s.lengths[i] for s in todo], meta, snap
+        return todo, queries, kept, visible, lengths, n_out, [s.lengths[i] for s in todo], meta, snap, first
 
     def _layer(self, layer: LayerRows, inputs: tuple, fit: set[int], job: "RecalibrationJob"
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -368,7 +375,10 @@ class Recalibrator:
         returns its probe's training set (keys, targets) from the sequences ``fit`` names, or
         None when it has none."""
         cfg, shape, i = self.cfg, self.shape, layer.index
-        seqs, queries, kept, visible, lengths, n_out, n_all, meta, tails = inputs
+        seqs, queries, kept, visible, lengths, n_out, n_all, meta, tails, first = inputs
+        if visible is None:
+            at = torch.arange(max(n_all), device=lengths.device)
+            visible = (at >= first[:, None]) & (at < lengths[:, None])
         xs, ys = [], []
         # on a GPU the sample is drawn there and nothing waits for the device (a prefill's first
         # recalibration of 32 layers took ~10 host syncs per layer); the CPU keeps its own stream
