@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import statistics
 
+import torch
 from call_timers import CallTimers
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
@@ -86,7 +87,9 @@ def timed_parts(engine, timers: CallTimers) -> list:
             timers.wrap(engine._recalibrator, "_work", "its worker's launches (another thread)"),
             timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker)"),
             timers.wrap(recalibration, "fit_params", "  its probes' fit (worker)"),
-            timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)")]
+            timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)"),
+            timers.wrap(step_graph, "capture", "a whole-step capture"),
+            timers.wrap(torch.cuda.CUDAGraph, "capture_end", "  ending a capture (the graph instantiated)")]
 
 
 if __name__ == "__main__":
