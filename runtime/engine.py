@@ -45,8 +45,9 @@ from .sequences import SequenceTable
 from .storage import Storage
 
 # decode steps a recalibration's worker thread runs before its result is used, at least (with
-# recalibration_lag None): it takes ~150-320 ms of host time at 32 layers, ~40-70 steps of 1-3K
-# tokens on the H200; one that finishes within them lands on the same step whatever the timing
+# recalibration_lag None): beside the steps it took ~250-600 ms of host time at 32 layers on the
+# H200, 50-130 steps of 1-3K tokens; one that finishes within them lands on the same step whatever
+# the timing, a slower one at the first step end after it finished
 WORKER_LAG = 32
 
 
