@@ -1,8 +1,9 @@
 """Background recalibration (``background_recalibration``): the job computed from the state at the
-step that was due, committed at a later step boundary, or first when something would overwrite
-what it reads (a prefill chunk, a token that reuses the tail it read, a fork, a free, a growing host
-pool). On a CPU the work is done at once and committed at the next boundary, which checks the
-bookkeeping; on a GPU (gpu-marked) it runs on a side stream while steps go on."""
+step that was due, committed at a later step boundary (``recalibration_lag``), or first when
+something would free or move what it reads (a fork, a free, a growing host pool); appends go on
+(it reads copies of the float tails they reuse). On a CPU the work is done at once and committed
+at the next boundary, which checks the bookkeeping, or by a worker thread when asked; on a GPU
+(gpu-marked) a worker queues it on a side stream while steps go on."""
 
 from __future__ import annotations
 
