@@ -417,8 +417,8 @@ class HiSparseEngine:
         if wait:
             self._launch_deferred()
         job = self._recal_job
-        due = job is not None and self.decode_steps >= job.due
-        if job is not None and (wait or (due and (self.cfg.recalibration_lag is not None or job.ready()))):
+        if job is not None and (wait or (self.decode_steps >= job.due
+                                         and (self.cfg.recalibration_lag is not None or job.ready()))):
             self._recal_job = None         # one that failed is dropped: commit raises its error
             job.commit()
             self._recalibrated(job.reason)

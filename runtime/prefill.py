@@ -46,12 +46,13 @@ class ContextReader:
         length at the layer. ``tables``: block tables by sequence id, filled as they are made
         (the layers of one step share them)."""
         made = {} if tables is None else tables
-        tables = torch.nn.utils.rnn.pad_sequence([made[s.seq_id] if s.seq_id in made else
-                                                  made.setdefault(s.seq_id, self.storage.block_table(s))
-                                                  for s in seqs], batch_first=True, padding_value=-1)
+        for s in seqs:
+            if s.seq_id not in made:
+                made[s.seq_id] = self.storage.block_table(s)
+        padded = torch.nn.utils.rnn.pad_sequence([made[s.seq_id] for s in seqs], batch_first=True, padding_value=-1)
         per_seq = torch.tensor([[s.tail_slot, self.pages.num_tokens(s.seq_id) // self.block_size,
                                  s.lengths[layer.index]] for s in seqs])
-        return torch.cat([tables, per_seq], 1)
+        return torch.cat([padded, per_seq], 1)
 
     def read_tails(self, meta: torch.Tensor, layer: LayerRows) -> torch.Tensor | None:
         """The float tails of the sequences ``meta`` describes, read now: (B, Hkv, block, D) keys

@@ -66,17 +66,19 @@ class RecalibrationJob:
     def run(self, work: Callable[[], None], thread: bool) -> None:
         """Do ``work`` (which queues the job's device work), now or on a worker thread (gradients
         off there too: the setting is per thread); then record where the side streams are."""
+        def launch() -> None:
+            work()
+            self._launched()
+
         def body() -> None:
             try:
                 with torch.no_grad():
-                    work()
-                    self._launched()
+                    launch()
             except BaseException as exc:   # raised by commit, in the thread that steps
                 self._error = exc
 
         if not thread:
-            work()
-            self._launched()
+            launch()
             return
         self.threaded = True
         self._worker = threading.Thread(target=body, name="hisparse-recalibration")
