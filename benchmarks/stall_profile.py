@@ -42,7 +42,8 @@ def main() -> int:
 
     def state() -> tuple[int, ...]:
         return (len(timers.calls["a recalibration's launch (in the step)"]), sum(engine.stats.recalibrations.values()),
-                graphs.counts["eager"], graphs.counts["captured"], graphs.counts["capture_retried"])
+                graphs.counts["eager"], graphs.counts["captured"], graphs.counts["capture_retried"],
+                graphs.counts["ahead"], graphs.counts["ahead_failed"])
 
     times: list[tuple[int, float, list[str]]] = []
     with contextlib.ExitStack() as stack:
@@ -52,7 +53,8 @@ def main() -> int:
         for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps):
             now = state()
             did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
-                                               "captured its graph", "(a capture met an unloaded kernel)"),
+                                               "captured its graph", "(a capture met an unloaded kernel)",
+                                               "replayed a graph captured ahead", "(a capture ahead failed)"),
                                               before, now) if a != b]
             if pos % block == block - 1:
                 did.insert(0, "completed a block")

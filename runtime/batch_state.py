@@ -1,7 +1,7 @@
 """A batch's device state for the decode step (decode.py): block tables, tail units, first
 positions, every body's per-layer positions and LRU clock, and the batch's graphs, in fixed
 buffers a captured step keeps the addresses of; and :func:`upload`, the host -> device copy that
-does not wait for the device."""
+does not wait for the device; the reference of a step's swap-in rows (:func:`swap_rows`)."""
 
 from __future__ import annotations
 
@@ -119,3 +119,30 @@ def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
     staged = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
     staged.copy_(src)
     dst.copy_(staged, non_blocking=True)
+
+
+def tail_block(n: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The block a decode step reads from a quantized pool's float tail, of a sequence of n
+    tokens: its last token's. The step whose token completes a block reads that block from the
+    tail too (the token is backed up there as well): a planned step seals it after its forward
+    (decode.Decoder.finish), a step layer by layer before (in the append), and both read the
+    same floats."""
+    return torch.div(n - 1, block_size, rounding_mode="floor")
+
+
+def swap_rows(host: HostPool, batch: Batch, both: torch.Tensor, miss: torch.Tensor, loaded: torch.Tensor,
+              slots: torch.Tensor, prefetch_slots: torch.Tensor, n_head: torch.Tensor,
+              tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The host rows (main pool, float tail or -1) and hot-buffer rows of a step's swap-in, flat
+    (the reference of kernels/swap_in.py ``swap_plan``)."""
+    bs = host.block_size
+    tokens = both.clamp(min=0)                                      # the selection, then the prefetch
+    take = torch.cat([miss, loaded], 1)
+    dst = (batch.head_rows + torch.cat([slots, prefetch_slots], 1)).reshape(-1)
+    logical, offset = tokens // bs, tokens % bs
+    main = host.block_rows(batch.tables, batch.kv_head, logical, offset, seq=batch.seq_of_head)
+    if tail is None:
+        return torch.where(take, main, -1).reshape(-1), None, dst
+    in_tail = logical >= tail_block(n_head, bs)                     # the last token's block: the float tail
+    src = torch.where(take & ~in_tail, main, -1)
+    return src.reshape(-1), torch.where(take & in_tail, tail + offset, -1).reshape(-1), dst

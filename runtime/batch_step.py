@@ -8,10 +8,13 @@ the CPU, with ``decode_graphs=False`` or layers on several GPUs, bodies run eage
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
 import traceback
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -119,7 +122,27 @@ class GraphRunner:
         return self.outputs.get(slot)
 
 
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+_capture_streams: dict[tuple, torch.cuda.Stream] = {}    # by device and thread
+_gc_lock = threading.Lock()
+_gc_paused = [0, False]              # captures under way (any thread), and whether gc was on before them
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """Python's cyclic collector off while any thread captures (one capture ending must not turn it
+    back on under another's)."""
+    with _gc_lock:
+        if _gc_paused[0] == 0:
+            _gc_paused[1] = gc.isenabled()
+            gc.disable()
+        _gc_paused[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_paused[0] -= 1
+            if _gc_paused[0] == 0 and _gc_paused[1]:
+                gc.enable()
 
 
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -132,17 +155,16 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     emptying the allocator's cache (the steps after would allocate again)."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
-    stream = _capture_streams.get(current.device)
+    at = (current.device, threading.get_ident())         # two threads may capture at once
+    stream = _capture_streams.get(at)
     if stream is None:
-        stream = _capture_streams[current.device] = torch.cuda.Stream(current.device)
+        stream = _capture_streams[at] = torch.cuda.Stream(current.device)
     stream.wait_stream(current)
-    collecting = gc.isenabled()
     # A collection during the capture would run CUDA calls a capture forbids (unregistering a
     # dropped pool's pinned pages, destroying an old engine's graphs) and break it; other
     # threads' CUDA calls (thread_local) may go on.
-    gc.disable()
     try:
-        with torch.cuda.stream(stream):
+        with _no_collection(), torch.cuda.stream(stream):
             graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
                 out = fn()
@@ -151,8 +173,5 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     except RuntimeError:
         _after_failed_capture(current, pool)
         raise
-    finally:
-        if collecting:
-            gc.enable()
     current.wait_stream(stream)
     return graph, out

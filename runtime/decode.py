@@ -21,6 +21,7 @@ batch, and per-sequence values are device tensors padded to the batch's widths.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ from hi_sparse.kernels.counts import reference_tally, tally
 from hi_sparse.kernels.swap_in import swap_plan
 
 from . import anchors, key_bounds
-from .batch_state import APPEND, ATTEND, WINDOW, Batch, upload  # noqa: F401 (re-exported)
+from .batch_state import APPEND, ATTEND, WINDOW, Batch, swap_rows, upload  # noqa: F401 (re-exported)
 from .config import HiSparseConfig
 from .host_pool import HostPool, QuantEvents
 from .hot_buffer import ticks
@@ -45,15 +46,6 @@ from .trace import phase
 
 SWAP_IN_BYTES = DEVICE_COUNTERS.index("swap_in_bytes")   # the counter a mixed-width pool's load adds to
 _ADDRESS = torch.Tensor.data_ptr    # a buffer's address (body_key: map over the buffers, no Python frame each)
-
-
-def tail_block(n: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The block a decode step reads from a quantized pool's float tail, of a sequence of n
-    tokens: its last token's. The step whose token completes a block reads that block from the
-    tail too (the token is backed up there as well): a planned step seals it after its forward
-    (:meth:`Decoder.finish`), a step layer by layer before (in the append), and both read the
-    same floats."""
-    return torch.div(n - 1, block_size, rounding_mode="floor")
 
 
 # The finest step of the block counts in a graph's key, in tokens. Below ~4K tokens (64-token
@@ -79,8 +71,7 @@ def attend_blocks(n_max: int, room: int, ps: int, window: int, first_lo: int, gr
     """(selection blocks, candidate blocks) of attend_body for a longest sequence of ``n_max``
     tokens in blocks of ``ps``, ``room`` blocks of bounds, the batch's first visible position
     ``first_lo``. Rounded up (:func:`bucket`, at least BUCKET_LEAST_TOKENS and BUCKET_LEAST_BLOCKS
-    apart; select masks
-    blocks past a row's tokens) so that a captured step keeps its key over many blocks; the
+    apart; select masks blocks past a row's tokens) so that a captured step keeps its key over many blocks; the
     candidates are bounded as if the longest sequence filled its rounded count, so both change on
     the same step. The rounding never turns on two-level scoring that the sequence's own block
     count would not use (it would select differently)."""
@@ -156,7 +147,7 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
         src, src_tail, dst = swap_plan(sel.both, miss, loaded, slots, prefetch_slots, batch.head_rows, batch.tables,
                                        batch.seq_of_head, batch.kv_head, n_head, tail, bs, H)
     else:
-        src, src_tail, dst = _swap_rows(host, batch, sel.both, miss, loaded, slots, prefetch_slots, n_head, tail)
+        src, src_tail, dst = swap_rows(host, batch, sel.both, miss, loaded, slots, prefetch_slots, n_head, tail)
     sizes = host.row_bytes(layer)      # None: a pool of mixed widths counts its bytes in load
     nbytes = host.load(layer, src, src_tail, rows.k.view(-1, D), rows.v.view(-1, D), dst, count=sizes is None)
     # every count of the step (kernels/counts.py; with the decode kernels one launch)
@@ -169,24 +160,6 @@ def attend_body(rows: LayerRows, host: HostPool, batch: Batch, cfg: HiSparseConf
     remember_queries(rows.bank, r, q[:, None])
     out = sparse_decode_attention(q.to(shape.dtype), rows.k[r], rows.v[r], slots.view(B, H, -1), shape.scale)
     return out.to(q.dtype), sel.tokens
-
-
-def _swap_rows(host: HostPool, batch: Batch, both: torch.Tensor, miss: torch.Tensor, loaded: torch.Tensor,
-               slots: torch.Tensor, prefetch_slots: torch.Tensor, n_head: torch.Tensor,
-               tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The host rows (main pool, float tail or -1) and hot-buffer rows of a step's swap-in, flat
-    (the reference of kernels/swap_in.py ``swap_plan``)."""
-    bs = host.block_size
-    tokens = both.clamp(min=0)                                      # the selection, then the prefetch
-    take = torch.cat([miss, loaded], 1)
-    dst = (batch.head_rows + torch.cat([slots, prefetch_slots], 1)).reshape(-1)
-    logical, offset = tokens // bs, tokens % bs
-    main = host.block_rows(batch.tables, batch.kv_head, logical, offset, seq=batch.seq_of_head)
-    if tail is None:
-        return torch.where(take, main, -1).reshape(-1), None, dst
-    in_tail = logical >= tail_block(n_head, bs)                     # the last token's block: the float tail
-    src = torch.where(take & ~in_tail, main, -1)
-    return src.reshape(-1), torch.where(take & in_tail, tail + offset, -1).reshape(-1), dst
 
 
 @dataclass
@@ -231,10 +204,19 @@ class Decoder:
         self._batches: dict[tuple, Batch] = {}
         self._pending_errors: list[torch.Tensor] = []       # QuantEvents.pending, until the step ends
         self._pending_counts: list = []                     # QuantEvents.pending_counts, likewise
-        self.planned: StepPlan | None = None                # the step whose host side ran up front
+        self._local = threading.local()     # .plan: the step whose host side ran up front (per thread)
         self.ahead_used = 0                                 # planned steps whose prepare ran early
         width = cfg.top_k + cfg.global_tokens                # select's token width
         self._attend_ticks = ticks(selected=width, prefetched=cfg.prefetch_blocks * shape.block_size)
+
+    @property
+    def planned(self) -> StepPlan | None:
+        """This thread's planned step (step_graph.py captures a later key's step on another)."""
+        return getattr(self._local, "plan", None)
+
+    @planned.setter
+    def planned(self, plan: StepPlan | None) -> None:
+        self._local.plan = plan
 
     def batch(self, seqs: list[Sequence], device: torch.device) -> Batch:
         """The batch state of these sequences on ``device`` (their rows made consecutive)."""
@@ -404,7 +386,7 @@ class Decoder:
         """The host side of a one-token decode step of ``seqs`` at every layer, done now; None
         (nothing done) when the step must run layer by layer: layers on several devices. A token
         that completes a block of a quantized pool is backed up to its float tail like any other,
-        the step reads the block from there (:func:`tail_block`) and :meth:`finish` seals it after
+        the step reads the block from there (batch_state.tail_block) and :meth:`finish` seals it after
         the forward. Every layer holds the same tokens, so pages, the batch and the bodies' shapes
         are worked out once; room, LRU clocks and positions per layer come from ``ahead``
         (:meth:`prepare`, run while the step before ran) when it still holds, else are done now.
@@ -430,6 +412,23 @@ class Decoder:
         seals = [(s, p + 1 - bs) for s, p in zip(seqs, starts) if self.host.quantized and (p + 1) % bs == 0]
         return StepPlan(seqs, batch, starts, shape, (shape, tuple(keys)), [None] * len(keys), [None] * len(keys),
                         seals)
+
+    def later(self, plan: StepPlan, within: int) -> StepPlan | None:
+        """The first step of ``plan``'s batch within ``within`` tokens after it whose host shapes
+        differ from ``plan``'s (its longest sequence enters another bucket of blocks), planned as
+        far as a captured step depends on it: those shapes, the buffers as they are now (a bank or
+        pool that grows before then moves them: that key is never met). None when no such step
+        comes so soon. Nothing is changed."""
+        ps, n = self.cfg.select_block, max(plan.starts) + 1
+        d = -(-n // ps) * ps + 1 - n                 # the first step whose longest sequence adds a block
+        while d <= within:
+            starts = [p + d for p in plan.starts]
+            shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
+            if shape != plan.shapes:
+                L = len(self.layers)
+                return StepPlan(plan.seqs, plan.batch, starts, shape, (shape, plan.key[1]), [None] * L, [None] * L)
+            d += ps
+        return None
 
     def prepare(self, seqs: list[Sequence]) -> Ahead | None:
         """What of a planned step's host side can run before it, while the step before it runs on

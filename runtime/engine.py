@@ -21,10 +21,11 @@ probe refits), metrics.py (counters, memory, publishing), control.py (requests f
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -278,6 +279,21 @@ class HiSparseEngine:
         plan = self._decoder.plan(seqs, ahead)
         self._decoder.planned = plan
         return plan
+
+    def plan_later(self, plan: StepPlan, within: int) -> StepPlan | None:
+        """The first step within ``within`` tokens after ``plan`` whose graph would need a new key
+        (decode.Decoder.later), planned without changing anything; None if none comes so soon."""
+        return self._decoder.later(plan, within)
+
+    @contextlib.contextmanager
+    def planned_in_this_thread(self, plan: StepPlan) -> Iterator[None]:
+        """append and attend run ``plan``'s bodies in this thread only (a later key's step captured
+        on another thread while steps go on: step_graph.py)."""
+        self._decoder.planned = plan
+        try:
+            yield
+        finally:
+            self._decoder.planned = None
 
     def ready_seal(self, plan: StepPlan) -> None:
         """Get the seal of blocks ``plan``'s batch will complete ready (Decoder.ready_seal)."""

@@ -225,7 +225,7 @@ class HostPool:
             if T > 1:
                 # tokens of the blocks they complete would share tail rows with later ones (seal
                 # stored them); a decode token that completes its block is written to the tail
-                # too: that step reads the block from there (decode.tail_block), and a planned
+                # too: that step reads the block from there (batch_state.tail_block), and a planned
                 # step seals it from there after its forward
                 keep = (pos >= (start + T)[:, None] // self.block_size * self.block_size)[:, None].expand(B, H, T)
         else:

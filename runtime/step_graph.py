@@ -32,8 +32,10 @@ integration.py still run around it) and is removed with the HiSparse cache.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -43,6 +45,7 @@ import torch
 from . import hf_attention, hf_compat
 from .batch_step import _cause, capture
 
+AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thread
 # forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
 _TENSORS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
 _FLAGS = ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
@@ -62,6 +65,16 @@ class WholeStep:
         self.output = type(output)(**{k: v for k, v in output.items() if k not in self.cache_fields})
 
 
+class Lookahead:
+    """A graph being captured, on another thread, for a key a batch will have a few steps later."""
+
+    def __init__(self, key: tuple, plan: Any) -> None:
+        self.key, self.plan = key, plan
+        self.thread: threading.Thread | None = None
+        self.have: WholeStep | None = None
+        self.error: BaseException | None = None
+
+
 class StepGraphs:
     """The decoder model's forward, with one-token decode steps run from whole-step graphs."""
 
@@ -78,8 +91,11 @@ class StepGraphs:
         self.graphs = (binding.config.decode_graphs == "step" and len(devices) == 1
                        and next(iter(devices)).type == "cuda")
         self.plan_on_cpu = False       # tests: plan every step without graphs (the same host side)
-        # captures that met a kernel not loaded yet (then run eagerly) are "capture_retried"
-        self.counts = {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0, "capture_retried": 0}
+        # captures that met a kernel not loaded yet (then run eagerly) are "capture_retried"; "ahead":
+        # new keys replayed from a graph captured ahead, "ahead_failed": such captures that failed
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0, "capture_retried": 0,
+                       "ahead": 0, "ahead_failed": 0}
+        self.ahead = True          # capture a coming key's graph on another thread (AHEAD_TOKENS)
 
     @property
     def original(self) -> Any:
@@ -149,12 +165,15 @@ class StepGraphs:
                tuple((k, call.get(k)) for k in _FLAGS))
         whole = plan.batch.whole
         have: WholeStep | None = whole.get("graph")
+        if have is None or have.key != key:
+            have = self._from_ahead(plan, key) or have
         if have is not None and have.key == key:
             for k, t in tensors.items():
                 have.inputs[k].copy_(t)
             have.graph.replay()
             plan.tokens[:], plan.q[:] = have.tokens, have.queries
             self.counts["replayed"] += 1
+            self._look_ahead(plan, key, call, cache)
             return self._result(have, cache)
         if whole.get("warm") != key:
             # A new key of a batch that has replayed a graph (its context passed a bucket): the
@@ -192,6 +211,73 @@ class StepGraphs:
         graph.replay()                           # capture records, it does not run
         self.counts["captured"] += 1
         return self._result(have, cache)
+
+    def _from_ahead(self, plan: Any, key: tuple) -> WholeStep | None:
+        """The graph captured ahead for ``key`` (waiting for its thread if it still captures), made
+        the batch's; None without one. One for another key is dropped once its capture ended and
+        that key will not come (the buffers moved, or the batch passed its step)."""
+        whole = plan.batch.whole
+        ahead: Lookahead | None = whole.get("ahead")
+        if ahead is None:
+            return None
+        gone = ahead.key[0][1] != key[0][1] or max(plan.starts) > max(ahead.plan.starts)
+        if ahead.key != key and (ahead.thread.is_alive() or not gone):
+            return None
+        del whole["ahead"]
+        ahead.thread.join()
+        if ahead.key != key:
+            return None
+        if ahead.have is None:
+            self.counts["ahead_failed"] += 1
+            whole["ahead_failed"] = key
+            return None
+        whole["graph"], whole["warm"] = ahead.have, key
+        self.binding.engine.ready_seal(plan)
+        self.counts["ahead"] += 1
+        return ahead.have
+
+    def _look_ahead(self, plan: Any, key: tuple, call: dict, cache: Any) -> None:
+        """After a replayed step: when the batch's key will change within AHEAD_TOKENS tokens (its
+        longest sequence enters another bucket), capture that step's graph now on another thread,
+        while this key replays (on the H200 a capture took 80-90 ms of host time at 32 layers, ~25
+        steps). Looked for once per selection block; one at a time."""
+        whole = plan.batch.whole
+        at = (key, max(plan.starts) // self.binding.config.select_block)
+        if not self.ahead or "ahead" in whole or whole.get("looked") == at:
+            return
+        whole["looked"] = at
+        later = self.binding.engine.plan_later(plan, AHEAD_TOKENS)
+        if later is None:
+            return
+        ahead = Lookahead((later.key, key[1], key[2]), later)
+        if whole.get("ahead_failed") == ahead.key:
+            return
+        standin = copy.copy(cache)              # its layers count the capture's tokens, not the steps'
+        standin.layers = [copy.copy(layer) for layer in cache.layers]
+        tensors = {k: v for k, v in call.items() if k in _TENSORS}
+        inputs = {k: t.clone() for k, t in tensors.items()}
+        args = (ahead, hf_attention.current(), {**call, **inputs, self.cache_kwarg: standin}, inputs,
+                torch.is_inference_mode_enabled())
+        ahead.thread = threading.Thread(target=self._capture_ahead, name="hisparse-capture-ahead", args=args)
+        whole["ahead"] = ahead
+        ahead.thread.start()
+
+    def _capture_ahead(self, ahead: Lookahead, ctx: Any, call: dict, inputs: dict, inference: bool) -> None:
+        """The worker of :meth:`_look_ahead`: the forward captured with ``ahead``'s plan, in this
+        thread's planned step and forward context; a failure (e.g. a kernel Triton has not loaded
+        for the new sizes) leaves ``ahead.have`` None and the step runs as without it."""
+        device = self.binding.engine.layers[0].device     # (whole-step graphs: one device)
+        try:
+            with torch.inference_mode(inference), torch.no_grad(), torch.cuda.device(device), \
+                    self.binding.engine.planned_in_this_thread(ahead.plan):
+                hf_attention.push(ctx)
+                try:
+                    graph, output = capture(lambda: self.original(**call), torch.cuda.graph_pool_handle())
+                finally:
+                    hf_attention.pop(ctx)
+            ahead.have = WholeStep(ahead.key, graph, inputs, output, list(ahead.plan.tokens), list(ahead.plan.q))
+        except Exception as exc:       # noqa: BLE001 - any failure: the key is captured when it comes
+            ahead.error = exc
 
     @staticmethod
     def _result(have: WholeStep, cache: Any) -> Any:

@@ -870,13 +870,13 @@ def _backup_token(bits: int | None) -> None:
 
 
 def _swap_plan(quantized: bool) -> None:
-    """swap_plan (a step's swap-in rows in one launch) against decode._swap_rows, on tokens of
+    """swap_plan (a step's swap-in rows in one launch) against batch_state.swap_rows, on tokens of
     every kind: padding, main-pool blocks, the last token's block (the float tail when quantized:
     unfilled, or just completed by the step's token, which a planned step seals after it), copied
     or not."""
     import types
 
-    from hi_sparse.decode import _swap_rows
+    from hi_sparse.batch_state import swap_rows
     from hi_sparse.host_pool import HostPool
     from hi_sparse.kernels.swap_in import swap_plan
 
@@ -899,7 +899,7 @@ def _swap_plan(quantized: bool) -> None:
                                                                                       for _ in range(B)]),
                                   seq_of_head=(heads // H)[:, None], kv_head=(heads % H)[:, None])
     tail = (100 + heads * bs)[:, None] if quantized else None
-    want = _swap_rows(Host(), batch, both, miss, loaded, slots, pslots, n, tail)
+    want = swap_rows(Host(), batch, both, miss, loaded, slots, pslots, n, tail)
     got = swap_plan(both, miss, loaded, slots, pslots, batch.head_rows, batch.tables, batch.seq_of_head,
                     batch.kv_head, n, tail, bs, H)
     for name, a, b in zip(("src", "src_tail", "dst"), got, want):

@@ -43,7 +43,8 @@ def test_tiny_run_measures_every_row_after_passing_the_check(tmp_path):
                          ("hisparse+easymats", 1), ("dense", 2), ("hisparse", 2)}
     # whole-step graphs are a GPU's: on the CPU every step took the layer-by-layer path, unplanned
     assert rows[("hisparse-int4-step", 1)]["decode_steps_by_path"] == {"eager": 0, "captured": 0, "replayed": 0,
-                                                                       "layer_by_layer": 0, "capture_retried": 0}
+                                                                       "layer_by_layer": 0, "capture_retried": 0,
+                                                                       "ahead": 0, "ahead_failed": 0}
     assert rows[("dense-static", 1)]["decode_mode"] == "eager"           # a CUDA graph on a GPU
     for r in forked:       # one prefill forked into 3 sequences sharing the prompt's host blocks
         assert "error" not in r and r["hot_buffer_hit_rate"] is not None and r["decode_tokens_per_s"] > 0

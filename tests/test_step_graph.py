@@ -129,7 +129,8 @@ def test_planned_steps_equal_layer_by_layer_steps(bits):
     reference seals it in the append, before reading the same floats."""
     ref, model = _planned_against_layers(f"bits{bits}", host_kv_bits=bits)
     counts = step_graph.of(model).counts
-    assert counts == {"eager": 39, "captured": 0, "replayed": 0, "layer_by_layer": 0, "capture_retried": 0}, counts
+    assert counts == {"eager": 39, "captured": 0, "replayed": 0, "layer_by_layer": 0, "capture_retried": 0,
+                      "ahead": 0, "ahead_failed": 0}, counts
     assert step_graph.of(ref).counts["eager"] == 0         # nothing planned on the reference
     # (the counters the helper compares include the quantized blocks: the planned steps sealed
     # every block the reference sealed) every planned step after the first was prepared at the
@@ -261,7 +262,7 @@ def test_decode_graphs_takes_true_false_or_step():
     ids, mask = prompt(1, 30)
     _run(model, ids, mask, 4)
     assert graphs.counts == {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0,
-                             "capture_retried": 0}
+                             "capture_retried": 0, "ahead": 0, "ahead_failed": 0}
 
 
 def test_disable_puts_the_forward_back():
@@ -375,6 +376,28 @@ def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits, monkeypatch):
     if bits is not None:
         assert seal_captures and all("ready_seal" in stack for stack in seal_captures)
         assert "failed" not in binding_of(model).engine.host._seal_graphs
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_coming_key_is_captured_ahead_and_decodes_like_no_graphs():
+    """A bucket change the batch will reach (96 -> 128 blocks of 16 tokens at 1,536 tokens, the
+    kernels' sizes alike; the bound banks grew at 1,280, a key of its own) is captured on another
+    thread while the key before it replays: the step that reaches it replays that graph, and the
+    tokens equal those decoded without graphs."""
+    ref, model = make_pair("llama", max_position_embeddings=2048)
+    ref, model = ref.cuda(), model.cuda()
+    kw = dict(max_seq_len=2048, block_size=16, window_size=64, global_tokens=8, top_k=256, host_kv_bits=4,
+              recalibration_lag=2)
+    hs.enable_hisparse_kv_cache(ref, name="test-ahead-eager", decode_graphs=False, **kw)
+    hs.enable_hisparse_kv_cache(model, name="test-ahead-graph", decode_graphs="step", **kw)
+    ids, mask = prompt(1, 1100)
+    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), 450)
+    got, got_logits = _run(model, ids.cuda(), mask.cuda(), 450)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    counts = step_graph.of(model).counts
+    assert counts["ahead"] >= 1 and counts["ahead_failed"] == 0, counts
 
 
 @pytest.mark.gpu
