@@ -14,7 +14,7 @@ import torch
 from hi_sparse.kernels._dispatch import use_triton
 from hi_sparse.kernels.probe import pin_one
 
-from .probe import ImportanceProbe, probe_threshold, threshold_constants
+from .probe import ImportanceProbe, probe_threshold
 from .row_bank import RowBank
 
 
@@ -30,6 +30,19 @@ def merge(anchor_p: torch.Tensor, anchors: torch.Tensor, p: torch.Tensor, pos: t
     anchor_p.copy_(top_p)
 
 
+def pins_on_device(probe: ImportanceProbe, device: torch.device, kernels: bool) -> bool:
+    """Whether a decode token's pin at a layer on ``device`` is the one-launch kernel, which reads
+    whether the probe is fitted from the device (ImportanceProbe.gate) rather than the host."""
+    w = probe.fc1.weight
+    return kernels and w.device == device and w.dtype == torch.float32 and use_triton(w)
+
+
+def pin_key(probe: ImportanceProbe, device: torch.device, kernels: bool) -> bool | None:
+    """What a captured decode body's key holds of the probe: whether it is fitted (the reference
+    pins only then), None where the kernel reads that from the device."""
+    return None if pins_on_device(probe, device, kernels) else probe.fitted
+
+
 def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.Tensor, pos: torch.Tensor,
                    first: torch.Tensor, threshold: tuple[float, float, float], kernels: bool = False) -> None:
     """Score new keys k (B, Hkv, T, D) at positions pos (B, Hkv, T) (each sequence's consecutive
@@ -39,13 +52,13 @@ def pin_new_tokens(probe: ImportanceProbe, bank: RowBank, rows: slice, k: torch.
     sync. ``kernels``: a decode token's scoring and merge in one Triton launch where the keys and
     the probe are on one GPU (kernels/probe.py)."""
     A = bank.size("anchors", 1)
-    if A == 0 or not probe.fitted:
-        return
     T = k.shape[2]
     w = probe.fc1.weight
-    if kernels and T == 1 and w.device == k.device and w.dtype == torch.float32 and use_triton(k, w):
-        pin_one(k, pos, w, probe.fc1.bias, probe.fc2.weight, probe.fc2.bias, threshold_constants(k.device, *threshold),
+    if A and T == 1 and pins_on_device(probe, k.device, kernels):     # gated on the device until fitted
+        pin_one(k, pos, w, probe.fc1.bias, probe.fc2.weight, probe.fc2.bias, probe.gate(k.device, *threshold),
                 bank.t["anchor_p"][rows], bank.t["anchors"][rows])
+        return
+    if A == 0 or not probe.fitted:
         return
     base, lo, hi = threshold
     thr = probe_threshold(pos[:, 0, -1] + 1, base, lo, hi)[:, None, None]             # (B, 1, 1)

@@ -37,18 +37,21 @@ def _line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def _after_failed_capture(stream: torch.cuda.Stream, pool) -> None:
+def _after_failed_capture(stream: torch.cuda.Stream, pool, reset_random: bool = True) -> None:
     """Undo what torch.cuda.graph leaves behind when ending a capture raises: its capture stream
     stays current (later work would run unordered with the caller's stream), the memory pool
     stays registered for allocations, and the CUDA random generator stays in capture mode (every
     later random op on the GPU, sampling included, would raise "Offset increment outside graph
     capture"). Only a capture that ends resets the generator: one tiny capture, in a new pool (the
-    failed one cannot take another)."""
+    failed one cannot take another). Not with ``reset_random`` False: the capture registered a copy
+    of the generator's state (:func:`private_random_state`), which no one else reads."""
     torch.cuda.set_stream(stream)
     try:
         torch._C._cuda_endAllocateToPool(stream.device_index, pool)
     except (AttributeError, RuntimeError):     # a torch without it, or the pool already closed
         pass
+    if not reset_random:
+        return
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             torch.zeros(1, device=stream.device).add_(1)
@@ -145,9 +148,27 @@ def _no_collection() -> Iterator[None]:
                 gc.enable()
 
 
-def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+@contextlib.contextmanager
+def private_random_state(device: torch.device) -> Iterator[None]:
+    """The device's default CUDA generator on a copy of its state, then back on its own. A capture
+    begun in between registers the copy, so the generator's own state never enters capture mode:
+    while that capture goes on in another thread, random ops of this one (a sampling decode's
+    multinomial) still run (a capturing state rejects them: "Offset increment outside graph
+    capture"). The captured step draws no random numbers, so the copy is never advanced."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    own = gen.graphsafe_get_state()
+    gen.graphsafe_set_state(gen.clone_state())
+    try:
+        yield
+    finally:
+        gen.graphsafe_set_state(own)
+
+
+def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """``fn()`` recorded (not run) in a new CUDA graph allocating from ``pool``: (graph, what fn
     returned). On a failure the capture is undone (_after_failed_capture) and the error raised.
+    ``begun()``, when given, is called once the capture has begun, by a capture in another thread
+    than the steps', under :func:`private_random_state` until then.
 
     Recorded on a side stream ordered after the current one, like ``torch.cuda.graph`` but
     without what it does first: a device-wide synchronize (which waited for a background
@@ -167,11 +188,13 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
         with _no_collection(), torch.cuda.stream(stream):
             graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
+                if begun is not None:
+                    begun()
                 out = fn()
             finally:
                 graph.capture_end()
     except RuntimeError:
-        _after_failed_capture(current, pool)
+        _after_failed_capture(current, pool, reset_random=begun is None)
         raise
     current.wait_stream(stream)
     return graph, out

@@ -36,6 +36,7 @@ from .batch_state import APPEND, ATTEND, WINDOW, Batch, swap_rows, upload  # noq
 from .config import HiSparseConfig
 from .host_pool import HostPool, QuantEvents
 from .hot_buffer import ticks
+from .key_bounds import bucket, key_blocks  # noqa: F401 (bucket re-exported)
 from .layers import KVShape, LayerRows
 from .metrics import DEVICE_COUNTERS, RuntimeMetrics
 from .recalibration import remember_queries
@@ -48,35 +49,17 @@ SWAP_IN_BYTES = DEVICE_COUNTERS.index("swap_in_bytes")   # the counter a mixed-w
 _ADDRESS = torch.Tensor.data_ptr    # a buffer's address (body_key: map over the buffers, no Python frame each)
 
 
-# The finest step of the block counts in a graph's key, in tokens. Below ~4K tokens (64-token
-# blocks) 1/8 of the power of two is one or two blocks; on the H200 at 1-2K tokens the key then
-# changed after every completed block, each change an eager step and a capture of 20-40x a step.
-BUCKET_LEAST_TOKENS = 512
-# ... and in blocks: a multiple of 16, so that the sizes and strides that follow from the count
-# keep their divisibility by 16, on which Triton specializes integer arguments (each new
-# specialization a compile: a key change at 1,536 tokens, 24 -> 32 blocks, took 0.8 s eagerly)
-BUCKET_LEAST_BLOCKS = 16
-
-
-def bucket(n: int, least: int = 1) -> int:
-    """n rounded up to a multiple of 1/8 of its power of two (at most 12.5 % more), and of
-    ``least``: a captured step keyed by a block count changes key ~8 times per doubling of the
-    context, not every block."""
-    q = max(least, 1 << max(0, n.bit_length() - 4))
-    return -(-n // q) * q
-
-
 def attend_blocks(n_max: int, room: int, ps: int, window: int, first_lo: int, group: int,
                   n_super: int) -> tuple[int, int]:
     """(selection blocks, candidate blocks) of attend_body for a longest sequence of ``n_max``
     tokens in blocks of ``ps``, ``room`` blocks of bounds, the batch's first visible position
-    ``first_lo``. Rounded up (:func:`bucket`, at least BUCKET_LEAST_TOKENS and BUCKET_LEAST_BLOCKS
+    ``first_lo``. Rounded up (key_bounds.key_blocks: at least BUCKET_LEAST_TOKENS and BUCKET_LEAST_BLOCKS
     apart; select masks blocks past a row's tokens) so that a captured step keeps its key over many blocks; the
     candidates are bounded as if the longest sequence filled its rounded count, so both change on
     the same step. The rounding never turns on two-level scoring that the sequence's own block
     count would not use (it would select differently)."""
     real = -(-n_max // ps)
-    nb = min(room, bucket(real, max(BUCKET_LEAST_BLOCKS, BUCKET_LEAST_TOKENS // ps)))
+    nb = min(room, key_blocks(real, ps))
     least = two_level_least(group, n_super)
     if least is not None and real < least <= nb:
         nb = max(real, min(room, least - 1))
@@ -241,16 +224,16 @@ class Decoder:
 
     def graph_key(self, rows: LayerRows, batch: Batch | None, *shape: int) -> tuple | None:
         """What a captured body depends on beyond its device tensors: host-side shapes, whether the
-        layer's probe is fitted (the append scores new tokens as anchors only then; a refit updates
-        the weights in place) and the addresses of every buffer it touches (a bank or pool that grew
+        layer's probe is fitted unless the kernel reads it (anchors.pin_key; a refit updates the
+        weights in place) and the addresses of every buffer it touches (a bank or pool that grew
         moved them). None for a batch that runs without graphs (nothing to key)."""
         if batch is not None and batch.runner.no_graphs:
             return None
         return self.body_key(rows, *shape)
 
     def body_key(self, rows: LayerRows, *shape) -> tuple:
-        return (*shape, rows.probe.fitted, *map(_ADDRESS, rows.buffers()),
-                *map(_ADDRESS, self.host.buffers(rows.index)))
+        return (*shape, anchors.pin_key(rows.probe, rows.device, self.cfg.decode_kernels),
+                *map(_ADDRESS, rows.buffers()), *map(_ADDRESS, self.host.buffers(rows.index)))
 
     # -- the host side of the two bodies ------------------------------------------------------
     def _make_room(self, rows: LayerRows, seqs: list[Sequence], starts: list[int], T: int) -> Batch:
@@ -265,7 +248,7 @@ class Decoder:
         """Room for n_max tokens in the layer's bounds and hot buffer."""
         cfg = self.cfg
         key_bounds.grow(rows.bank, n_max, self.shape.block_size, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
-        rows.hot.ensure_tokens(n_max)
+        rows.hot.ensure_tokens(n_max, align=lambda n: key_bounds.key_tokens(n, cfg.select_block))
 
     def _attend_shapes(self, rows: LayerRows, batch: Batch, seqs: list[Sequence],
                        lengths: list[int]) -> tuple[int, int, bool, bool]:

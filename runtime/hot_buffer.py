@@ -31,6 +31,8 @@ of 2,048) the stamps are renumbered by their rank, which keeps every head's orde
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hi_sparse.kernels._dispatch import use_triton
@@ -134,13 +136,15 @@ class HotBufferBank:
         self.token_slot_s[h] = -1
         self.order[h] = torch.arange(self.num_slots, dtype=torch.int32, device=self.device)
 
-    def ensure_tokens(self, n: int) -> None:
-        """Make the token -> slot map cover positions [0, n) in every row (grows by doubling,
-        up to max_tokens)."""
+    def ensure_tokens(self, n: int, align: Callable[[int], int] | None = None) -> None:
+        """Make the token -> slot map cover positions [0, n) in every row (grows by doubling, to
+        a width ``align`` rounds up, up to max_tokens)."""
         cap = self.token_slot_s.shape[1] - 1
         if n <= cap:
             return
         width = max(n, 2 * cap, 64)
+        if align is not None:
+            width = align(width)
         if self.max_tokens is not None:
             width = max(n, min(width, self.max_tokens))
         new = torch.full((self.token_slot_s.shape[0], 1 + width), -1, dtype=torch.int64, device=self.device)
@@ -232,9 +236,9 @@ class HotBufferState:
     token_slot = property(lambda self: self._rows(self._bank.token_slot))
     order = property(lambda self: self._rows(self._bank.order))
 
-    def ensure_tokens(self, n: int) -> None:
+    def ensure_tokens(self, n: int, align: Callable[[int], int] | None = None) -> None:
         """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
-        self._bank.ensure_tokens(n)
+        self._bank.ensure_tokens(n, align)
 
     def resident(self) -> int:
         return int((self.slot_token >= 0).sum())

@@ -36,6 +36,39 @@ def add_kinds(bank: RowBank, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
     bank.add("holes", (0,), torch.bool, False)
 
 
+# The finest step of the block counts in a graph's key, in tokens. Below ~4K tokens (64-token
+# blocks) 1/8 of the power of two is one or two blocks; on the H200 at 1-2K tokens the key then
+# changed after every completed block, each change an eager step and a capture of 20-40x a step.
+BUCKET_LEAST_TOKENS = 512
+# ... and in blocks: a multiple of 16, so that the sizes and strides that follow from the count
+# keep their divisibility by 16, on which Triton specializes integer arguments (each new
+# specialization a compile: a key change at 1,536 tokens, 24 -> 32 blocks, took 0.8 s eagerly)
+BUCKET_LEAST_BLOCKS = 16
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """n rounded up to a multiple of 1/8 of its power of two (at most 12.5 % more), and of
+    ``least``: a captured step keyed by a block count changes key ~8 times per doubling of the
+    context, not every block."""
+    q = max(least, 1 << max(0, n.bit_length() - 4))
+    return -(-n // q) * q
+
+
+def key_blocks(blocks: int, select_block: int) -> int:
+    """The block count a decode step's key holds for a longest sequence of ``blocks`` selection
+    blocks (decode.attend_blocks): :func:`bucket` at least BUCKET_LEAST_BLOCKS and
+    BUCKET_LEAST_TOKENS apart."""
+    return bucket(blocks, max(BUCKET_LEAST_BLOCKS, BUCKET_LEAST_TOKENS // select_block))
+
+
+def key_tokens(n: int, select_block: int) -> int:
+    """The most tokens a longest sequence of ``n`` tokens holds before its step's key changes:
+    what a buffer that grows with the tokens is rounded up to, so that it grows on the step whose
+    key changes anyway (a captured step keys the buffer's address too; else a growth between
+    two changes is a key of its own, an extra capture)."""
+    return key_blocks(-(-n // select_block), select_block) * select_block
+
+
 def n_super(top_k: int, window: int, global_tokens: int, select_block: int, prefetch_units: int) -> int:
     """Super-blocks two-level scoring keeps per KV head: enough for every selection block the
     selection can take (its budget, anchors that may overlap it, rank slack and prefetch)."""
@@ -45,14 +78,19 @@ def n_super(top_k: int, window: int, global_tokens: int, select_block: int, pref
 def grow(bank: RowBank, tokens: int, block_size: int, select_block: int, group: int, max_seq_len: int) -> None:
     """Room for ``tokens`` tokens in every row: their selection blocks in whole super-blocks plus
     two spare ones (an update's folds may reach a block and a super-block past the last token, with
-    nothing in them), and the storage blocks (``block_size`` tokens) those selection blocks span."""
+    nothing in them), and the storage blocks (``block_size`` tokens) those selection blocks span.
+    Grows geometrically, to a step key's block count (:func:`key_tokens`) plus the spares."""
     blocks = -(-tokens // select_block)
     need = (-(-blocks // group) + 2) * group
     cap = bank.size("kmin", 1)
     if need <= cap:
         return
     limit = (-(-max_seq_len // select_block) // group + 3) * group
-    new = -(-max(need, min(max(2 * cap, 8), limit)) // group) * group   # geometric, whole super-blocks
+    new = max(need, min(max(2 * cap, 8), limit))                          # geometric
+    # the spare super-blocks past a key's block count (key_tokens): the next growth comes on the
+    # step that changes the key anyway, with a group that divides the count (the default's)
+    new = min(max(new, key_blocks(new - 2 * group, select_block) + 2 * group), limit)
+    new = -(-max(need, new) // group) * group                              # whole super-blocks
     for name in BOUNDS:
         bank.grow(name, 1, new)
     for name in PER_SUPER_BLOCK:

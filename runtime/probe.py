@@ -55,7 +55,23 @@ class ImportanceProbe(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
         self.act = nn.GELU()
         self.fitted = False
+        self._gates: dict[tuple, torch.Tensor] = {}     # gate(): by device and thresholds
         self.requires_grad_(False)
+
+    def gate(self, device: torch.device, base: float, lo: float, hi: float) -> torch.Tensor:
+        """This probe's own :func:`threshold_constants` for the decode kernel (kernels/probe.py):
+        until it is fitted, a threshold of 2, above any probability, so the kernel pins nothing;
+        :func:`write_params` fills in the true ones in place. A captured step that pins new tokens
+        then reads whether the probe is fitted from the device, and keeps its graph when it
+        becomes so (before, the first recalibration changed the step's key: an eager step and a
+        capture of ~25 steps each on the H200). Made at a layer's first pin (an eager step)."""
+        at = (device, base, lo, hi)
+        gate = self._gates.get(at)
+        if gate is None:
+            gate = self._gates[at] = threshold_constants(device, base, lo, hi).clone()
+            if not self.fitted:
+                gate[1:] = 2.0
+        return gate
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -167,4 +183,7 @@ def write_params(probes: list[ImportanceProbe], params: list[torch.Tensor]) -> N
             src += [w1t[i], c1[i], w2[i], c2[i:i + 1]]
         torch._foreach_copy_(dst, src)                      # every probe's in a launch or two
         for p in probes:
+            if not p.fitted:
+                for at, gate in p._gates.items():
+                    gate.copy_(threshold_constants(*at))
             p.fitted = True

@@ -223,7 +223,7 @@ class SequenceTable:
             key_bounds.grow(layer.bank, s.length, cfg.cache_block_size, cfg.select_block, cfg.bound_group,
                             cfg.max_seq_len)
             layer.bank.load(s.row, saved)
-            layer.hot.ensure_tokens(s.length)
+            layer.hot.ensure_tokens(s.length, align=lambda n: key_bounds.key_tokens(n, cfg.select_block))
         s.saved = None
         s.hot = [layer.hot.rows(s.row) for layer in self.layers]
         s.table_version = -1

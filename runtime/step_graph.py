@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from . import hf_attention, hf_compat
-from .batch_step import _cause, capture
+from .batch_step import _cause, capture, private_random_state
 
 AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thread
 # forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
@@ -71,6 +71,7 @@ class Lookahead:
     def __init__(self, key: tuple, plan: Any) -> None:
         self.key, self.plan = key, plan
         self.thread: threading.Thread | None = None
+        self.begun = threading.Event()            # set once the capture began (or failed before)
         self.have: WholeStep | None = None
         self.error: BaseException | None = None
 
@@ -260,7 +261,9 @@ class StepGraphs:
                 torch.is_inference_mode_enabled())
         ahead.thread = threading.Thread(target=self._capture_ahead, name="hisparse-capture-ahead", args=args)
         whole["ahead"] = ahead
-        ahead.thread.start()
+        with private_random_state(self.binding.engine.layers[0].device):
+            ahead.thread.start()
+            ahead.begun.wait()       # (well under a millisecond) the caller samples only after it
 
     def _capture_ahead(self, ahead: Lookahead, ctx: Any, call: dict, inputs: dict, inference: bool) -> None:
         """The worker of :meth:`_look_ahead`: the forward captured with ``ahead``'s plan, in this
@@ -272,12 +275,15 @@ class StepGraphs:
                     self.binding.engine.planned_in_this_thread(ahead.plan):
                 hf_attention.push(ctx)
                 try:
-                    graph, output = capture(lambda: self.original(**call), torch.cuda.graph_pool_handle())
+                    graph, output = capture(lambda: self.original(**call), torch.cuda.graph_pool_handle(),
+                                            begun=ahead.begun.set)
                 finally:
                     hf_attention.pop(ctx)
             ahead.have = WholeStep(ahead.key, graph, inputs, output, list(ahead.plan.tokens), list(ahead.plan.q))
         except Exception as exc:       # noqa: BLE001 - any failure: the key is captured when it comes
             ahead.error = exc
+        finally:
+            ahead.begun.set()
 
     @staticmethod
     def _result(have: WholeStep, cache: Any) -> Any:

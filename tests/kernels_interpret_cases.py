@@ -406,7 +406,7 @@ def _pin_one(seed: int, A: int, bf16: bool, scale: float) -> None:
     displace: the same anchors, probabilities within fp32 rounding; tokens under the threshold
     change nothing; equal (saturated) probabilities keep the anchors first."""
     from hi_sparse.anchors import pin_new_tokens
-    from hi_sparse.probe import ImportanceProbe
+    from hi_sparse.probe import ImportanceProbe, threshold_constants, write_params
     from hi_sparse.row_bank import RowBank
 
     g = torch.Generator().manual_seed(seed)
@@ -415,7 +415,6 @@ def _pin_one(seed: int, A: int, bf16: bool, scale: float) -> None:
     with torch.no_grad():
         for prm in probe.parameters():
             prm.copy_(torch.randn(prm.shape, generator=g) * scale)   # scale 1: saturated, ties
-    probe.fitted = True
     banks = []
     for _ in range(2):
         bank = RowBank("cpu")
@@ -424,6 +423,18 @@ def _pin_one(seed: int, A: int, bf16: bool, scale: float) -> None:
         bank.grow_rows(B + 1)
         banks.append(bank)
     thresholds = (2.0, 0.2, 0.9)                     # at lengths 7-3060: 0.2 (the floor) to 0.79
+    # not fitted yet: the kernel runs and pins nothing (its gate's threshold is 2); the fit opens
+    # the gate in place (write_params), as a recalibration does under a captured step
+    k0 = torch.randn(B, H, 1, D, generator=g)
+    pin_new_tokens(probe, banks[0], slice(1, B + 1), k0, torch.full((B, H, 1), 50), torch.zeros(B, dtype=torch.int64),
+                   thresholds, True)
+    _need(bool((banks[0].t["anchors"] == -1).all() and (banks[0].t["anchor_p"] == -1).all()),
+          "an unfitted probe's kernel pinned a token")
+    gate = probe.gate(torch.device("cpu"), *thresholds)
+    write_params([probe], [probe.fc1.weight.T[None].clone(), probe.fc1.bias[None].clone(),
+                           probe.fc2.weight.clone(), probe.fc2.bias.clone()])
+    _need(probe.fitted and gate is probe.gate(torch.device("cpu"), *thresholds)
+          and torch.equal(gate, threshold_constants(torch.device("cpu"), *thresholds)), "the fit left the gate shut")
     n_kept = displaced = 0
     for step in range(4 * A):
         full_before = (banks[1].t["anchors"] >= 0).all(-1)

@@ -60,3 +60,19 @@ def test_probes_fitted_together_equal_each_fitted_alone():
     for p, q, (x, y), loss in zip(together, alone, data, losses):
         assert p.fitted and abs(q.fit(x, y, steps=60) - loss) < 1e-5
         torch.testing.assert_close(p.predict(fresh), q.predict(fresh), atol=1e-4, rtol=0)
+
+
+def test_the_kernels_gate_is_shut_until_the_fit_opens_it_in_place():
+    """The decode kernel's threshold constants are the probe's own: above any probability (2)
+    until it is fitted, then the true ones, written into the same tensor (a captured step reads
+    them there), so a step's graph need not change when the probe becomes fitted."""
+    from hi_sparse.probe import threshold_constants
+
+    probe, cpu = ImportanceProbe(16), torch.device("cpu")
+    gate = probe.gate(cpu, 0.5, 0.05, 0.95)
+    assert gate.tolist()[1:] == [2.0, 2.0] and not probe.fitted
+    keys = torch.randn(64, 16)
+    probe.fit(keys, torch.rand(64), steps=3)
+    assert probe.gate(cpu, 0.5, 0.05, 0.95) is gate
+    assert torch.equal(gate, threshold_constants(cpu, 0.5, 0.05, 0.95))
+    assert probe.gate(cpu, 0.4, 0.05, 0.95).tolist() == threshold_constants(cpu, 0.4, 0.05, 0.95).tolist()

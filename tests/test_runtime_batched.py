@@ -87,9 +87,11 @@ def test_graphs_captured_before_the_probe_is_fitted_score_anchors_after():
     ids = [e.add_sequences(B) for e in (graphed, eager)]
     for e, i in zip((graphed, eager), ids):
         _run(e, i, K, V, Q, 0, P)
-    changes, previous = 0, None
+    changes, previous, kept = 0, None, None
     for t in range(P, N):
         fitted = eager.probes[0].fitted          # before this step: its anchor changes are the decode's
+        if fitted and kept is None:              # the appends' graphs, captured before the fit
+            kept = _append_graphs(graphed)
         outs = [_run(e, i, K, V, Q, t, t + 1) for e, i in zip((graphed, eager), ids)]
         for a, b in zip(*outs):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
@@ -102,6 +104,15 @@ def test_graphs_captured_before_the_probe_is_fitted_score_anchors_after():
         previous = anchors[1::2]
     assert _graphs(graphed)
     assert changes > 0             # decode tokens did become anchors after the fit
+    # ... by replays of those graphs: the kernel reads the fit from the device (probe.gate), so
+    # the fit changed no key (before, it cost each an eager step and a capture)
+    now = _append_graphs(graphed)
+    assert kept and all(now[slot] is g for slot, g in kept.items()), (kept, now)
+
+
+def _append_graphs(eng) -> dict:
+    return {(id(b), slot): g for b in eng._decoder._batches.values() for slot, (_, g) in b.runner.graphs.items()
+            if slot[1] == "append"}
 
 
 def _cfg(**kw):
@@ -112,14 +123,21 @@ def _cfg(**kw):
     return cfg
 
 
-def test_a_graph_key_names_whether_the_probe_is_fitted():
-    """What a captured step depends on includes the probe's fitted state (CPU: the key alone)."""
+def test_a_graph_key_names_whether_the_probe_is_fitted_unless_the_kernel_reads_it(monkeypatch):
+    """What a captured step depends on includes the probe's fitted state (CPU: the key alone),
+    except where the decode token's pin is the kernel, which reads it from the device."""
     eng, _ = _engines(None, 1)
     key = eng._decoder.graph_key
     before = [key(layer, None) for layer in eng.layers]
     assert [key(layer, None) for layer in eng.layers] == before and not eng.probes[0].fitted
     eng.probes[0].fit(torch.randn(16, D), torch.rand(16), steps=2)     # weights change in place
     assert key(eng.layers[0], None) != before[0] and key(eng.layers[1], None) == before[1]
+    monkeypatch.setenv("HISPARSE_FORCE_TRITON", "1")       # the kernel path (interpreted on the CPU)
+    eng, _ = _engines(None, 1)
+    key = eng._decoder.graph_key
+    before = [key(layer, None) for layer in eng.layers]
+    eng.probes[0].fit(torch.randn(16, D), torch.rand(16), steps=2)
+    assert [key(layer, None) for layer in eng.layers] == before
 
 
 def test_a_cpu_step_runs_its_bodies_eagerly():

@@ -398,6 +398,16 @@ def test_a_coming_key_is_captured_ahead_and_decodes_like_no_graphs():
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     counts = step_graph.of(model).counts
     assert counts["ahead"] >= 1 and counts["ahead_failed"] == 0, counts
+    # a sampling decode: the caller's multinomial runs while the coming key is captured in another
+    # thread (a capture puts the generator's state in capture mode, which rejects it: the capture
+    # takes a copy, batch_step.private_random_state)
+    _, sampled = make_pair("llama", max_position_embeddings=2048)
+    hs.enable_hisparse_kv_cache(sampled.cuda(), name="test-ahead-sampled", decode_graphs="step", **kw)
+    with torch.no_grad():
+        out = sampled.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), do_sample=True, top_k=50,
+                               min_new_tokens=450, max_new_tokens=450)
+    assert out.shape[1] == 1100 + 450
+    assert step_graph.of(sampled).counts["ahead"] >= 1, step_graph.of(sampled).counts
 
 
 @pytest.mark.gpu
