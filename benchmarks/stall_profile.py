@@ -32,12 +32,14 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--bits", type=host_bits, default=4, help="host_kv_bits: none, 4, 5, 6, 8, auto, ...")
     ap.add_argument("--over", type=float, default=1.5, help="a stall: a step over this times the median")
+    ap.add_argument("--no-ahead", action="store_true", help="capture no coming key ahead (step_graph.AHEAD_TOKENS)")
     args = ap.parse_args()
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
                                 global_tokens=8, top_k=128, host_kv_bits=args.bits, telemetry=False)
     engine, graphs = hs.integration.binding_of(model).engine, step_graph.of(model)
+    graphs.ahead = not args.no_ahead
     timers = CallTimers()
 
     def state() -> tuple[int, ...]:
@@ -62,7 +64,8 @@ def main() -> int:
             before = now
     steady = [t for _, t, _ in times[2:]]        # the first two: the eager warm-up and the capture
     med = statistics.median(steady)
-    print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}: "
+    print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}, "
+          f"{'no ' if args.no_ahead else ''}capture ahead: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
     for pos, t, did in times[2:]:
@@ -73,6 +76,8 @@ def main() -> int:
     print(f"stalls added {extra:.1f} ms over {len(steady)} steps: {100 * extra / total:.1f} % of the decode's "
           f"{total:.0f} ms; {len(steady) / total * 1e3 * args.batch:.0f} tok/s against "
           f"{args.batch / med * 1e3:.0f} at the median")
+    for why in graphs.capture_errors:
+        print(f"a failed capture: {why}")
     for part, spent in timers.calls.items():
         if spent:
             print(f"host time in {part}: {len(spent)} calls, {1e3 * sum(spent):.1f} ms, "
@@ -90,7 +95,7 @@ def timed_parts(engine, timers: CallTimers) -> list:
             timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker)"),
             timers.wrap(recalibration, "fit_params", "  its probes' fit (worker)"),
             timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)"),
-            timers.wrap(step_graph, "capture", "a whole-step capture"),
+            timers.wrap(step_graph, "capture", "a whole-step capture (either thread)"),
             timers.wrap(torch.cuda.CUDAGraph, "capture_end", "  ending a capture (the graph instantiated)")]
 
 

@@ -40,6 +40,7 @@ from .key_bounds import bucket, key_blocks  # noqa: F401 (bucket re-exported)
 from .layers import KVShape, LayerRows
 from .metrics import DEVICE_COUNTERS, RuntimeMetrics
 from .recalibration import remember_queries
+from .row_bank import staged_view
 from .selection import bound_scores, candidate_blocks, select
 from .sequences import Sequence, SequenceTable
 from .storage import Storage
@@ -244,11 +245,12 @@ class Decoder:
             self._grow(rows, max(starts) + T)
         return self.batch(seqs, rows.device)
 
-    def _grow(self, rows: LayerRows, n_max: int) -> None:
-        """Room for n_max tokens in the layer's bounds and hot buffer."""
+    def _grow(self, rows: LayerRows, n_max: int, staged: bool = False) -> None:
+        """Room for n_max tokens in the layer's bounds and hot buffer (``staged``: made ahead)."""
         cfg = self.cfg
-        key_bounds.grow(rows.bank, n_max, self.shape.block_size, cfg.select_block, cfg.bound_group, cfg.max_seq_len)
-        rows.hot.ensure_tokens(n_max, align=lambda n: key_bounds.key_tokens(n, cfg.select_block))
+        key_bounds.grow(rows.bank, n_max, self.shape.block_size, cfg.select_block, cfg.bound_group, cfg.max_seq_len,
+                        staged)
+        rows.hot.ensure_tokens(n_max, lambda n: key_bounds.key_tokens(n, cfg.select_block), staged)
 
     def _attend_shapes(self, rows: LayerRows, batch: Batch, seqs: list[Sequence],
                        lengths: list[int]) -> tuple[int, int, bool, bool]:
@@ -399,17 +401,23 @@ class Decoder:
     def later(self, plan: StepPlan, within: int) -> StepPlan | None:
         """The first step of ``plan``'s batch within ``within`` tokens after it whose host shapes
         differ from ``plan``'s (its longest sequence enters another bucket of blocks), planned as
-        far as a captured step depends on it: those shapes, the buffers as they are now (a bank or
-        pool that grows before then moves them: that key is never met). None when no such step
-        comes so soon. Nothing is changed."""
+        far as a captured step depends on it, for a row_bank.staged_view: those shapes, and the
+        buffers as they will be (the banks and token maps that step grows are staged now; a host
+        pool that grows before then moves its buffers: that key is never met). None when no such
+        step comes so soon. Nothing in use changes."""
         ps, n = self.cfg.select_block, max(plan.starts) + 1
         d = -(-n // ps) * ps + 1 - n                 # the first step whose longest sequence adds a block
         while d <= within:
             starts = [p + d for p in plan.starts]
             shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
             if shape != plan.shapes:
+                for rows in self.layers:
+                    self._grow(rows, max(starts) + 1, staged=True)
+                with staged_view():
+                    shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
+                    keys = tuple(self.body_key(rows) for rows in self.layers)
                 L = len(self.layers)
-                return StepPlan(plan.seqs, plan.batch, starts, shape, (shape, plan.key[1]), [None] * L, [None] * L)
+                return StepPlan(plan.seqs, plan.batch, starts, shape, (shape, keys), [None] * L, [None] * L)
             d += ps
         return None
 

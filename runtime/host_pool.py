@@ -182,19 +182,24 @@ class HostPool:
         """Rows of tokens pos in the float tail blocks ``tail_slots`` (quantized pools)."""
         return self.row_of(tail_slots, head, pos)
 
-    def read_tails(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The keys in the float tail blocks ``slots`` (B,) int64 (quantized pools), every head and
-        offset -> (B, Hkv, block, D) in the stored dtype on slots' device: one gather (the values
-        ride along, unread)."""
-        if slots.device.type == "cpu":
+    def tail_block_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of the float tail blocks ``slots`` (B,) int64, every head and offset: (B, Hkv,
+        block) on slots' device, what :meth:`read_tails` reads (the same at every layer)."""
+        dev = slots.device
+        return self.tail_rows(slots[:, None, None], torch.arange(self.num_kv_heads, device=dev)[:, None],
+                              torch.arange(self.block_size, device=dev))
+
+    def read_tails(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """The keys in float tail rows ``rows`` (:meth:`tail_block_rows`; quantized pools) -> (B,
+        Hkv, block, D) in the stored dtype on rows' device: one gather (the values ride along,
+        unread)."""
+        if rows.device.type == "cpu":
             self._host_visible()
-        H, bs, dev = self.num_kv_heads, self.block_size, slots.device
-        rows = self.tail_rows(slots[:, None, None], torch.arange(H, device=dev)[:, None],
-                              torch.arange(bs, device=dev)).reshape(-1)
-        k, v = (torch.empty(rows.numel(), self.head_dim, dtype=self.dtype, device=dev) for _ in range(2))
+        flat, dev = rows.reshape(-1), rows.device
+        k, v = (torch.empty(flat.numel(), self.head_dim, dtype=self.dtype, device=dev) for _ in range(2))
         store = self.layers[layer]
-        swap_in_pair(store["k_tail"], store["v_tail"], rows, k, v, torch.arange(rows.numel(), device=dev))
-        return k.view(len(slots), H, bs, self.head_dim)
+        swap_in_pair(store["k_tail"], store["v_tail"], flat, k, v, torch.arange(flat.numel(), device=dev))
+        return k.view(*rows.shape, self.head_dim)
 
     # -- writes --------------------------------------------------------------------------------
     def backup(self, layer: int, tables: torch.Tensor, tail_units: torch.Tensor | None, start: torch.Tensor,

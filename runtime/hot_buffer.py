@@ -45,6 +45,8 @@ from hi_sparse.kernels.lru import (
     reference_install_slots,
 )
 
+from .row_bank import in_staged_view
+
 STAMP = torch.int32
 STAMP_MAX = torch.iinfo(STAMP).max
 
@@ -89,7 +91,8 @@ class HotBufferBank:
         self.slot_token_s = torch.empty(0, S1, dtype=torch.int64, device=self.device)    # (N, S + 1)
         self.slot_stamp_s = torch.empty(0, S1, dtype=STAMP, device=self.device)
         self.prefetched_s = torch.empty(0, S1, dtype=torch.bool, device=self.device)
-        self.token_slot_s = torch.empty(0, 1, dtype=torch.int64, device=self.device)     # (N, 1 + tokens)
+        self._token_slot_s = torch.empty(0, 1, dtype=torch.int64, device=self.device)    # (N, 1 + tokens)
+        self._staged_map: torch.Tensor | None = None       # stage_tokens()
         # with the kernels: each head's slots from least to most recently used (the stamps' order,
         # kept by the decode step's kernels so that no step sorts the stamps); order_valid False
         # after an operation that does not keep it, until sync_order rebuilds it from the stamps
@@ -97,6 +100,17 @@ class HotBufferBank:
         self.order_valid = True
         self.grow_rows(rows)
         self.ensure_tokens(token_capacity)
+
+    @property
+    def token_slot_s(self) -> torch.Tensor:
+        """The token -> slot map (with its spill column); in a row_bank.staged_view, the staged one."""
+        if self._staged_map is not None and in_staged_view():
+            return self._staged_map
+        return self._token_slot_s
+
+    @token_slot_s.setter
+    def token_slot_s(self, t: torch.Tensor) -> None:
+        self._token_slot_s = t
 
     # without the spill columns (views: in-place updates land in the bank)
     slot_token = property(lambda self: self.slot_token_s[:, :-1])
@@ -108,6 +122,7 @@ class HotBufferBank:
         """Hold at least ``rows`` rows (new rows start empty); contents kept."""
         if rows <= self.num_rows:
             return
+        self._staged_map = None
         n0, n1 = self.num_rows * self.num_heads, rows * self.num_heads
 
         def grown(t: torch.Tensor, fill) -> torch.Tensor:
@@ -136,10 +151,12 @@ class HotBufferBank:
         self.token_slot_s[h] = -1
         self.order[h] = torch.arange(self.num_slots, dtype=torch.int32, device=self.device)
 
-    def ensure_tokens(self, n: int, align: Callable[[int], int] | None = None) -> None:
+    def ensure_tokens(self, n: int, align: Callable[[int], int] | None = None, staged: bool = False) -> None:
         """Make the token -> slot map cover positions [0, n) in every row (grows by doubling, to
-        a width ``align`` rounds up, up to max_tokens)."""
-        cap = self.token_slot_s.shape[1] - 1
+        a width ``align`` rounds up, up to max_tokens), into the map staged for that width if
+        there is one. ``staged``: make that map now instead (filled; its contents are copied at
+        the growth, and a row_bank.staged_view shows it before)."""
+        cap = self._token_slot_s.shape[1] - 1
         if n <= cap:
             return
         width = max(n, 2 * cap, 64)
@@ -147,9 +164,15 @@ class HotBufferBank:
             width = align(width)
         if self.max_tokens is not None:
             width = max(n, min(width, self.max_tokens))
-        new = torch.full((self.token_slot_s.shape[0], 1 + width), -1, dtype=torch.int64, device=self.device)
-        new[:, :1 + cap] = self.token_slot_s
-        self.token_slot_s = new
+        shape = (self._token_slot_s.shape[0], 1 + width)
+        have, self._staged_map = self._staged_map, None
+        if have is None or tuple(have.shape) != shape:
+            have = torch.full(shape, -1, dtype=torch.int64, device=self.device)
+        if staged:
+            self._staged_map = have
+            return
+        have[:, :1 + cap] = self._token_slot_s
+        self._token_slot_s = have
 
     def copy_row(self, src: int, dst: int, count: int = 1) -> None:
         """Rows [dst, dst + count) take row src's LRU state (forked sequences; the caller copies
@@ -209,7 +232,8 @@ class HotBufferBank:
         return self.slot_token_s, self.slot_stamp_s, self.prefetched_s, self.token_slot_s, self.order
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
+        staged = () if self._staged_map is None else (self._staged_map,)
+        return sum(t.numel() * t.element_size() for t in (*self.buffers(), *staged))
 
 
 class HotBufferState:
@@ -236,9 +260,10 @@ class HotBufferState:
     token_slot = property(lambda self: self._rows(self._bank.token_slot))
     order = property(lambda self: self._rows(self._bank.order))
 
-    def ensure_tokens(self, n: int, align: Callable[[int], int] | None = None) -> None:
-        """Make the token -> slot map cover positions [0, n) (grows by doubling)."""
-        self._bank.ensure_tokens(n, align)
+    def ensure_tokens(self, n: int, align: Callable[[int], int] | None = None, staged: bool = False) -> None:
+        """Make the token -> slot map cover positions [0, n) (grows by doubling;
+        HotBufferBank.ensure_tokens)."""
+        self._bank.ensure_tokens(n, align, staged)
 
     def resident(self) -> int:
         return int((self.slot_token >= 0).sum())

@@ -75,11 +75,13 @@ def n_super(top_k: int, window: int, global_tokens: int, select_block: int, pref
     return -(-(top_k - window + global_tokens) // select_block) + 2 + prefetch_units
 
 
-def grow(bank: RowBank, tokens: int, block_size: int, select_block: int, group: int, max_seq_len: int) -> None:
+def grow(bank: RowBank, tokens: int, block_size: int, select_block: int, group: int, max_seq_len: int,
+         staged: bool = False) -> None:
     """Room for ``tokens`` tokens in every row: their selection blocks in whole super-blocks plus
     two spare ones (an update's folds may reach a block and a super-block past the last token, with
     nothing in them), and the storage blocks (``block_size`` tokens) those selection blocks span.
-    Grows geometrically, to a step key's block count (:func:`key_tokens`) plus the spares."""
+    Grows geometrically, to a step key's block count (:func:`key_tokens`) plus the spares.
+    ``staged``: the growth made ahead (RowBank.stage), for the step that will need it."""
     blocks = -(-tokens // select_block)
     need = (-(-blocks // group) + 2) * group
     cap = bank.size("kmin", 1)
@@ -91,12 +93,13 @@ def grow(bank: RowBank, tokens: int, block_size: int, select_block: int, group: 
     # step that changes the key anyway, with a group that divides the count (the default's)
     new = min(max(new, key_blocks(new - 2 * group, select_block) + 2 * group), limit)
     new = -(-max(need, new) // group) * group                              # whole super-blocks
+    act = bank.stage if staged else bank.grow
     for name in BOUNDS:
-        bank.grow(name, 1, new)
+        act(name, 1, new)
     for name in PER_SUPER_BLOCK:
-        bank.grow(name, 1, new // group)
+        act(name, 1, new // group)
     for name in PER_BLOCK:
-        bank.grow(name, 0, -(-new * select_block // block_size))
+        act(name, 0, -(-new * select_block // block_size))
 
 
 def update(bank: RowBank, rows: slice, start: torch.Tensor, k: torch.Tensor, select_block: int, group: int,

@@ -54,14 +54,22 @@ class ContextReader:
                                  s.lengths[layer.index]] for s in seqs])
         return torch.cat([padded, per_seq], 1)
 
-    def read_tails(self, meta: torch.Tensor, layer: LayerRows) -> torch.Tensor | None:
+    def tail_rows(self, meta: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """Where :meth:`read_tails` reads the sequences ``meta`` describes from, on ``device`` (the
+        same at every layer of a step: made once for them); None for a pool without tails."""
+        if not self.host.quantized:
+            return None
+        return self.host.tail_block_rows(to_device(meta[:, -3].contiguous(), device))
+
+    def read_tails(self, meta: torch.Tensor, layer: LayerRows, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor | None:
         """The float tails of the sequences ``meta`` describes, read now: (B, Hkv, block, D) keys
         in the stored dtype on the layer's device, what a later :meth:`read_batch` with ``meta``
         takes its tail positions from (a sequence's next block reuses its tail); None for a pool
-        without tails."""
+        without tails. ``rows``: :meth:`tail_rows`, made before."""
         if not self.host.quantized:
             return None
-        return self.host.read_tails(layer.index, to_device(meta[:, -3].contiguous(), layer.device))
+        return self.host.read_tails(layer.index, self.tail_rows(meta, layer.device) if rows is None else rows)
 
     def read_batch(self, seqs: list[Sequence], layer: LayerRows, n: int, head: int | None = None,
                    dtype: torch.dtype = torch.float32, meta: torch.Tensor | None = None,

@@ -352,8 +352,9 @@ class Recalibrator:
         shared = {} if shared is None else shared
         like = (layer.device, tuple((s.row, s.queries_kept[i], s.lengths[i], s.first_token) for s in todo))
         if shared.get("like") != like:
-            shared.update(like=like, per_seq=to_device(torch.tensor(like[1]), layer.device),
-                          meta=self.reader.read_meta(todo, layer, shared.setdefault("tables", {})))
+            meta = self.reader.read_meta(todo, layer, shared.setdefault("tables", {}))
+            shared.update(like=like, per_seq=to_device(torch.tensor(like[1]), layer.device), meta=meta,
+                          tail_rows=self.reader.tail_rows(meta, layer.device) if tails else None)
         rows, kept, lengths, first = shared["per_seq"].unbind(1)
         bank = layer.bank.t["queries"]
         queries = bank[rows].view(len(todo), bank.shape[1], shape.num_kv_heads, shape.group_size, shape.head_dim)
@@ -365,7 +366,7 @@ class Recalibrator:
         n_out = [None if h else s.lengths[i] - cfg.window_size - s.first_token for s, h in zip(todo, holes)]
         self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
         meta = shared["meta"]
-        snap = self.reader.read_tails(meta, layer) if tails else None
+        snap = self.reader.read_tails(meta, layer, shared["tail_rows"]) if tails else None
         return todo, queries, kept, visible, lengths, n_out, [s.lengths[i] for s in todo], meta, snap, first
 
     def _layer(self, layer: LayerRows, inputs: tuple, fit: set[int], job: "RecalibrationJob"

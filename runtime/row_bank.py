@@ -9,9 +9,30 @@ sized by its longest sequence.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+_VIEW = threading.local()
+
+
+@contextlib.contextmanager
+def staged_view() -> Iterator[None]:
+    """In this thread, banks (and hot buffers' token maps) show the growth staged ahead
+    (:meth:`RowBank.stage`) as if it had happened: a coming step is captured on another thread
+    (step_graph.py) with the buffers it will have while this key's steps go on with theirs."""
+    _VIEW.staged = True
+    try:
+        yield
+    finally:
+        _VIEW.staged = False
+
+
+def in_staged_view() -> bool:
+    return getattr(_VIEW, "staged", False)
 
 
 @dataclass
@@ -25,37 +46,70 @@ class RowBank:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.num_rows = 0
-        self.t: dict[str, torch.Tensor] = {}
+        self._t: dict[str, torch.Tensor] = {}
         self._kinds: dict[str, _Kind] = {}
+        self._staged: dict[str, torch.Tensor] = {}     # stage(): by kind, filled, not in use yet
+
+    @property
+    def t(self) -> dict[str, torch.Tensor]:
+        """Every kind's tensor (rows, *per-row shape); in a :func:`staged_view`, the staged ones."""
+        if self._staged and in_staged_view():
+            return {**self._t, **self._staged}
+        return self._t
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill) -> None:
         """A kind of per-row tensor of ``shape``; new rows and grown parts hold ``fill``."""
         self._kinds[name] = _Kind(list(shape), dtype, fill)
-        self.t[name] = torch.full((self.num_rows, *shape), fill, dtype=dtype, device=self.device)
+        self._t[name] = torch.full((self.num_rows, *shape), fill, dtype=dtype, device=self.device)
 
     def grow_rows(self, rows: int) -> None:
         """Hold at least ``rows`` rows (new rows filled); contents kept."""
         if rows <= self.num_rows:
             return
+        self._staged.clear()                 # (staged for the rows there were)
         for name, k in self._kinds.items():
             new = torch.full((rows, *k.shape), k.fill, dtype=k.dtype, device=self.device)
-            new[:self.num_rows] = self.t[name]
-            self.t[name] = new
+            new[:self.num_rows] = self._t[name]
+            self._t[name] = new
         self.num_rows = rows
 
     def size(self, name: str, dim: int) -> int:
-        return self._kinds[name].shape[dim]
+        staged = self._staged.get(name) if self._staged and in_staged_view() else None
+        return self._kinds[name].shape[dim] if staged is None else staged.shape[dim + 1]
+
+    def _grown(self, name: str, dim: int, size: int) -> tuple[int, ...] | None:
+        """Kind ``name``'s shape with per-row dim ``dim`` grown to ``size``; None if not larger."""
+        k = self._kinds[name]
+        if size <= k.shape[dim]:
+            return None
+        shape = list(k.shape)
+        shape[dim] = size
+        return (self.num_rows, *shape)
 
     def grow(self, name: str, dim: int, size: int) -> None:
-        """Make per-row dim ``dim`` of kind ``name`` at least ``size`` (new part filled)."""
+        """Make per-row dim ``dim`` of kind ``name`` at least ``size`` (new part filled), into the
+        tensor :meth:`stage` made for that size if there is one."""
+        shape, staged = self._grown(name, dim, size), self._staged.pop(name, None)
+        if shape is None:
+            return
         k = self._kinds[name]
         old = k.shape[dim]
-        if size <= old:
-            return
         k.shape[dim] = size
-        new = torch.full((self.num_rows, *k.shape), k.fill, dtype=k.dtype, device=self.device)
-        new.narrow(dim + 1, 0, old).copy_(self.t[name])
-        self.t[name] = new
+        new = staged if staged is not None and tuple(staged.shape) == shape else \
+            torch.full(shape, k.fill, dtype=k.dtype, device=self.device)
+        new.narrow(dim + 1, 0, old).copy_(self._t[name])
+        self._t[name] = new
+
+    def stage(self, name: str, dim: int, size: int) -> None:
+        """Make, now, the tensor a later :meth:`grow` of ``name`` to ``size`` will take: filled,
+        the contents copied at that grow (they change until then), seen before it only in a
+        :func:`staged_view`. Kept if staged already at that size."""
+        shape = self._grown(name, dim, size)
+        have = self._staged.get(name)
+        if shape is None or (have is not None and tuple(have.shape) == shape):
+            return
+        k = self._kinds[name]
+        self._staged[name] = torch.full(shape, k.fill, dtype=k.dtype, device=self.device)
 
     def reset(self, row: int) -> None:
         """Fill one row (a new sequence takes it)."""
@@ -79,7 +133,7 @@ class RowBank:
             t[dst:dst + count].copy_(t[src].expand(count, *t.shape[1:]))
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.t.values())
+        return sum(t.numel() * t.element_size() for t in (*self._t.values(), *self._staged.values()))
 
 
 class RowView:

@@ -32,6 +32,7 @@ integration.py still run around it) and is removed with the HiSparse cache.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import inspect
@@ -44,6 +45,7 @@ import torch
 
 from . import hf_attention, hf_compat
 from .batch_step import _cause, capture, private_random_state
+from .row_bank import staged_view
 
 AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thread
 # forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
@@ -92,10 +94,12 @@ class StepGraphs:
         self.graphs = (binding.config.decode_graphs == "step" and len(devices) == 1
                        and next(iter(devices)).type == "cuda")
         self.plan_on_cpu = False       # tests: plan every step without graphs (the same host side)
-        # captures that met a kernel not loaded yet (then run eagerly) are "capture_retried"; "ahead":
-        # new keys replayed from a graph captured ahead, "ahead_failed": such captures that failed
+        # "capture_retried": captures of a new key that failed (then run eagerly, and captured at
+        # the next step); "ahead": new keys replayed from a graph captured ahead; "ahead_failed":
+        # keys whose capture ahead failed. capture_errors: why those captures failed (the last few)
         self.counts = {"eager": 0, "captured": 0, "replayed": 0, "layer_by_layer": 0, "capture_retried": 0,
                        "ahead": 0, "ahead_failed": 0}
+        self.capture_errors: collections.deque[str] = collections.deque(maxlen=8)
         self.ahead = True          # capture a coming key's graph on another thread (AHEAD_TOKENS)
 
     @property
@@ -179,16 +183,17 @@ class StepGraphs:
         if whole.get("warm") != key:
             # A new key of a batch that has replayed a graph (its context passed a bucket): the
             # same kernels at new sizes, captured at once; a first sight of the batch, or a
-            # capture that meets a kernel not loaded yet (Triton cannot load one while a stream
-            # captures: the first sight of a specialization), runs eagerly first
+            # capture that fails (the first sight of a kernel specialization can: its compile),
+            # runs eagerly first
             first = have is None
             whole.pop("graph", None)
             whole["warm"] = key
             if not first:
                 try:
                     return self._capture(plan, call, tensors, key, cache)
-                except RuntimeError:
+                except RuntimeError as exc:
                     self.counts["capture_retried"] += 1
+                    self.capture_errors.append(_cause(exc))
             self.counts["eager"] += 1
             return self.original(**call)
         try:
@@ -215,21 +220,19 @@ class StepGraphs:
 
     def _from_ahead(self, plan: Any, key: tuple) -> WholeStep | None:
         """The graph captured ahead for ``key`` (waiting for its thread if it still captures), made
-        the batch's; None without one. One for another key is dropped once its capture ended and
-        that key will not come (the buffers moved, or the batch passed its step)."""
+        the batch's; None without one. One whose step came with another key (a host pool grew
+        since: its buffers moved) is dropped, its thread left to end on its own."""
         whole = plan.batch.whole
         ahead: Lookahead | None = whole.get("ahead")
-        if ahead is None:
-            return None
-        gone = ahead.key[0][1] != key[0][1] or max(plan.starts) > max(ahead.plan.starts)
-        if ahead.key != key and (ahead.thread.is_alive() or not gone):
-            return None
+        if ahead is None or (ahead.key != key and max(plan.starts) < max(ahead.plan.starts)):
+            return None                              # none, or its step is still to come
         del whole["ahead"]
-        ahead.thread.join()
         if ahead.key != key:
             return None
+        ahead.thread.join()
         if ahead.have is None:
             self.counts["ahead_failed"] += 1
+            self.capture_errors.append(f"ahead: {_cause(ahead.error)}" if ahead.error else "ahead: no graph")
             whole["ahead_failed"] = key
             return None
         whole["graph"], whole["warm"] = ahead.have, key
@@ -271,7 +274,7 @@ class StepGraphs:
         for the new sizes) leaves ``ahead.have`` None and the step runs as without it."""
         device = self.binding.engine.layers[0].device     # (whole-step graphs: one device)
         try:
-            with torch.inference_mode(inference), torch.no_grad(), torch.cuda.device(device), \
+            with torch.inference_mode(inference), torch.no_grad(), torch.cuda.device(device), staged_view(), \
                     self.binding.engine.planned_in_this_thread(ahead.plan):
                 hf_attention.push(ctx)
                 try:

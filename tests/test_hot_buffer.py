@@ -267,3 +267,21 @@ def test_an_engine_decodes_the_same_across_a_renumbering_of_its_stamps():
     assert all(c < 1 << 20 for c in b_clock)                  # renumbered: the clocks started again
     assert a_hits == b_hits and all(torch.equal(x, y) for x, y in zip(a_tok, b_tok))
     assert all(torch.equal(x, y) for x, y in zip(a_out, b_out))
+
+
+def test_a_staged_token_map_is_taken_by_the_growth_with_the_contents_then():
+    """The token -> slot map grown ahead (ensure_tokens(staged=True)): seen only in a staged_view,
+    taken by the growth to its width with the map as it is then."""
+    from hi_sparse.hot_buffer import HotBufferBank
+    from hi_sparse.row_bank import staged_view
+
+    bank = HotBufferBank(2, 4, rows=1, token_capacity=8)
+    bank.ensure_tokens(100, align=lambda n: 160, staged=True)       # a map of 64 positions so far
+    staged = bank._staged_map
+    assert bank.token_slot_s.shape == (2, 65) and staged.shape == (2, 161)
+    with staged_view():
+        assert bank.token_slot_s is staged
+    bank.token_slot_s[:, 3] = 1                                # written after staging
+    bank.ensure_tokens(100, align=lambda n: 160)
+    assert bank.token_slot_s is staged and bank._staged_map is None
+    assert bool((staged[:, 3] == 1).all()) and bool((staged[:, 65:] == -1).all())

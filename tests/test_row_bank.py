@@ -53,3 +53,36 @@ def test_a_row_view_reads_and_writes_one_sequence_s_row_in_each_layer():
     view[1] = torch.full((2, 4), 5)
     assert (banks[1].t["anchors"][1] == 5).all() and (banks[0].t["anchors"][1] == -1).all()
     assert len(view) == 2 and [int(a.sum()) for a in view] == [-8, 40]
+
+
+def test_a_staged_growth_is_seen_in_a_staged_view_only_and_taken_by_the_growth():
+    """A growth made ahead (for a step captured on another thread): the staged tensor is filled,
+    shown only in a staged_view of the thread that enters it, and the growth to its size takes it
+    with the contents as they are then; a growth to another size, or new rows, drop it."""
+    import threading
+
+    from hi_sparse.row_bank import staged_view
+
+    bank = _bank()
+    bank.grow("bounds", 1, 2)
+    bank.stage("bounds", 1, 6)
+    staged = bank._staged["bounds"]
+    bank.stage("bounds", 1, 6)                                  # kept: the same size
+    assert bank._staged["bounds"] is staged and bool((staged == float("inf")).all())
+    bank.t["bounds"][0, :, :2] = 3.0                           # written after staging: copied at the growth
+    seen: dict = {}
+    with staged_view():
+        assert bank.t["bounds"] is staged and bank.size("bounds", 1) == 6
+        other = threading.Thread(target=lambda: seen.update(t=bank.t["bounds"], n=bank.size("bounds", 1)))
+        other.start()
+        other.join()
+    assert seen["t"] is not staged and seen["n"] == 2 and bank.size("bounds", 1) == 2
+    bank.grow("bounds", 1, 6)
+    assert bank.t["bounds"] is staged and not bank._staged
+    assert bool((staged[0, :, :2] == 3.0).all()) and bool((staged[:, :, 2:] == float("inf")).all())
+    bank.stage("bounds", 1, 12)
+    bank.grow("bounds", 1, 10)                                  # another size: a tensor of its own
+    assert bank.t["bounds"].shape[2] == 10 and not bank._staged
+    bank.stage("bounds", 1, 20)
+    bank.grow_rows(3)
+    assert not bank._staged

@@ -87,11 +87,10 @@ def test_graphs_captured_before_the_probe_is_fitted_score_anchors_after():
     ids = [e.add_sequences(B) for e in (graphed, eager)]
     for e, i in zip((graphed, eager), ids):
         _run(e, i, K, V, Q, 0, P)
-    changes, previous, kept = 0, None, None
+    changes, previous, kept = 0, None, set()
     for t in range(P, N):
         fitted = eager.probes[0].fitted          # before this step: its anchor changes are the decode's
-        if fitted and kept is None:              # the appends' graphs, captured before the fit
-            kept = _append_graphs(graphed)
+        kept |= {key[:2] for key in _append_keys(graphed)}
         outs = [_run(e, i, K, V, Q, t, t + 1) for e, i in zip((graphed, eager), ids)]
         for a, b in zip(*outs):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
@@ -104,15 +103,15 @@ def test_graphs_captured_before_the_probe_is_fitted_score_anchors_after():
         previous = anchors[1::2]
     assert _graphs(graphed)
     assert changes > 0             # decode tokens did become anchors after the fit
-    # ... by replays of those graphs: the kernel reads the fit from the device (probe.gate), so
-    # the fit changed no key (before, it cost each an eager step and a capture)
-    now = _append_graphs(graphed)
-    assert kept and all(now[slot] is g for slot, g in kept.items()), (kept, now)
+    # the appends' graphs, captured before the fit and after, were keyed alike but for the buffers'
+    # addresses: the kernel reads the fit from the device (probe.gate), not the key (before, the
+    # fit changed the key: an eager step and a capture)
+    assert kept == {(1, None)}, kept
 
 
-def _append_graphs(eng) -> dict:
-    return {(id(b), slot): g for b in eng._decoder._batches.values() for slot, (_, g) in b.runner.graphs.items()
-            if slot[1] == "append"}
+def _append_keys(eng) -> list:
+    return [key for b in eng._decoder._batches.values() for slot, (key, _) in b.runner.graphs.items()
+            if slot[1] == "append"]
 
 
 def _cfg(**kw):

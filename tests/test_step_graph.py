@@ -102,6 +102,45 @@ def test_a_planned_decode_keeps_its_graph_key_over_many_blocks():
     hs.disable_hisparse_kv_cache(model)
 
 
+# 16-token blocks, a bounded host pool (a growing one moves its buffers: a key of their own)
+AHEAD = dict(max_seq_len=2048, block_size=16, window_size=64, global_tokens=8, top_k=256, host_kv_bits=4,
+             host_pool_blocks=256)
+
+
+def test_buffers_grow_only_where_the_key_changes_anyway():
+    """The bound banks and the token -> slot maps grow to a key's block count (key_bounds.key_tokens),
+    so a whole-step graph's key changes only where its shapes do: at 1,024 tokens, where the
+    buffers grow too, and at 1,536, where nothing grows. Before, the banks grew at 1,280 and the
+    token maps at 1,200 as well. Both keys are foreseen (Decoder.later), the growth staged, as a
+    GPU captures them ahead (the next test)."""
+    _, model = make_pair("llama", max_position_embeddings=2048)
+    hs.enable_hisparse_kv_cache(model, **AHEAD)
+    graphs = step_graph.of(model)
+    graphs.plan_on_cpu = True
+    engine = binding_of(model).engine
+    rows = engine.layers[0]
+    seen: list = []
+    foreseen: dict = {}
+    run = graphs._run
+
+    def record(plan, call, cache):
+        seen.append((plan.starts[0], plan.shapes, plan.key, [t.data_ptr() for t in rows.buffers()]))
+        later = engine.plan_later(plan, step_graph.AHEAD_TOKENS)     # as a capture ahead plans it
+        if later is not None:
+            foreseen.setdefault(later.starts[0], later.key)
+        return run(plan, call, cache)
+
+    graphs._run = record
+    ids, mask = prompt(1, 600)
+    _run(model, ids, mask, 1000)
+    changed = [(p, s != t, m != n) for (p, s, k, m), (_, t, q, n) in zip(seen, seen[1:]) if k != q]
+    assert changed == [(1023, True, True), (1535, True, False)], changed
+    # each new key was foreseen 256 tokens ahead, the buffers it grows included (staged then)
+    keys = {p: k for p, _, k, _ in seen}
+    assert sorted(foreseen) == [1024, 1536] and all(foreseen[p] == keys[p] for p in foreseen), sorted(foreseen)
+    hs.disable_hisparse_kv_cache(model)
+
+
 def _planned_against_layers(label: str, **options):
     """The same model twice with ``options``, one through the planned path (eagerly, on the CPU):
     both decode 40 tokens of a left-padded batch with equal tokens, logits (bit for bit) and
@@ -381,23 +420,22 @@ def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 def test_a_coming_key_is_captured_ahead_and_decodes_like_no_graphs():
-    """A bucket change the batch will reach (96 -> 128 blocks of 16 tokens at 1,536 tokens, the
-    kernels' sizes alike; the bound banks grew at 1,280, a key of its own) is captured on another
-    thread while the key before it replays: the step that reaches it replays that graph, and the
-    tokens equal those decoded without graphs."""
+    """The keys of test_buffers_grow_only_where_the_key_changes_anyway on a GPU: each (at 1,024
+    tokens, with the banks and token maps it grows staged, and at 1,536) is captured on another
+    thread while the key before it replays, and the step that reaches it replays that graph. The
+    tokens equal those decoded without graphs; a sampling decode samples while the captures go on."""
     ref, model = make_pair("llama", max_position_embeddings=2048)
     ref, model = ref.cuda(), model.cuda()
-    kw = dict(max_seq_len=2048, block_size=16, window_size=64, global_tokens=8, top_k=256, host_kv_bits=4,
-              recalibration_lag=2)
+    kw = dict(AHEAD, recalibration_lag=2)
     hs.enable_hisparse_kv_cache(ref, name="test-ahead-eager", decode_graphs=False, **kw)
     hs.enable_hisparse_kv_cache(model, name="test-ahead-graph", decode_graphs="step", **kw)
-    ids, mask = prompt(1, 1100)
-    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), 450)
-    got, got_logits = _run(model, ids.cuda(), mask.cuda(), 450)
+    ids, mask = prompt(1, 600)
+    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), 1000)
+    got, got_logits = _run(model, ids.cuda(), mask.cuda(), 1000)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     counts = step_graph.of(model).counts
-    assert counts["ahead"] >= 1 and counts["ahead_failed"] == 0, counts
+    assert counts["ahead"] == 2 and counts["ahead_failed"] == 0 and counts["captured"] == 1, counts
     # a sampling decode: the caller's multinomial runs while the coming key is captured in another
     # thread (a capture puts the generator's state in capture mode, which rejects it: the capture
     # takes a copy, batch_step.private_random_state)
@@ -405,9 +443,9 @@ def test_a_coming_key_is_captured_ahead_and_decodes_like_no_graphs():
     hs.enable_hisparse_kv_cache(sampled.cuda(), name="test-ahead-sampled", decode_graphs="step", **kw)
     with torch.no_grad():
         out = sampled.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), do_sample=True, top_k=50,
-                               min_new_tokens=450, max_new_tokens=450)
-    assert out.shape[1] == 1100 + 450
-    assert step_graph.of(sampled).counts["ahead"] >= 1, step_graph.of(sampled).counts
+                               min_new_tokens=1000, max_new_tokens=1000)
+    assert out.shape[1] == 600 + 1000
+    assert step_graph.of(sampled).counts["ahead"] == 2, step_graph.of(sampled).counts
 
 
 @pytest.mark.gpu
