@@ -45,7 +45,8 @@ def main() -> int:
     def state() -> tuple[int, ...]:
         return (len(timers.calls["a recalibration's launch (in the step)"]), sum(engine.stats.recalibrations.values()),
                 graphs.counts["eager"], graphs.counts["captured"], graphs.counts["capture_retried"],
-                graphs.counts["ahead"], graphs.counts["ahead_failed"])
+                graphs.counts["ahead"], graphs.counts["ahead_failed"], engine.host.num_blocks,
+                engine.host.layers[0][next(iter(engine.host.layers[0]))].data_ptr())
 
     times: list[tuple[int, float, list[str]]] = []
     with contextlib.ExitStack() as stack:
@@ -56,7 +57,8 @@ def main() -> int:
             now = state()
             did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
                                                "captured its graph", "(a capture met an unloaded kernel)",
-                                               "replayed a graph captured ahead", "(a capture ahead failed)"),
+                                               "replayed a graph captured ahead", "(a capture ahead failed)",
+                                               "grew the host pool", "(which moved it)"),
                                               before, now) if a != b]
             if pos % block == block - 1:
                 did.insert(0, "completed a block")

@@ -14,12 +14,14 @@ offset: the one place that formula lives); a quantization *unit* is one (block, 
   float *tail* block (``k_tail``/``v_tail``, the same formula with the tail slot as the block).
 
 Host memory is pinned when the compute device is CUDA: the swap-in kernel reads it, and the
-backup of new tokens writes it, over UVA, in stream order and without a host sync.
+backup of new tokens writes it, over UVA, in stream order and without a host sync. Each tensor
+lives in a reserved address range it grows in place (:class:`Space`): a growing pool keeps its
+addresses, which a captured decode step holds, until it outgrows the reservation.
 """
 
 from __future__ import annotations
 
-import warnings
+import math
 
 import torch
 
@@ -27,41 +29,11 @@ from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequa
 from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_dequant_pair, swap_in_pair
 
 from .host_seal import QuantEvents, seal_graph, seal_many, seal_tails, to_device as _to_device
+from .pinned import Space, pin
 from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits
 from .trace import phase
 
 __all__ = ["HostPool", "QuantEvents"]
-
-
-def _pin(t: torch.Tensor) -> None:
-    """Page-lock ``t`` in place for the GPU (cudaHostRegister), unregistered when it is freed.
-
-    torch's pinned allocator rounds every allocation up to a power of two, so a 1.5 GiB layer of
-    the pool would lock 2 GiB (a 96 GiB pool ~128 GiB, more than the lent host has); registering
-    the exact pages keeps what is locked equal to what is reported.
-    """
-    import weakref
-
-    cudart = torch.cuda.cudart()
-    ptr, size = t.data_ptr(), t.numel() * t.element_size()
-    err = cudart.cudaHostRegister(ptr, size, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"could not page-lock {size / 2**30:.1f} GiB of host memory for the KV pool "
-                           f"(cudaHostRegister error {int(err)}): lower host_pool_blocks or host_kv_bits, "
-                           "or raise the locked-memory limit (ulimit -l)")
-    weakref.finalize(t, _unpin, ptr, size)   # the pool holds the base tensor until it grows
-
-
-def _unpin(ptr: int, size: int) -> None:
-    """Unregister pages _pin locked (the tensor is being freed). This fails inside a CUDA graph
-    capture of this thread (the batched decode captures with the collector off for that reason)
-    or of another thread in global mode: then say so, as the pages stay locked."""
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if err:
-        warnings.warn(f"HiSparse: could not unlock {size / 2**20:.1f} MiB of freed KV pool memory "
-                      f"(cudaHostUnregister error {err}; a CUDA graph capture in global mode was underway "
-                      "in another thread?): the pages stay page-locked until the process exits",
-                      RuntimeWarning, stacklevel=2)
 
 
 class HostPool:
@@ -80,6 +52,7 @@ class HostPool:
         self.num_blocks = 0
         self.num_tail = 0
         self.layers: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self._spaces: list[dict[str, Space | None]] = [{} for _ in range(num_layers)]   # by tensor, as layers
         # device copies of each layer's unit bits (mixed widths on a GPU): {(layer, "k"/"v"): tensor}
         self._bits_on: dict[tuple[int, str], torch.Tensor] = {}
         self._row_bytes: dict[torch.device, torch.Tensor] = {}   # bits -> bytes a packed row reads
@@ -90,42 +63,66 @@ class HostPool:
     def _empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         t = torch.zeros(shape, dtype=dtype)
         if self.pin and t.numel():
-            _pin(t)
+            pin(t)
         return t
 
-    def _alloc(self, blocks: int, tails: int) -> None:
+    def _spec(self, blocks: int, tails: int) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Every tensor of a layer: its shape and dtype for ``blocks`` blocks and ``tails`` tail slots."""
         H, D, bs, P = self.num_kv_heads, self.head_dim, self.block_size, self.packed_bytes
         rows, units, trows = blocks * H * bs, blocks * H, tails * H * bs
-        for store in self.layers:
-            if self.quantized:
-                pairs = {"channel": (units, D), "token": (rows,)}
-                spec = {"k_packed": ((rows, P), torch.uint8), "v_packed": ((rows, P), torch.uint8),
-                        **{f"{x}_{p}": (pairs[LAYOUT[x]], PARAM_DTYPES[LAYOUT[x]])
-                           for x in ("k", "v") for p in ("scale", "zero")},
-                        "k_bits": ((units,), torch.uint8), "v_bits": ((units,), torch.uint8),
-                        "k_tail": ((trows, D), self.dtype), "v_tail": ((trows, D), self.dtype)}
-            else:
-                spec = {"k": ((rows, D), self.dtype), "v": ((rows, D), self.dtype)}
+        if not self.quantized:
+            return {"k": ((rows, D), self.dtype), "v": ((rows, D), self.dtype)}
+        pairs = {"channel": (units, D), "token": (rows,)}
+        return {"k_packed": ((rows, P), torch.uint8), "v_packed": ((rows, P), torch.uint8),
+                **{f"{x}_{p}": (pairs[LAYOUT[x]], PARAM_DTYPES[LAYOUT[x]])
+                   for x in ("k", "v") for p in ("scale", "zero")},
+                "k_bits": ((units,), torch.uint8), "v_bits": ((units,), torch.uint8),
+                "k_tail": ((trows, D), self.dtype), "v_tail": ((trows, D), self.dtype)}
+
+    def _moves(self, blocks: int, tails: int) -> bool:
+        """Whether growing to ``blocks`` and ``tails`` moves a tensor in use (outgrows its space)."""
+        spec = self._spec(blocks, tails)
+        for store, spaces in zip(self.layers, self._spaces):
+            for name, t in store.items():
+                shape, dt = spec[name]
+                if t.numel() and tuple(t.shape) != shape:
+                    space = spaces.get(name)
+                    if space is None or not space.holds(math.prod(shape) * dt.itemsize):
+                        return True
+        return False
+
+    def _alloc(self, blocks: int, tails: int) -> None:
+        moved = False
+        spec = self._spec(blocks, tails)
+        for store, spaces in zip(self.layers, self._spaces):
             for name, (shape, dt) in spec.items():
-                old = store.get(name)
+                old, space = store.get(name), spaces.get(name)
                 if old is not None and old.shape == shape:
-                    continue             # more tail slots leave the main pool where it is (no copy)
-                new = self._empty(shape, dt)
+                    continue             # more tail slots leave the main pool where it is
+                nbytes = math.prod(shape) * dt.itemsize
+                if space is not None and space.holds(nbytes):
+                    store[name] = space.view(shape, dt)      # grown in place: the same address
+                    continue
+                space = spaces[name] = Space.make(nbytes, self.pin)
+                new = space.view(shape, dt) if space is not None else self._empty(shape, dt)
                 if old is not None and old.shape[0]:
                     new[: old.shape[0]] = old
+                    moved = True
                 store[name] = new
         if blocks != self.num_blocks:
             self._bits_on.clear()    # rebuilt at the next prepare
-        if (blocks, tails) != (self.num_blocks, self.num_tail):
+        if moved:
             self._seal_graphs = {k: v for k, v in self._seal_graphs.items() if k == "failed"}  # moved buffers
         self.num_blocks, self.num_tail = blocks, tails
 
     def grow(self, blocks: int | None = None, tails: int | None = None) -> None:
-        """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept)."""
-        if self.before_grow is not None:     # the old buffers go: whatever the device still reads finishes
-            self.before_grow()
+        """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept): in place,
+        unless a tensor outgrows its reserved space and moves."""
+        blocks, tails = max(self.num_blocks, blocks or 0), max(self.num_tail, tails or 0)
+        if self.before_grow is not None and self._moves(blocks, tails):
+            self.before_grow()       # the old buffers go: whatever the device still reads finishes
         with phase("host_pool.grow"):
-            self._alloc(max(self.num_blocks, blocks or 0), max(self.num_tail, tails or 0))
+            self._alloc(blocks, tails)
 
     def bytes(self) -> tuple[int, int]:
         """(data bytes, metadata bytes) held: K/V rows and tails vs scales, zeros and bits."""

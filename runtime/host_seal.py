@@ -113,8 +113,10 @@ class SealGraph:
     each width and keeps its chosen one (its counts by width read back at the step's end).
     Fewer units are padded with -1 (no row read or written; their errors dropped). Captured
     (recorded, not run) once per N (the engine does it as it captures a batch's step); kept while
-    the pool's buffers stay where they are (a grown pool moved them: captured again) and for the
-    last few N. A capture that fails leaves the seal op by op (a warning, once)."""
+    the pool's buffers stay where they are and for the last few N (a pool that outgrew its space
+    moved them: captured again; its kernels read and write the pool by address and row, never by
+    its size, so one grown in place keeps it). A capture that fails leaves the seal op by op (a
+    warning, once)."""
 
     KEEP = 4                                 # graphs kept (batch sizes), each with its memory pool
     # the layers' seals are independent: spread over this many streams in the graph, their small
@@ -135,8 +137,7 @@ class SealGraph:
             return None
         for layer in range(len(pool.layers)):    # the bits' device copies made now, not in the capture
             pool.prepare(layer, device)
-        key = (n, device, pool.num_blocks, pool.num_tail,
-               *(t.data_ptr() for layer in range(len(pool.layers)) for t in pool.buffers(layer)))
+        key = (n, device, *(t.data_ptr() for layer in range(len(pool.layers)) for t in pool.buffers(layer)))
         have = graphs.get((n, device))
         if have is not None and have.key == key:
             return have

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from hi_sparse import pinned
 from hi_sparse.config import HiSparseConfig
 from hi_sparse.engine import HiSparseEngine
 from hi_sparse.workloads import run_decode, run_prefill
@@ -122,9 +123,14 @@ def test_a_deferred_recalibration_launches_at_whatever_comes_first(what):
         assert _same(_state(bg, sid[0]), _state(sync, ids[0][0]))
 
 
-@pytest.mark.parametrize("what", ["fork", "free", "host pool growth"])
-def test_what_would_free_or_move_its_reads_commits_it_first(what):
-    """Each settle point commits the job before the change."""
+@pytest.mark.parametrize("what", ["fork", "free", "host pool growth", "host pool growth in place"])
+def test_what_would_free_or_move_its_reads_commits_it_first(what, monkeypatch):
+    """Each settle point commits the job before the change: a fork, a free, and a host pool that
+    grows out of its reserved space (pinned.RESERVE 1: none to spare) and moves; one that grows in
+    place leaves the job running (its reads stay where they are)."""
+    if what == "host pool growth":
+        monkeypatch.setattr(pinned, "RESERVE", 1)
+        monkeypatch.setattr(pinned, "RESERVE_LEAST", 0)
     _, bg = _engines()
     sid = _prefilled(bg)
     assert bg._recal_job is not None
@@ -139,8 +145,10 @@ def test_what_would_free_or_move_its_reads_commits_it_first(what):
         bg.free_sequences(sid)
         assert bg._recal_job is None
         return
+    where = bg.host.layers[0]["k_packed"].data_ptr()
     bg.host.grow(blocks=bg.host.num_blocks + 8)
-    assert bg._recal_job is None
+    moved = bg.host.layers[0]["k_packed"].data_ptr() != where
+    assert moved == (what == "host pool growth") and (bg._recal_job is None) == moved
 
 
 @pytest.mark.parametrize("T", [203, 208])

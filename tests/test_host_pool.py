@@ -420,3 +420,34 @@ def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(b
     for layer in range(L):
         for name, t in pools[0].layers[layer].items():
             assert torch.equal(t, hp.layers[layer][name]), (layer, name)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_pool_grows_in_place_until_it_outgrows_its_reserved_space(bits, monkeypatch):
+    """Each tensor lives in an address range reserved for it (pinned.Space, RESERVE times its
+    size): a growth keeps its address (a captured step keeps reading and writing it) and its
+    contents; one past the reservation moves it, the contents kept as well."""
+    from hi_sparse import pinned
+
+    monkeypatch.setattr(pinned, "RESERVE", 4)
+    monkeypatch.setattr(pinned, "RESERVE_LEAST", 0)
+    hp = _pool(bits, blocks=8)
+    def head(t):                                        # the first bytes (up to 64) of a tensor
+        raw = t.view(torch.uint8).view(-1)
+        return raw[:min(64, raw.numel())]
+
+    wrote = {}
+    for name, t in hp.layers[0].items():
+        wrote[name] = torch.arange(head(t).numel(), dtype=torch.uint8)
+        head(t).copy_(wrote[name])
+    where = {name: t.data_ptr() for name, t in hp.layers[0].items()}
+    assert not hp._moves(24, 3)
+    hp.grow(blocks=24)                                  # 3x: within the reservation
+    assert {name: t.data_ptr() for name, t in hp.layers[0].items()} == where
+    assert hp.layers[0]["k_tail" if bits else "k"].shape[0] == (3 if bits else 24) * H * BS
+    assert hp._moves(4096, 3)
+    hp.grow(blocks=4096)                                # past it (at least a page each)
+    moved = {name for name, t in hp.layers[0].items() if t.data_ptr() != where[name]}
+    assert moved == {name for name in where if not name.endswith("tail")}, moved
+    for name, t in hp.layers[0].items():
+        assert torch.equal(head(t)[:len(wrote[name])], wrote[name]), name
