@@ -125,7 +125,12 @@ class GraphRunner:
         return self.outputs.get(slot)
 
 
-_capture_streams: dict[tuple, torch.cuda.Stream] = {}    # by device and thread
+_capture_streams: dict[tuple, torch.cuda.Stream] = {}    # by device, and whether another thread's
+# One capture at a time, whatever the thread: a capture on another thread (step_graph.py captures
+# a coming key there) and one of the steps' thread at once broke the latter on the H200 ("capturing
+# stream has unjoined work"); the steps' thread then waits for the other's to end.
+_capture_lock = threading.Lock()
+_blas = threading.local()
 _gc_lock = threading.Lock()
 _gc_paused = [0, False]              # captures under way (any thread), and whether gc was on before them
 
@@ -164,6 +169,20 @@ def private_random_state(device: torch.device) -> Iterator[None]:
         gen.graphsafe_set_state(own)
 
 
+def _ready_blas(stream: torch.cuda.Stream) -> None:
+    """This thread's cuBLAS and cuBLASLt handles and their workspaces on ``stream``, made now: a
+    capture may not create them (a new thread's capture failed on the H200 with
+    CUBLAS_STATUS_NOT_INITIALIZED in cublasCreate). Once per thread and stream."""
+    if getattr(_blas, "stream", None) is stream:
+        return
+    with torch.cuda.stream(stream):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.ones(8, 8, dtype=dtype, device=stream.device)
+            torch.nn.functional.linear(x, x, x[0])
+            torch.mm(x, x)
+    _blas.stream = stream
+
+
 def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """``fn()`` recorded (not run) in a new CUDA graph allocating from ``pool``: (graph, what fn
     returned). On a failure the capture is undone (_after_failed_capture) and the error raised.
@@ -176,16 +195,18 @@ def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
     emptying the allocator's cache (the steps after would allocate again)."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
-    at = (current.device, threading.get_ident())         # two threads may capture at once
+    at = (current.device, begun is not None)
     stream = _capture_streams.get(at)
     if stream is None:
         stream = _capture_streams[at] = torch.cuda.Stream(current.device)
+    if begun is not None:
+        _ready_blas(stream)
     stream.wait_stream(current)
     # A collection during the capture would run CUDA calls a capture forbids (unregistering a
     # dropped pool's pinned pages, destroying an old engine's graphs) and break it; other
     # threads' CUDA calls (thread_local) may go on.
     try:
-        with _no_collection(), torch.cuda.stream(stream):
+        with _capture_lock, _no_collection(), torch.cuda.stream(stream):
             graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
                 if begun is not None:

@@ -119,8 +119,11 @@ class HostPool:
         """Resize to at least ``blocks`` blocks and ``tails`` tail slots (contents kept): in place,
         unless a tensor outgrows its reserved space and moves."""
         blocks, tails = max(self.num_blocks, blocks or 0), max(self.num_tail, tails or 0)
-        if self.before_grow is not None and self._moves(blocks, tails):
-            self.before_grow()       # the old buffers go: whatever the device still reads finishes
+        # the old buffers go (a move, or the bits' device copies of a pool of several widths,
+        # made again): whatever the device still reads finishes first
+        remade = bool(self._bits_on) and blocks > self.num_blocks
+        if self.before_grow is not None and (remade or self._moves(blocks, tails)):
+            self.before_grow()
         with phase("host_pool.grow"):
             self._alloc(blocks, tails)
 

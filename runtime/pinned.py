@@ -37,7 +37,7 @@ def _unpin(ptr: int, size: int) -> None:
 
 
 RESERVE = 16                 # a pool tensor's address space: this many times its size when made
-RESERVE_LEAST = 16 << 20     # ... and at least this many bytes
+RESERVE_LEAST = 1 << 30      # ... and at least this many bytes (address space only: none backed)
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 

@@ -4,6 +4,7 @@ and read to get rows back, with one address formula (main rows, tail rows) for a
 import pytest
 import torch
 
+from hi_sparse import pinned
 from hi_sparse.host_pool import HostPool
 from hi_sparse.kernels import packed_width
 from hi_sparse.quant_policy import relative_error
@@ -311,16 +312,20 @@ def _back_up_as_decode(hp: HostPool, blocks: list[int], slots: list[int], k: tor
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("streams", [1, 4])
+@pytest.mark.parametrize("streams,move", [(1, "in place"), (4, "in place"), (4, "moved")])
 @pytest.mark.parametrize("bits", [4, "auto"])
-def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bits, streams, monkeypatch):
+def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bits, streams, move, monkeypatch):
     """seal_tails with graphs (a pinned pool of one width on a GPU): captured for room for 3
-    blocks the first time, replayed after, captured again once the pool grew. Every round writes
+    blocks the first time, replayed after, and after the pool grew in place; captured again once
+    it grew out of its reserved space (moved). Every round writes
     what the op-by-op seal writes (same pool bytes, counts, bytes and errors), with new blocks and
     tail slots each round (the replay reads this round's indices, not the capture's) and fewer
     blocks than its room (padded: nothing else written, the padding's errors not counted)."""
     from hi_sparse.host_seal import SealGraph
     monkeypatch.setattr(SealGraph, "STREAMS", streams)      # the layers on up to 4 streams
+    if move == "moved":                                     # no address space to spare
+        monkeypatch.setattr(pinned, "RESERVE", 1)
+        monkeypatch.setattr(pinned, "RESERVE_LEAST", 0)
     g = torch.Generator().manual_seed(11)
     L, dev = 3, torch.device("cuda")
     pools = []
@@ -329,12 +334,14 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bit
         hp.grow(blocks=16, tails=4)
         pools.append(hp)
     rounds = [([5, 1, 11], [0, 1, 2]), ([2], [2]), ([7, 3], [1, 3]), ([20, 6, 25], [3, 2, 1])]
+    where = pools[1].layers[0]["k_packed"].data_ptr()
     widths = set()
     captured = []
     for r, (blocks, slots) in enumerate(rounds):
-        if r == 3:                                           # a grown pool moved its buffers
+        if r == 3:               # a pool grown in place keeps its graph; one that outgrew its space moves
             for hp in pools:
-                hp.grow(blocks=32)
+                hp.grow(blocks=256)
+            kept = pools[1].layers[0]["k_packed"].data_ptr() == where
         n = len(blocks)
         k, v = (t.to(dev, torch.bfloat16) for t in _units_of_two_widths(g, L, n))
         results = []
@@ -356,7 +363,7 @@ def test_a_seal_replayed_from_its_graph_writes_what_the_seal_op_by_op_writes(bit
                 mirrors = [hp._bits_on.get((layer, prefix)) for hp in pools]
                 assert (mirrors[0] is None) == (mirrors[1] is None) == (bits == 4)
                 assert mirrors[0] is None or torch.equal(mirrors[0], mirrors[1])
-    assert captured[0] is captured[1] is captured[2] and captured[3] is not captured[2]
+    assert captured[0] is captured[1] is captured[2] and (captured[3] is captured[2]) == kept == (move == "in place")
     assert widths == {4} if bits == 4 else (len(widths) >= 2 and 4 in widths), widths
 
 
@@ -427,8 +434,6 @@ def test_a_pool_grows_in_place_until_it_outgrows_its_reserved_space(bits, monkey
     """Each tensor lives in an address range reserved for it (pinned.Space, RESERVE times its
     size): a growth keeps its address (a captured step keeps reading and writing it) and its
     contents; one past the reservation moves it, the contents kept as well."""
-    from hi_sparse import pinned
-
     monkeypatch.setattr(pinned, "RESERVE", 4)
     monkeypatch.setattr(pinned, "RESERVE_LEAST", 0)
     hp = _pool(bits, blocks=8)
