@@ -53,7 +53,7 @@ def _after_failed_capture(stream: torch.cuda.Stream, pool, reset_random: bool = 
     if not reset_random:
         return
     try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with _capture_lock, torch.cuda.graph(torch.cuda.CUDAGraph()):     # a capture too: one at a time
             torch.zeros(1, device=stream.device).add_(1)
     except RuntimeError:                       # if this fails too, the stream at least comes back
         torch.cuda.set_stream(stream)
@@ -131,26 +131,19 @@ _capture_streams: dict[tuple, torch.cuda.Stream] = {}    # by device, and whethe
 # stream has unjoined work"); the steps' thread then waits for the other's to end.
 _capture_lock = threading.Lock()
 _blas = threading.local()
-_gc_lock = threading.Lock()
-_gc_paused = [0, False]              # captures under way (any thread), and whether gc was on before them
 
 
 @contextlib.contextmanager
 def _no_collection() -> Iterator[None]:
-    """Python's cyclic collector off while any thread captures (one capture ending must not turn it
-    back on under another's)."""
-    with _gc_lock:
-        if _gc_paused[0] == 0:
-            _gc_paused[1] = gc.isenabled()
-            gc.disable()
-        _gc_paused[0] += 1
+    """Python's cyclic collector off during a capture (captures hold _capture_lock: one at a time,
+    so one ending does not turn it back on under another)."""
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        with _gc_lock:
-            _gc_paused[0] -= 1
-            if _gc_paused[0] == 0 and _gc_paused[1]:
-                gc.enable()
+        if collecting:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -247,10 +247,7 @@ class Decoder:
 
     def _grow(self, rows: LayerRows, n_max: int, staged: bool = False) -> None:
         """Room for n_max tokens in the layer's bounds and hot buffer (``staged``: made ahead)."""
-        cfg = self.cfg
-        key_bounds.grow(rows.bank, n_max, self.shape.block_size, cfg.select_block, cfg.bound_group, cfg.max_seq_len,
-                        staged)
-        rows.hot.ensure_tokens(n_max, lambda n: key_bounds.key_tokens(n, cfg.select_block), staged)
+        rows.make_room(n_max, self.cfg, staged)
 
     def _attend_shapes(self, rows: LayerRows, batch: Batch, seqs: list[Sequence],
                        lengths: list[int]) -> tuple[int, int, bool, bool]:

@@ -92,7 +92,7 @@ class HotBufferBank:
         self.slot_stamp_s = torch.empty(0, S1, dtype=STAMP, device=self.device)
         self.prefetched_s = torch.empty(0, S1, dtype=torch.bool, device=self.device)
         self._token_slot_s = torch.empty(0, 1, dtype=torch.int64, device=self.device)    # (N, 1 + tokens)
-        self._staged_map: torch.Tensor | None = None       # stage_tokens()
+        self._staged_map: torch.Tensor | None = None       # ensure_tokens(staged=True)
         # with the kernels: each head's slots from least to most recently used (the stamps' order,
         # kept by the decode step's kernels so that no step sorts the stamps); order_valid False
         # after an operation that does not keep it, until sync_order rebuilds it from the stamps

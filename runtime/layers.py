@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import key_bounds
+from .config import HiSparseConfig
 from .hot_buffer import HotBufferBank
 from .metrics import DeviceCounters
 from .probe import ImportanceProbe
@@ -122,6 +123,13 @@ class LayerRows:
         self.hot.copy_row(src, dst, count)
         for t in (self.k, self.v):
             t[dst:dst + count].copy_(t[src].expand(count, *t.shape[1:]))
+
+    def make_room(self, tokens: int, cfg: HiSparseConfig, staged: bool = False) -> None:
+        """Room for ``tokens`` tokens in the key bounds and the token -> slot map, each grown to a
+        step key's block count (key_bounds.key_tokens); ``staged``: made ahead (RowBank.stage)."""
+        key_bounds.grow(self.bank, tokens, cfg.cache_block_size, cfg.select_block, cfg.bound_group, cfg.max_seq_len,
+                        staged)
+        self.hot.ensure_tokens(tokens, lambda n: key_bounds.key_tokens(n, cfg.select_block), staged)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a decode step of this layer touches (their addresses key a captured step)."""

@@ -89,9 +89,10 @@ class RowBank:
     def grow(self, name: str, dim: int, size: int) -> None:
         """Make per-row dim ``dim`` of kind ``name`` at least ``size`` (new part filled), into the
         tensor :meth:`stage` made for that size if there is one."""
-        shape, staged = self._grown(name, dim, size), self._staged.pop(name, None)
+        shape = self._grown(name, dim, size)
         if shape is None:
             return
+        staged = self._staged.pop(name, None)
         k = self._kinds[name]
         old = k.shape[dim]
         k.shape[dim] = size

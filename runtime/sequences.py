@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import key_bounds
 from .config import HiSparseConfig
 from .host_pool import HostPool
 from .hot_buffer import HotBufferState
@@ -217,13 +216,10 @@ class SequenceTable:
             self._release_tail(s)
             return False
         s.row = self.take_rows(1)[0]
-        cfg = self.cfg
         for layer, saved in zip(self.layers, s.saved or []):
             layer.reset(s.row)
-            key_bounds.grow(layer.bank, s.length, cfg.cache_block_size, cfg.select_block, cfg.bound_group,
-                            cfg.max_seq_len)
+            layer.make_room(s.length, self.cfg)
             layer.bank.load(s.row, saved)
-            layer.hot.ensure_tokens(s.length, align=lambda n: key_bounds.key_tokens(n, cfg.select_block))
         s.saved = None
         s.hot = [layer.hot.rows(s.row) for layer in self.layers]
         s.table_version = -1
