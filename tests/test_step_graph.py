@@ -417,6 +417,23 @@ def test_whole_step_graphs_replay_the_layer_by_layer_decode(bits, monkeypatch):
         assert "failed" not in binding_of(model).engine.host._seal_graphs
 
 
+def _graphed_like_eager(label: str, dtype: torch.dtype, positions: int, kw: dict, n: int, steps: int,
+                        tol: float) -> tuple:
+    """A tiny Llama on the GPU decoding ``steps`` tokens after an ``n``-token prompt with
+    whole-step graphs, and a copy without graphs: equal tokens, logits within ``tol``. Returns
+    (the graphed model, the prompt (ids, mask))."""
+    ref, model = make_pair("llama", dtype=dtype, max_position_embeddings=positions)
+    ref, model = ref.cuda(), model.cuda()
+    hs.enable_hisparse_kv_cache(ref, name=f"{label}-eager", decode_graphs=False, **kw)
+    hs.enable_hisparse_kv_cache(model, name=f"{label}-graph", decode_graphs="step", **kw)
+    ids, mask = prompt(1, n)
+    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), steps)
+    got, got_logits = _run(model, ids.cuda(), mask.cuda(), steps)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=tol, atol=tol)
+    return model, (ids, mask)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_a_coming_key_is_captured_ahead_and_decodes_like_no_graphs():
@@ -424,16 +441,8 @@ def test_a_coming_key_is_captured_ahead_and_decodes_like_no_graphs():
     tokens, with the banks and token maps it grows staged, and at 1,536) is captured on another
     thread while the key before it replays, and the step that reaches it replays that graph. The
     tokens equal those decoded without graphs; a sampling decode samples while the captures go on."""
-    ref, model = make_pair("llama", max_position_embeddings=2048)
-    ref, model = ref.cuda(), model.cuda()
     kw = dict(AHEAD, recalibration_lag=2)
-    hs.enable_hisparse_kv_cache(ref, name="test-ahead-eager", decode_graphs=False, **kw)
-    hs.enable_hisparse_kv_cache(model, name="test-ahead-graph", decode_graphs="step", **kw)
-    ids, mask = prompt(1, 600)
-    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), 1000)
-    got, got_logits = _run(model, ids.cuda(), mask.cuda(), 1000)
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    model, (ids, mask) = _graphed_like_eager("test-ahead", torch.float32, 2048, kw, 600, 1000, 1e-4)
     counts = step_graph.of(model).counts
     assert counts["ahead"] == 2 and counts["ahead_failed"] == 0 and counts["captured"] == 1, counts
     # a sampling decode: the caller's multinomial runs while the coming key is captured in another
@@ -454,17 +463,9 @@ def test_whole_step_graph_of_a_long_bf16_context_matches_without_graphs():
     """bf16, 4-bit host, a 3K prompt in 64-token blocks: the replayed step follows the eager one
     through block boundaries (3007 and 3071: planned and replayed too, the block sealed after the
     forward) and a bucket change."""
-    ref, model = make_pair("llama", dtype=torch.bfloat16, max_position_embeddings=4096)
-    ref, model = ref.cuda(), model.cuda()
     kw = dict(max_seq_len=4096, block_size=64, window_size=64, global_tokens=8, top_k=256, host_kv_bits=4,
               recalibration_lag=2)
-    hs.enable_hisparse_kv_cache(ref, name="test-step-long-eager", decode_graphs=False, **kw)
-    hs.enable_hisparse_kv_cache(model, name="test-step-long-graph", decode_graphs="step", **kw)
-    ids, mask = prompt(1, 3000)
-    want, want_logits = _run(ref, ids.cuda(), mask.cuda(), 100)
-    got, got_logits = _run(model, ids.cuda(), mask.cuda(), 100)
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_logits, want_logits, rtol=2e-2, atol=2e-2)
+    model, _ = _graphed_like_eager("test-step-long", torch.bfloat16, 4096, kw, 3000, 100, 2e-2)
     counts = step_graph.of(model).counts
     assert counts["replayed"] >= 80 and counts["layer_by_layer"] == 0, counts
     assert dataclasses.is_dataclass(binding_of(model).engine.stats)
