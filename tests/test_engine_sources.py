@@ -270,11 +270,17 @@ def test_reads_are_never_torn_while_a_process_writes_and_grows_the_file(tmp_path
     assert writer.stdout.readline().strip() == "ready"
     f = mpfiles.DbFile(path, "counter", None, "4242")
     last: dict[tuple, float] = {}
-    reads = entries = 0
+    reads = entries = skipped = 0
     t_end = time.monotonic() + 2.5
     try:
         while time.monotonic() < t_end:
-            for key, value, ts in f.read():
+            try:
+                got = f.read()
+            except SourceError as exc:   # the writer changed a value on every attempt: a sample
+                assert "skipped this sample" in str(exc), exc   # skipped and said so, never torn
+                skipped += 1
+                continue
+            for key, value, ts in got:
                 assert value == ts, (key, value, ts)  # a half-written entry would differ
                 assert value >= last.get(key, 0.0)
                 last[key] = value
@@ -282,8 +288,10 @@ def test_reads_are_never_torn_while_a_process_writes_and_grows_the_file(tmp_path
             reads += 1
     finally:
         writer.wait(timeout=10)
-    assert reads > 50 and len(last) > 10, (reads, len(last))
-    print(f"\n{reads} reads, {entries} entries, {f.retries} retries of a changing file")
+    # (on the loaded 2-core CI machine a read once met a value changing on each of its attempts:
+    # that sample is skipped, as the agent skips it; alone here 0 of ~2,000 reads are)
+    assert reads > 50 and len(last) > 10 and skipped <= reads // 20, (reads, len(last), skipped)
+    print(f"\n{reads} reads, {entries} entries, {f.retries} retries of a changing file, {skipped} skipped")
 
 
 def test_a_corrupt_or_foreign_file_is_a_clear_error_not_a_crash(tmp_path):
