@@ -20,6 +20,8 @@ import torch
 
 from hi_sparse import kernels
 
+from .streams import own_stream
+
 
 def _cause(exc: BaseException) -> str:
     """What broke a capture, first: when an op of the body raised, ending the capture raises too
@@ -125,10 +127,11 @@ class GraphRunner:
         return self.outputs.get(slot)
 
 
-_capture_streams: dict[tuple, torch.cuda.Stream] = {}    # by device, and whether another thread's
-# One capture at a time, whatever the thread: a capture on another thread (step_graph.py captures
-# a coming key there) and one of the steps' thread at once broke the latter on the H200 ("capturing
-# stream has unjoined work"); the steps' thread then waits for the other's to end.
+# One capture at a time, whatever the thread (step_graph.py captures a coming key on another
+# thread): the collector's pause (_no_collection) and the generator's reset after a failed capture
+# are the process's, not a thread's. (A seal capture that broke with two captures at once on the
+# H200, "capturing stream has unjoined work", was most likely two roles on one pooled stream,
+# which streams.py ends: the lock did not stop it.)
 _capture_lock = threading.Lock()
 _blas = threading.local()
 
@@ -188,10 +191,7 @@ def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
     emptying the allocator's cache (the steps after would allocate again)."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
-    at = (current.device, begun is not None)
-    stream = _capture_streams.get(at)
-    if stream is None:
-        stream = _capture_streams[at] = torch.cuda.Stream(current.device)
+    stream = own_stream(current.device, "capture ahead" if begun is not None else "capture")
     if begun is not None:
         _ready_blas(stream)
     stream.wait_stream(current)

@@ -29,7 +29,7 @@ from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequa
 from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_dequant_pair, swap_in_pair
 
 from .host_seal import QuantEvents, seal_graph, seal_many, seal_tails, to_device as _to_device
-from .pinned import Space, pin
+from .pinned import Space, lock_ahead, pin
 from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits
 from .trace import phase
 
@@ -57,6 +57,7 @@ class HostPool:
         self._bits_on: dict[tuple[int, str], torch.Tensor] = {}
         self._row_bytes: dict[torch.device, torch.Tensor] = {}   # bits -> bytes a packed row reads
         self._seal_graphs: dict = {}         # host_seal.SealGraph by (units, device)
+        self.locking = None                  # the last lock_ahead's job
         self._alloc(0, 0)
 
     # -- storage -------------------------------------------------------------------------------
@@ -126,6 +127,20 @@ class HostPool:
             self.before_grow()
         with phase("host_pool.grow"):
             self._alloc(blocks, tails)
+
+    def lock_ahead(self, blocks: int) -> None:
+        """Page-lock, on a thread, the pages a growth to ``blocks`` blocks will take in place
+        (pinned.lock_ahead): that growth, in a decode step, then has none to lock. ``locking``:
+        the last such job (a Future)."""
+        if not self.pin or blocks <= self.num_blocks:
+            return
+        todo = []
+        for spaces in self._spaces:
+            for name, (shape, dt) in self._spec(blocks, self.num_tail).items():
+                space, nbytes = spaces.get(name), math.prod(shape) * dt.itemsize
+                if space is not None and space.holds(nbytes):
+                    todo.append((space, nbytes))
+        self.locking = lock_ahead(todo, torch.device("cuda", torch.cuda.current_device()))
 
     def bytes(self) -> tuple[int, int]:
         """(data bytes, metadata bytes) held: K/V rows and tails vs scales, zeros and bits."""

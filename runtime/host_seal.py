@@ -19,6 +19,7 @@ from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in
 
 from .batch_step import _cause, capture
 from .quant_policy import LAYOUT, quantize_roundtrip
+from .streams import own_stream
 
 
 @dataclass
@@ -127,7 +128,7 @@ class SealGraph:
         self.key = key
         self.tail = torch.zeros(n * pool.block_size, dtype=torch.int64, device=device)   # the inputs
         self.units = torch.zeros(n, dtype=torch.int64, device=device)
-        self.streams = [torch.cuda.Stream(device) for _ in range(max(0, self.STREAMS - 1))]
+        self.streams = [own_stream(device, f"seal {i}") for i in range(1, self.STREAMS)]
         self.graph, (self.errors, self.counts, self.written) = capture(
             lambda: _graph_seal(pool, self.tail, self.units, self.streams), torch.cuda.graph_pool_handle())
 

@@ -22,6 +22,7 @@ import torch
 
 from .host_seal import to_device
 from .probe import write_params
+from .streams import own_stream
 
 
 class RecalibrationJob:
@@ -29,8 +30,6 @@ class RecalibrationJob:
     :meth:`commit` writes them, at a step boundary. Computed at once, or by a worker thread on a
     side CUDA stream per device (:meth:`run`, ``background``): then :meth:`ready` says whether
     the worker and the device finished, and :meth:`commit` waits for both."""
-
-    _streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def __init__(self, reason: str, background: bool = False) -> None:
         self.reason = reason
@@ -52,9 +51,7 @@ class RecalibrationJob:
         queued until now (the job's inputs are copied there just before)."""
         if device.type != "cuda":
             return None
-        stream = RecalibrationJob._streams.get(device)
-        if stream is None:
-            stream = RecalibrationJob._streams[device] = torch.cuda.Stream(device)
+        stream = own_stream(device, "recalibration")
         stream.wait_stream(torch.cuda.current_stream(device))
         self.streams[device] = stream
         return stream

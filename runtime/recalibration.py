@@ -353,21 +353,22 @@ class Recalibrator:
         like = (layer.device, tuple((s.row, s.queries_kept[i], s.lengths[i], s.first_token) for s in todo))
         if shared.get("like") != like:
             meta = self.reader.read_meta(todo, layer, shared.setdefault("tables", {}))
+            holes = [self.reader.storage.has_holes(s) for s in todo]
             shared.update(like=like, per_seq=to_device(torch.tensor(like[1]), layer.device), meta=meta,
-                          tail_rows=self.reader.tail_rows(meta, layer.device) if tails else None)
+                          tail_rows=self.reader.tail_rows(meta, layer.device) if tails else None, holes=any(holes),
+                          # without holes every token from the first visible one to the window is outside it
+                          n_out=[None if h else s.lengths[i] - cfg.window_size - s.first_token
+                                 for s, h in zip(todo, holes)], n_all=[s.lengths[i] for s in todo])
         rows, kept, lengths, first = shared["per_seq"].unbind(1)
         bank = layer.bank.t["queries"]
         queries = bank[rows].view(len(todo), bank.shape[1], shape.num_kv_heads, shape.group_size, shape.head_dim)
-        holes = [self.reader.storage.has_holes(s) for s in todo]
+        n_all = shared["n_all"]
         # a worker makes the visibility of contexts without holes (no bank read) from the copies
-        visible = (self.reader.visible_batch(todo, layer, max(s.lengths[i] for s in todo)) if any(holes)
-                   or not tails else None)
-        # without holes every token from the first visible one to the window is outside it
-        n_out = [None if h else s.lengths[i] - cfg.window_size - s.first_token for s, h in zip(todo, holes)]
+        visible = self.reader.visible_batch(todo, layer, max(n_all)) if shared["holes"] or not tails else None
         self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
         meta = shared["meta"]
         snap = self.reader.read_tails(meta, layer, shared["tail_rows"]) if tails else None
-        return todo, queries, kept, visible, lengths, n_out, [s.lengths[i] for s in todo], meta, snap, first
+        return todo, queries, kept, visible, lengths, shared["n_out"], n_all, meta, snap, first
 
     def _layer(self, layer: LayerRows, inputs: tuple, fit: set[int], job: "RecalibrationJob"
                ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -42,9 +42,9 @@ class Storage:
         pool = self.pool
         blocks = pool.get_new_blocks(need)
         if blocks is None and self.cfg.host_pool_blocks is None:
-            more = max(need, pool.num_blocks // 4, 16)  # geometric: O(1) amortised copies
-            pool.grow(more)
+            pool.grow(max(need, _growth(pool.num_blocks)))
             self.host.grow(blocks=pool.num_blocks)
+            self.host.lock_ahead(pool.num_blocks + _growth(pool.num_blocks))     # the next growth's pages
             blocks = pool.get_new_blocks(need)
         if blocks is None and pool.num_pending:
             blocks = pool.get_new_blocks(need, cut_grace=True)
@@ -103,3 +103,8 @@ class Storage:
 
     def has_holes(self, s: Sequence) -> bool:
         return self.pages.seqs[s.seq_id].holes > 0
+
+
+def _growth(blocks: int) -> int:
+    """How many blocks a pool of ``blocks`` grows by, at least (geometric: O(1) amortised work)."""
+    return max(blocks // 4, 16)

@@ -458,3 +458,33 @@ def test_a_pool_grows_in_place_until_it_outgrows_its_reserved_space(bits, monkey
     assert moved == {name for name in where if not name.endswith("tail")}, moved
     for name, t in hp.layers[0].items():
         assert torch.equal(head(t)[:len(wrote[name])], wrote[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("bits", [None, 4])
+def test_the_next_growth_finds_its_pages_locked_ahead(bits, monkeypatch):
+    """HostPool.lock_ahead page-locks, on a thread, what a growth to n blocks takes in place: that
+    growth (in a decode step) registers nothing; one past n registers only the rest. Every page a
+    view covers is locked (the GPU reads it over UVA)."""
+    calls = []
+    real = pinned._register
+    monkeypatch.setattr(pinned, "_register", lambda ptr, size: (calls.append(size), real(ptr, size)))
+    hp = HostPool(2, H, D, BS, torch.float16, pin=True, host_kv_bits=bits)
+    hp.grow(blocks=64, tails=3)
+    made = len(calls)
+    hp.lock_ahead(80)
+    hp.locking.result()
+    ahead = len(calls) - made
+    assert ahead >= 4                                        # every layer's K and V rows at least
+    hp.grow(blocks=80)
+    assert len(calls) == made + ahead                        # nothing left to lock in the step
+    hp.grow(blocks=96)
+    assert len(calls) > made + ahead
+    for spaces, store in zip(hp._spaces, hp.layers):
+        for name, t in store.items():
+            space = spaces[name]
+            assert space.locked >= t.numel() * t.element_size(), name
+            assert t.data_ptr() == space.base.data_ptr()     # grown in place
+    k = hp.layers[0]["k" if bits is None else "k_packed"]
+    assert k.is_pinned()

@@ -1,0 +1,57 @@
+"""CUDA streams the runtime owns: one per (device, role), never shared with anyone else's work.
+
+``torch.cuda.Stream()`` hands out streams from a pool of 32 per device and priority, round robin:
+the 33rd stream a process asks for is the first one again. Two roles on one CUDA stream is a bug
+the moment one of them captures a graph: whatever another thread queues there meanwhile (a
+background recalibration's reads) is recorded into the capture, which then fails ("capturing
+stream has unjoined work", the H200 gpu suite) or, worse, replays that work at every step. So
+the runtime's side streams are made here with the driver's ``cuStreamCreate`` (non-blocking, like
+torch's), once per process, and wrapped as ``torch.cuda.ExternalStream``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+_lock = threading.Lock()
+_NON_BLOCKING = 1                    # CU_STREAM_NON_BLOCKING: no implicit sync with the null stream
+
+
+def own_stream(device: torch.device | int, role: str) -> torch.cuda.Stream:
+    """The runtime's stream for ``role`` on CUDA ``device`` (made at the first call)."""
+    index = torch.device("cuda", device).index if isinstance(device, int) else device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    with _lock:
+        stream = _streams.get((index, role))
+        if stream is None:
+            stream = _streams[(index, role)] = _create(index)
+        return stream
+
+
+def _create(index: int) -> torch.cuda.Stream:
+    """A new CUDA stream of its own on device ``index``; a pooled torch stream where the driver
+    library cannot be loaded (not Linux)."""
+    torch.cuda.init()
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return torch.cuda.Stream(index)
+    dev, ctx, raw = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    _check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+    _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")  # torch's context
+    _check(cuda.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+    try:
+        _check(cuda.cuStreamCreate(ctypes.byref(raw), _NON_BLOCKING), "cuStreamCreate")
+    finally:
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    return torch.cuda.ExternalStream(raw.value, device=torch.device("cuda", index))
+
+
+def _check(err: int, call: str) -> None:
+    if err:
+        raise RuntimeError(f"HiSparse: {call} failed (CUDA driver error {err}) making a side stream")
