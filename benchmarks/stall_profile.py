@@ -21,7 +21,7 @@ from call_timers import CallTimers
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
 import hi_sparse as hs
-from hi_sparse import recalibration, step_graph
+from hi_sparse import pinned, recalibration, step_graph
 
 
 def main() -> int:
@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--bits", type=host_bits, default=4, help="host_kv_bits: none, 4, 5, 6, 8, auto, ...")
     ap.add_argument("--over", type=float, default=1.5, help="a stall: a step over this times the median")
     ap.add_argument("--no-ahead", action="store_true", help="capture no coming key ahead (step_graph.AHEAD_TOKENS)")
+    ap.add_argument("--no-priority", action="store_true",
+                    help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     args = ap.parse_args()
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
@@ -40,6 +42,7 @@ def main() -> int:
                                 global_tokens=8, top_k=128, host_kv_bits=args.bits, telemetry=False)
     engine, graphs = hs.integration.binding_of(model).engine, step_graph.of(model)
     graphs.ahead = not args.no_ahead
+    step_graph.PRIORITY = not args.no_priority
     timers = CallTimers()
 
     def state() -> tuple[int, ...]:
@@ -67,7 +70,7 @@ def main() -> int:
     steady = [t for _, t, _ in times[2:]]        # the first two: the eager warm-up and the capture
     med = statistics.median(steady)
     print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}, "
-          f"{'no ' if args.no_ahead else ''}capture ahead: "
+          f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
     for pos, t, did in times[2:]:
@@ -96,6 +99,8 @@ def timed_parts(engine, timers: CallTimers) -> list:
             timers.wrap(engine._recalibrator, "_work", "its worker's launches (another thread)"),
             timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker)"),
             timers.wrap(recalibration, "fit_params", "  its probes' fit (worker)"),
+            timers.wrap(engine.host, "grow", "the host pool's growth (in the step)"),
+            timers.wrap(pinned.Space, "lock_to", "  page-locking a tensor's pages (the step, or the thread ahead)"),
             timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)"),
             timers.wrap(step_graph, "capture", "a whole-step capture (either thread)"),
             timers.wrap(torch.cuda.CUDAGraph, "capture_end", "  ending a capture (the graph instantiated)")]

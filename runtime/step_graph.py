@@ -33,6 +33,7 @@ integration.py still run around it) and is removed with the HiSparse cache.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import inspect
@@ -46,8 +47,12 @@ import torch
 from . import hf_attention, hf_compat
 from .batch_step import _cause, capture, private_random_state
 from .row_bank import staged_view
+from .streams import first_in_line
 
 AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thread
+# replay a step on the device's high-priority stream (streams.first_in_line): its kernels ahead of
+# a background recalibration's (benchmarks turn it off to compare)
+PRIORITY = True
 # forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
 _TENSORS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
 _FLAGS = ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
@@ -175,7 +180,8 @@ class StepGraphs:
         if have is not None and have.key == key:
             for k, t in tensors.items():
                 have.inputs[k].copy_(t)
-            have.graph.replay()
+            with first_in_line(self.binding.engine.layers[0].device) if PRIORITY else contextlib.nullcontext():
+                have.graph.replay()
             plan.tokens[:], plan.q[:] = have.tokens, have.queries
             self.counts["replayed"] += 1
             self._look_ahead(plan, key, call, cache)

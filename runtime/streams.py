@@ -11,8 +11,10 @@ torch's), once per process, and wrapped as ``torch.cuda.ExternalStream``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -21,32 +23,51 @@ _lock = threading.Lock()
 _NON_BLOCKING = 1                    # CU_STREAM_NON_BLOCKING: no implicit sync with the null stream
 
 
-def own_stream(device: torch.device | int, role: str) -> torch.cuda.Stream:
-    """The runtime's stream for ``role`` on CUDA ``device`` (made at the first call)."""
+def own_stream(device: torch.device | int, role: str, high: bool = False) -> torch.cuda.Stream:
+    """The runtime's stream for ``role`` on CUDA ``device`` (made at the first call); ``high``: at
+    the device's greatest priority (its kernels' blocks are scheduled before those of streams of
+    the default priority, a background recalibration's), else at the default one."""
     index = torch.device("cuda", device).index if isinstance(device, int) else device.index
     if index is None:
         index = torch.cuda.current_device()
     with _lock:
         stream = _streams.get((index, role))
         if stream is None:
-            stream = _streams[(index, role)] = _create(index)
+            stream = _streams[(index, role)] = _create(index, high)
         return stream
 
 
-def _create(index: int) -> torch.cuda.Stream:
+@contextlib.contextmanager
+def first_in_line(device: torch.device) -> Iterator[None]:
+    """Work queued in the block runs on the device's high-priority stream, in the current stream's
+    order (after what it queued before, before what it queues after): a replayed decode step's
+    kernels go before a background recalibration's where both wait for the GPU's SMs."""
+    current = torch.cuda.current_stream(device)
+    high = own_stream(device, "steps", high=True)
+    high.wait_stream(current)
+    with torch.cuda.stream(high):
+        yield
+    current.wait_stream(high)
+
+
+def _create(index: int, high: bool) -> torch.cuda.Stream:
     """A new CUDA stream of its own on device ``index``; a pooled torch stream where the driver
     library cannot be loaded (not Linux)."""
     torch.cuda.init()
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return torch.cuda.Stream(index)
+        return torch.cuda.Stream(index, priority=-1 if high else 0)
     dev, ctx, raw = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    least, greatest = ctypes.c_int(), ctypes.c_int()
     _check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
     _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")  # torch's context
     _check(cuda.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
     try:
-        _check(cuda.cuStreamCreate(ctypes.byref(raw), _NON_BLOCKING), "cuStreamCreate")
+        _check(cuda.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+               "cuCtxGetStreamPriorityRange")
+        _check(cuda.cuStreamCreateWithPriority(ctypes.byref(raw), _NON_BLOCKING, greatest if high else least),
+               "cuStreamCreateWithPriority")
     finally:
         cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     return torch.cuda.ExternalStream(raw.value, device=torch.device("cuda", index))

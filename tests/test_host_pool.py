@@ -479,7 +479,7 @@ def test_the_next_growth_finds_its_pages_locked_ahead(bits, monkeypatch):
     assert ahead >= 4                                        # every layer's K and V rows at least
     hp.grow(blocks=80)
     assert len(calls) == made + ahead                        # nothing left to lock in the step
-    hp.grow(blocks=96)
+    hp.grow(blocks=2000)                                     # past what was locked ahead (whole pages)
     assert len(calls) > made + ahead
     for spaces, store in zip(hp._spaces, hp.layers):
         for name, t in store.items():

@@ -65,3 +65,20 @@ def test_a_capture_on_its_stream_keeps_another_threads_work_out():
     torch.cuda.synchronize()
     assert x.tolist() == [6.0] * 4            # (0 + 1) * 2, then (2 + 1) * 2: nothing else replayed
     assert counter.item() == done == len(ran)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_work_first_in_line_runs_at_high_priority_in_the_current_streams_order():
+    from hi_sparse.streams import first_in_line
+    dev = torch.device("cuda", 0)
+    assert own_stream(dev, "steps", high=True).priority < own_stream(dev, "recalibration").priority
+    x = torch.zeros(1 << 24, device=dev)
+    for _ in range(3):                 # long kernels: out of order, the result would differ
+        x.add_(1)
+        with first_in_line(dev):
+            assert torch.cuda.current_stream(dev) == own_stream(dev, "steps", high=True)
+            x.mul_(3)
+        x.sub_(2)
+    assert torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev)
+    assert torch.unique(x).tolist() == [13.0]           # 0 -> 1 -> 4 -> 13
