@@ -57,6 +57,7 @@ class HiSparseEngine:
     plan_ahead: bool
     _next: list[int] | None          # the sequences of the last planned step
     _ahead: Ahead | None             # what was prepared for them
+    _audited: list[float] | None = None   # the step's audit: lookups and hits summed (end_step records it)
 
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -335,14 +336,20 @@ class HiSparseEngine:
     # -- audit and recalibration ---------------------------------------------------------------
     def _audit(self, rows: LayerRows, seqs: list, q: torch.Tensor) -> None:
         head = self._audit_at[1]
+        # the step's audit is one audit to the drift decision, whatever its batch or how many
+        # calls its sequences came in (drift_window counts audits: with an entry per sequence, a
+        # window of 4 was judged on one audit of a batch of 24): summed here, recorded at end_step
+        audited = self._audited or [0.0, 0.0]
         for lookups, hits in self._recalibrator.audit(rows, seqs, q, head):
             self.metrics.anchor_lookups.inc(lookups)
             self.metrics.anchor_hits.inc(hits)
             if self.metrics.audit_lookups:          # opt-in per-layer detail
                 self.metrics.audit_lookups[rows.index].inc(lookups)
                 self.metrics.audit_hits[rows.index].inc(hits)
-            self.recal.on_audit(lookups, hits)
+            audited[0] += lookups
+            audited[1] += hits
             self.recent_audits.append(Audit(self.decode_steps, rows.index, head, lookups, hits))
+        self._audited = audited
 
     def request_recalibration(self, reason: str = "request") -> None:
         """Ask for a recalibration at the end of the current (or next) step."""
@@ -370,6 +377,9 @@ class HiSparseEngine:
                 self.metrics.step_duration.observe(time.perf_counter() - self._step_t0)
         self._step_t0 = None
         self._audit_at = None
+        if self._audited is not None:
+            self.recal.on_audit(*self._audited)
+            self._audited = None
         self._prefill.end_step()
         self._decoder.flush_quant_errors()
         if self._control.recalibration_requested():

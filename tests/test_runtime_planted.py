@@ -178,3 +178,29 @@ def test_the_first_fit_probe_pins_new_tokens_of_the_topic():
     assert len(set(planted) & pinned) >= 3, (planted, sorted(pinned))
     noise = set(range(first, first + 24)) - set(planted)
     assert not noise & pinned                                 # the noise tokens were not pinned
+
+
+def test_an_audit_of_a_batch_is_one_audit_to_the_drift_window():
+    """``drift_window`` counts audits whatever the batch: one audit of B sequences adds their
+    lookups and hits together. (Counted per sequence, a window of 4 audits was judged on one
+    audit of 24 sequences, and drift recalibrated every ~48 steps on the H200 at batch 24.)"""
+    wl = PlantedWorkload(HKV, HQ, D, seed=5)
+    eng = HiSparseEngine(HiSparseConfig(max_seq_len=4096, cache_block_size=32, window_size=32, global_tokens=8,
+                                        top_k=64, audit_every=1, audit_top_m=8, audit_measure="top_m",
+                                        drift_floor=0.0, drift_window=4, telemetry=False), L, HQ, HKV, D)
+    ids = eng.add_sequences(4)
+    segs = [wl.segment(512, topic="A", anchors=4, margin=64) for _ in ids]
+    run_prefill(eng, ids, torch.stack([s.k for s in segs]), torch.stack([s.v for s in segs]),
+                torch.stack([topic_queries(wl, "A", 8)[0] for _ in ids]))
+    assert not eng.recal.history                            # the prompt's recalibration cleared it
+    for _ in range(3):
+        k, v = zip(*(wl.noise(1) for _ in ids))
+        q = torch.stack([wl.topic_query("A")[:, None] for _ in ids])
+        run_decode(eng, ids, q, torch.stack(k), torch.stack(v))
+    assert len(eng.recal.history) == 3                      # three audits of four sequences each
+    steps = sorted({a.step for a in eng.recent_audits})
+    assert len(steps) == 3 and len(eng.recent_audits) == 12
+    for (lookups, hits), step in zip(eng.recal.history, steps):
+        per_seq = [a for a in eng.recent_audits if a.step == step]
+        assert lookups == sum(a.lookups for a in per_seq) > 0 and hits == sum(a.hits for a in per_seq)
+    eng.close()
