@@ -4,9 +4,10 @@
 the 33rd stream a process asks for is the first one again. Two roles on one CUDA stream is a bug
 the moment one of them captures a graph: whatever another thread queues there meanwhile (a
 background recalibration's reads) is recorded into the capture, which then fails ("capturing
-stream has unjoined work", the H200 gpu suite) or, worse, replays that work at every step. So
-the runtime's side streams are made here with the driver's ``cuStreamCreate`` (non-blocking, like
-torch's), once per process, and wrapped as ``torch.cuda.ExternalStream``.
+stream has unjoined work": most likely what broke a seal capture in the H200 gpu suite) or,
+worse, replays that work at every step. So the runtime's side streams are made here with the
+driver's ``cuStreamCreateWithPriority`` (non-blocking, like torch's), once per process, and
+wrapped as ``torch.cuda.ExternalStream``.
 """
 
 from __future__ import annotations
