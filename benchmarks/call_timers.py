@@ -14,6 +14,11 @@ class CallTimers:
 
     def __init__(self) -> None:
         self.calls: dict[str, list[float]] = defaultdict(list)
+        self.spans: dict[str, list[tuple[float, float]]] = defaultdict(list)   # (start, end), perf_counter
+
+    def overlapping(self, t0: float, t1: float) -> list[str]:
+        """The labels with a call that ran at some time in [t0, t1] (perf_counter seconds)."""
+        return [label for label, spans in self.spans.items() if any(a < t1 and b > t0 for a, b in spans)]
 
     @property
     def spent(self) -> dict[str, float]:
@@ -32,7 +37,9 @@ class CallTimers:
             finally:
                 if sync is not None:
                     sync()
-                self.calls[label].append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self.calls[label].append(t1 - t0)
+                self.spans[label].append((t0, t1))
         setattr(obj, name, timed)
         try:
             yield

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import time
 
 import torch
 from call_timers import CallTimers
@@ -57,6 +58,7 @@ def main() -> int:
             stack.enter_context(part)
         before = state()
         for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps):
+            end = time.perf_counter()
             now = state()
             did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
                                                "captured its graph", "(a capture met an unloaded kernel)",
@@ -65,6 +67,9 @@ def main() -> int:
                                               before, now) if a != b]
             if pos % block == block - 1:
                 did.insert(0, "completed a block")
+            # work of other threads this step overlapped (a recalibration's worker, a capture ahead,
+            # the pool's pages locked ahead): where a stall without a cause of its own comes from
+            did += [f"[{WHILE[label]}]" for label in timers.overlapping(end - ms / 1e3, end) if label in WHILE]
             times.append((pos, ms, did))
             before = now
     steady = [t for _, t, _ in times[2:]]        # the first two: the eager warm-up and the capture
@@ -88,6 +93,13 @@ def main() -> int:
             print(f"host time in {part}: {len(spent)} calls, {1e3 * sum(spent):.1f} ms, "
                   f"the longest {1e3 * max(spent):.1f} ms")
     return 0
+
+
+# labels of other threads' work, as a step that overlapped it names it
+WHILE = {"  its scoring of one layer (worker)": "the worker scoring",
+         "  its probes' fit (worker)": "the worker fitting",
+         "a whole-step capture (either thread)": "a capture",
+         "  page-locking a tensor's pages (the step, or the thread ahead)": "page-locking"}
 
 
 def timed_parts(engine, timers: CallTimers) -> list:
