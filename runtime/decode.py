@@ -242,12 +242,8 @@ class Decoder:
         with phase("prefill.extend", T > 1):
             self.storage.extend(seqs, [p + T for p in starts])
         with phase("prefill.grow", T > 1):
-            self._grow(rows, max(starts) + T)
+            rows.make_room(max(starts) + T, self.cfg)
         return self.batch(seqs, rows.device)
-
-    def _grow(self, rows: LayerRows, n_max: int, staged: bool = False) -> None:
-        """Room for n_max tokens in the layer's bounds and hot buffer (``staged``: made ahead)."""
-        rows.make_room(n_max, self.cfg, staged)
 
     def _attend_shapes(self, rows: LayerRows, batch: Batch, seqs: list[Sequence],
                        lengths: list[int]) -> tuple[int, int, bool, bool]:
@@ -409,7 +405,7 @@ class Decoder:
             shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
             if shape != plan.shapes:
                 for rows in self.layers:
-                    self._grow(rows, max(starts) + 1, staged=True)
+                    rows.make_room(max(starts) + 1, self.cfg, staged=True)
                 with staged_view():
                     shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
                     keys = tuple(self.body_key(rows) for rows in self.layers)
@@ -432,7 +428,7 @@ class Decoder:
         L, n_max = len(self.layers), max(starts) + 1
         clocks = []
         for rows in self.layers:
-            self._grow(rows, n_max)
+            rows.make_room(n_max, self.cfg)
             self.host.prepare(rows.index, rows.device)
             rows.hot.room_for(ticks(inserted=1) + self._attend_ticks)   # both: else the append's may pass the attend's
             clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))

@@ -134,12 +134,10 @@ class HostPool:
         the last such job (a Future)."""
         if not self.pin or blocks <= self.num_blocks:
             return
-        todo = []
-        for spaces in self._spaces:
-            for name, (shape, dt) in self._spec(blocks, self.num_tail).items():
-                space, nbytes = spaces.get(name), math.prod(shape) * dt.itemsize
-                if space is not None and space.holds(nbytes):
-                    todo.append((space, nbytes))
+        spec = self._spec(blocks, self.num_tail)
+        sizes = {name: math.prod(shape) * dt.itemsize for name, (shape, dt) in spec.items()}
+        todo = [(space, sizes[name]) for spaces in self._spaces for name, space in spaces.items()
+                if space is not None and space.holds(sizes[name])]
         self.locking = lock_ahead(todo, torch.device("cuda", torch.cuda.current_device()))
 
     def bytes(self) -> tuple[int, int]:

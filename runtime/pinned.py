@@ -83,9 +83,9 @@ class Space:
 
     def lock_to(self, nbytes: int) -> None:
         """Page-lock the space's first ``nbytes`` (whole pages, within the space) if not yet."""
-        end = min(self.base.numel(), -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
         if not self.pin:
             return
+        end = min(self.base.numel(), -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
         with self._lock:
             if end > self.locked:
                 ptr = self.base.data_ptr() + self.locked

@@ -28,7 +28,7 @@ def own_stream(device: torch.device | int, role: str, high: bool = False) -> tor
     """The runtime's stream for ``role`` on CUDA ``device`` (made at the first call); ``high``: at
     the device's greatest priority (its kernels' blocks are scheduled before those of streams of
     the default priority, a background recalibration's), else at the default one."""
-    index = torch.device("cuda", device).index if isinstance(device, int) else device.index
+    index = device if isinstance(device, int) else device.index
     if index is None:
         index = torch.cuda.current_device()
     with _lock:

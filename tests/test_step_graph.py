@@ -485,7 +485,7 @@ def test_a_layers_graph_key_names_every_buffer_and_moves_when_one_grows():
     addresses = {t.data_ptr() for t in rows.buffers() + decoder.host.buffers(1)}
     assert key[:2] == (7, rows.probe.fitted) and set(key[2:]) == addresses and len(key) == 2 + len(addresses)
     assert decoder.body_key(rows, 7) == key
-    decoder._grow(rows, 4 * rows.hot.token_slot_s.shape[1])       # the token map and the bounds grow
+    rows.make_room(4 * rows.hot.token_slot_s.shape[1], decoder.cfg)       # the token map and the bounds grow
     moved = decoder.body_key(rows, 7)
     assert moved != key and moved[:2] == key[:2]
     hs.disable_hisparse_kv_cache(model)
