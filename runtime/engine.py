@@ -371,10 +371,11 @@ class HiSparseEngine:
 
     def end_step(self) -> None:
         """Finish a step: time it, maybe recalibrate, answer control requests, publish."""
+        took = None if self._step_t0 is None else time.perf_counter() - self._step_t0
         if self._step_decoded:
             self.decode_steps += 1
-            if self._step_t0 is not None:
-                self.metrics.step_duration.observe(time.perf_counter() - self._step_t0)
+            if took is not None:
+                self.metrics.step_duration.observe(took)
         self._step_t0 = None
         self._audit_at = None
         if self._audited is not None:
@@ -386,6 +387,8 @@ class HiSparseEngine:
             self.recal.request("request")
         live = list(self._sequences.live.values())
         ready = any(s.queries_kept[0] and s.lengths[0] - s.first_token > self.cfg.top_k for s in live)
+        if self._recal_job is not None:              # a CPU's: its next slices, a step's time
+            self._recal_job.advance(took or 0.0)
         self.settle_recalibration(wait=False)       # a background one the device finished
         reason = self.recal.due(ready) if self._recal_job is None and self._recal_deferred is None else None
         if reason is not None:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 MAX_PARAMS = 15_000
+T = TypeVar("T")
+FLUSH_DENORMALS = True    # small_ops_on_cpu flushes them (benchmarks turn it off to compare)
 
 
 def probe_threshold(context_len: int | torch.Tensor, base: float, lo: float, hi: float) -> float | torch.Tensor:
@@ -99,27 +102,44 @@ def fit_probes(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, tor
     of the two layers written out: no autograd, and the per-op cost shared by the probes (on a
     CPU that cost, not the arithmetic, is what a fit of a few hundred rows spends). Returns each
     probe's final loss."""
-    with one_thread_on_cpu(probes[0].fc1.weight.device):
+    with small_ops_on_cpu(probes[0].fc1.weight.device):
         params, losses = fit_params(probes, data, steps, lr)
         write_params(probes, params)
         return losses.tolist()
 
 
 @contextlib.contextmanager
-def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
-    """One CPU thread while it runs: for the recalibration's small ops (a few hundred rows for the
-    fit): split over threads they wait on each other longer than they compute, and on a busy
-    machine far longer (a 4-layer fit measured 13-20 s with 2 threads on the shared 2-core VM,
-    0.1 s with one)."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
+def small_ops_on_cpu(device: torch.device) -> Iterator[None]:
+    """The recalibration's small ops on a CPU (its scoring, the probes' fit): on one thread, with
+    denormal floats flushed to zero (:data:`FLUSH_DENORMALS`) while it runs; nothing on a GPU.
+
+    One thread: split over threads, ops of a few hundred rows wait on each other longer than they
+    compute, and on a busy machine far longer (a 4-layer fit measured 13-20 s with 2 threads on the
+    shared 2-core VM, 0.1 s with one). Denormals: a fitted probe's GELU derivative and its logits'
+    gradients underflow below float32's smallest normal number (5 % of a layer's entries at the
+    end of SmolLM2's fit), and x86 cores take ~100 cycles for each such number: a fit of SmolLM2's
+    30 probes took 21 s on one thread, 5 s with them flushed (benchmarks/bench_recal_cpu.py). Values
+    that small change nothing a probe or an anchor score is for. The setting is the thread's own
+    (and restored after): the user's model never runs under it."""
+    if device.type != "cpu":
         yield
         return
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    flushed = FLUSH_DENORMALS and not _flushing() and torch.set_flush_denormal(True)
+    if threads != 1:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        if threads != 1:
+            torch.set_num_threads(threads)
+        if flushed:
+            torch.set_flush_denormal(False)
+
+
+def _flushing() -> bool:
+    """This thread flushes denormal floats already (a product below float32's normal range reads 0)."""
+    return float(torch.tensor([1e-30]) * torch.tensor([1e-10])) == 0.0
 
 
 def fit_params(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
@@ -128,6 +148,23 @@ def fit_params(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, tor
     fitted parameters stacked over the probes ((P, D, hidden), (P, hidden), (P, hidden), (P,)) and
     each probe's final loss (P,), for :func:`write_params` (a background recalibration computes
     them on a side stream and writes them at a step boundary)."""
+    return to_the_end(fit_iterations(probes, data, steps, lr))
+
+
+def to_the_end(slices: Generator[None, None, T]) -> T:
+    """Run a generator of slices of work to its end: what it returns."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as end:
+            return end.value
+
+
+def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
+                   lr: float = 0.05) -> Generator[None, None, tuple[list[torch.Tensor], torch.Tensor]]:
+    """:func:`fit_params` one training iteration at a time: each ``next`` runs one (the first
+    also sets the training up) and the generator returns what fit_params does. A background
+    recalibration on a CPU runs a few between decode steps (recal_job.py)."""
     P, dev = len(probes), probes[0].fc1.weight.device
     n = torch.tensor([len(y) for _, y in data], dtype=torch.float32)                   # (P,)
     n = n.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else n          # no host sync
@@ -167,6 +204,8 @@ def fit_params(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, tor
         torch._foreach_div_(denom, (1 - b2 ** t) ** 0.5)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, m1, denom, value=-lr / (1 - b1 ** t))
+        if t < steps:
+            yield
     losses = (nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none") * wn).sum(1)
     return params, losses
 

@@ -4,7 +4,10 @@
 (each layer's contexts read and scored, the probes fitted) is done at once, or, for a background
 recalibration on a GPU, by a worker thread that queues it on a side stream per device while the
 decode steps go on: a launch is a few thousand small kernels (~150-320 ms of host time for 32
-layers on the H200), which in the step stalled it 45-65 steps' worth. Everything the worker reads
+layers on the H200), which in the step stalled it 45-65 steps' worth. On a CPU a background
+recalibration's work is cut in slices (a layer's scoring, an iteration of the probes' fit) that
+the engine runs after each step for about a step's time (:meth:`RecalibrationJob.advance`): SmolLM2's
+took 7-9 s in one step of ~0.1 s (benchmarks/bench_recal_cpu.py). Everything the work reads
 that later steps change was copied when the job started (recent queries, visibility, block
 tables, float tails), so the job reads the state of the step it started at whenever it runs, and
 no later append has to wait for it. :meth:`RecalibrationJob.commit` (at a step boundary, or first
@@ -15,8 +18,10 @@ writes anchors and probes.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Generator
 
 import torch
 
@@ -27,14 +32,14 @@ from .streams import own_stream
 
 class RecalibrationJob:
     """A recalibration's results (anchors per sequence and layer, fitted probe parameters) until
-    :meth:`commit` writes them, at a step boundary. Computed at once, or by a worker thread on a
-    side CUDA stream per device (:meth:`run`, ``background``): then :meth:`ready` says whether
-    the worker and the device finished, and :meth:`commit` waits for both."""
+    :meth:`commit` writes them, at a step boundary. Computed at once, by a worker thread on a side
+    CUDA stream per device, or in slices between steps (:meth:`run`, ``background``): then
+    :meth:`ready` says whether the work and the device finished, and :meth:`commit` waits for
+    both (running the slices left)."""
 
     def __init__(self, reason: str, background: bool = False) -> None:
         self.reason = reason
-        # committed later (at a step boundary, or when something would free what it reads); on a
-        # CPU its work is done at once, so it is ready at the next boundary
+        # committed later (at a step boundary, or when something would free what it reads)
         self.background = background
         self.anchors: list[tuple] = []                  # (sequences, layer, positions, scores (B, Hkv, A))
         self.fits: list[tuple[list, list[torch.Tensor]]] = []   # (probes, stacked parameters)
@@ -42,6 +47,7 @@ class RecalibrationJob:
         self.events: list = []
         self.inputs: list = []
         self._worker: threading.Thread | None = None
+        self._slices: Generator[None, None, None] | None = None    # the work not yet run
         self._error: BaseException | None = None
         self.threaded = False           # its work runs (or ran) on a worker thread
         self.due = 0                    # the decode step from whose end it may be committed (the engine's)
@@ -60,26 +66,49 @@ class RecalibrationJob:
     def on(stream: torch.cuda.Stream | None):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def run(self, work: Callable[[], None], thread: bool) -> None:
-        """Do ``work`` (which queues the job's device work), now or on a worker thread (gradients
-        off there too: the setting is per thread); then record where the side streams are."""
-        def launch() -> None:
-            work()
+    def run(self, work: Generator[None, None, None], how: str) -> None:
+        """Do ``work`` (slices that queue the job's device work, :meth:`Recalibrator._work
+        <hi_sparse.recalibration.Recalibrator._work>`): "now"; on a worker "thread" (gradients off
+        there too: the setting is per thread); or in "slices", :meth:`advance` running some after
+        each step (a CPU's background job); then record where the side streams are."""
+        self._slices = work
+        if how == "slices":
+            return
+        if how == "now":                 # an error raised here, as it happens
+            for _ in work:
+                pass
+            self._slices = None
             self._launched()
-
-        def body() -> None:
-            try:
-                with torch.no_grad():
-                    launch()
-            except BaseException as exc:   # raised by commit, in the thread that steps
-                self._error = exc
-
-        if not thread:
-            launch()
             return
         self.threaded = True
-        self._worker = threading.Thread(target=body, name="hisparse-recalibration")
+        self._worker = threading.Thread(target=self._to_the_end, name="hisparse-recalibration")
         self._worker.start()
+
+    def _to_the_end(self, seconds: float = math.inf) -> None:
+        """Run the work's slices until it ends, or while ``seconds`` are not spent: at least one,
+        and no more once the slowest so far would not fit in what is left. An error ends the
+        work, raised by :meth:`wait` (in the thread that steps)."""
+        t0, slowest = time.perf_counter(), 0.0
+        try:
+            with torch.no_grad():
+                while self._slices is not None:
+                    t = time.perf_counter()
+                    if slowest and t - t0 + slowest > seconds:
+                        return
+                    try:
+                        next(self._slices)
+                    except StopIteration:
+                        self._slices = None
+                        self._launched()
+                    slowest = max(slowest, time.perf_counter() - t)
+        except BaseException as exc:
+            self._slices, self._error = None, exc
+
+    def advance(self, seconds: float) -> None:
+        """Run the work of a job in slices for about ``seconds`` (a decode step's worth, so that no
+        step waits much longer than another), unless a worker does it."""
+        if self._worker is None:
+            self._to_the_end(seconds)
 
     def _launched(self) -> None:
         for stream in self.streams.values():
@@ -88,16 +117,18 @@ class RecalibrationJob:
             self.events.append(event)
 
     def ready(self) -> bool:
-        """The worker and the device finished the job (always, for one computed at once)."""
-        if self._worker is not None and self._worker.is_alive():
+        """The work and the device finished the job (always, for one computed at once)."""
+        if self._slices is not None or (self._worker is not None and self._worker.is_alive()):
             return False
         return all(e.query() for e in self.events)
 
     def wait(self) -> None:
-        """Until the worker has queued everything; its error, if it failed, raised here."""
+        """Until the worker (or the slices left) has queued everything; its error, if it failed,
+        raised here."""
         if self._worker is not None:
             self._worker.join()
             self._worker = None
+        self._to_the_end()
         if self._error is not None:
             error, self._error = self._error, None
             self.anchors, self.fits, self.inputs = [], [], []

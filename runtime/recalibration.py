@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -26,7 +27,7 @@ from easymats.catalogue import RECALIBRATION_REASONS
 from hi_sparse.kernels.recent import push_recent
 
 from .host_seal import to_device
-from .probe import fit_params, one_thread_on_cpu
+from .probe import fit_iterations, small_ops_on_cpu
 from .recal_job import RecalibrationJob
 from .row_bank import RowBank
 from .trace import phase
@@ -39,6 +40,7 @@ if TYPE_CHECKING:          # prefill imports this module (remember_queries)
 RECENCY_DECAY = 0.5  # weight per step of query age: after a topic shift the new topic wins fast
 NEGATIVES = 512      # probe training rows per sequence and KV head besides its heaviest tokens
 FIT_ROWS = 16384     # a probe's training rows of one recalibration, at most about
+FIT_SLICE = 1 << 20   # elements of the hidden activations one fit iteration of a CPU's probes makes, at most about
 SCORE_KEYS = 1 << 27  # elements of the keys one scoring read holds (fp32: 512 MB), at most about
 REASONS = RECALIBRATION_REASONS
 
@@ -246,6 +248,25 @@ def pick_anchors(mass: torch.Tensor, target: torch.Tensor, outside: torch.Tensor
             torch.nn.functional.pad(score, (0, slots - k), value=-1.0))
 
 
+def _fit_groups(fits: list[tuple[LayerRows, tuple[torch.Tensor, torch.Tensor]]]) -> list[list]:
+    """The probes of one device's layers (with their training sets) in the groups fitted together:
+    all at once on a GPU (one launch an op for every layer); on a CPU as many layers at once as
+    keep an op under FIT_SLICE elements, so that an iteration of one group is a slice a step can
+    take (SmolLM2's 30 layers at once: ~70 ms an iteration, against a ~90 ms step)."""
+    if fits[0][0].device.type != "cpu":
+        return [fits]
+    groups: list[list] = [[]]
+    size = 0
+    for layer, data in fits:
+        n = len(data[1]) * layer.probe.fc1.out_features
+        if groups[-1] and size + n > FIT_SLICE:
+            groups.append([])
+            size = 0
+        groups[-1].append((layer, data))
+        size += n
+    return groups
+
+
 class Audit(NamedTuple):
     """One audited (sequence, layer, query head): lookups and hits as ``audit_measure`` counts them
     (true top-m tokens and those selected, or one query and the attention share it kept)."""
@@ -284,7 +305,8 @@ class Recalibrator:
         on a GPU a worker thread queues its work on a side stream after what the device has
         queued so far, from copies of what later steps change (recent queries, visibility, block
         tables, float tails: made now), and the call returns without waiting (recal_job.py); on a
-        CPU the work is done now."""
+        CPU the engine runs its work in slices between decode steps (RecalibrationJob.advance),
+        from the same copies. Without ``background`` the work is done now."""
         job = RecalibrationJob(reason, background)
         if self.cfg.global_tokens == 0:
             return job  # nothing is pinned, so there is nothing to re-score or fit
@@ -295,32 +317,41 @@ class Recalibrator:
         work = []
         for layer in self.layers:
             with layer.on_device():
-                inputs = self._inputs(layer, seqs, shared, tails=thread)
+                inputs = self._inputs(layer, seqs, shared, tails=background)
             if inputs is not None:
                 job.inputs.append(inputs)      # made on the current stream: kept until the commit
                 work.append((layer, inputs))
         # the side streams wait for the copies just queued; the work comes after them
         streams = {layer.device: job.stream_for(layer.device) for layer, _ in work} if background else {}
-        job.run(lambda: self._work(work, fit, job, streams), thread)
+        job.run(self._work(work, fit, job, streams), "thread" if thread else "slices" if background else "now")
         return job
 
-    def _work(self, work: list, fit: set[int], job: RecalibrationJob, streams: dict) -> None:
+    def _work(self, work: list, fit: set[int], job: RecalibrationJob, streams: dict) -> Iterator[None]:
         """Each layer's contexts read and scored into ``job``, then the probes of each device fitted
-        together, on the side streams ``streams`` (the current ones without)."""
+        together, on the side streams ``streams`` (the current ones without): in slices, a layer's
+        scoring or a fit's iteration each, with nothing of it (one thread, a stream) set between
+        them, so a CPU's decode steps may run between two (RecalibrationJob.advance)."""
         fits: dict[torch.device, list] = {}
         for layer, inputs in work:
             stream = streams.get(layer.device)
-            with layer.on_device(), one_thread_on_cpu(layer.device), job.on(stream), phase("recalibrate.score"):
+            with layer.on_device(), small_ops_on_cpu(layer.device), job.on(stream), phase("recalibrate.score"):
                 data = self._layer(layer, inputs, fit, job)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
-        for device_fits in fits.values():
-            device = device_fits[0][0].device
-            probes = [layer.probe for layer, _ in device_fits]
-            with (device_fits[0][0].on_device(), one_thread_on_cpu(device), job.on(streams.get(device)),
-                  phase("recalibrate.fit")):
-                params, _ = fit_params(probes, [data for _, data in device_fits])
-            job.fits.append((probes, params))
+            yield
+        for group in (g for device_fits in fits.values() for g in _fit_groups(device_fits)):
+            device = group[0][0].device
+            probes = [layer.probe for layer, _ in group]
+            training = fit_iterations(probes, [data for _, data in group])
+            while True:
+                with (group[0][0].on_device(), small_ops_on_cpu(device), job.on(streams.get(device)),
+                      phase("recalibrate.fit")):
+                    try:
+                        next(training)
+                    except StopIteration as end:
+                        job.fits.append((probes, end.value[0]))
+                        break
+                yield
 
     def _fit_sequences(self, seqs: list[Sequence]) -> set[int]:
         """The ids of the sequences whose tokens train the probes: all where they give up to

@@ -1,9 +1,9 @@
 """Background recalibration (``background_recalibration``): the job computed from the state at the
 step that was due, committed at a later step boundary (``recalibration_lag``), or first when
 something would free or move what it reads (a fork, a free, a growing host pool); appends go on
-(it reads copies of the float tails they reuse). On a CPU the work is done at once and committed
-at the next boundary, which checks the bookkeeping, or by a worker thread when asked; on a GPU
-(gpu-marked) a worker queues it on a side stream while steps go on."""
+(it reads copies of the float tails they reuse). On a CPU the work runs in slices after each step
+for about a step's time (or by a worker thread when asked); on a GPU (gpu-marked) a worker queues it
+on a side stream while steps go on."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def _same(a, b) -> bool:
 
 
 def test_a_background_recalibration_commits_at_the_next_boundary_with_the_same_result():
-    sync, bg = _engines()
+    """recalibration_lag 1: at the end of the first step after its launch, its slices left run there."""
+    sync, bg = _engines(recalibration_lag=1)
     k, v, q = _data(203)
     ids = [e.add_sequences(1) for e in (sync, bg)]
     before = _state(bg, ids[1][0])
@@ -179,7 +180,7 @@ def _gated(bg):
 
     def held(*args):
         assert gate.wait(60), "the test never opened the gate"
-        work(*args)
+        yield from work(*args)
 
     bg._recalibrator._work = held
     return gate
@@ -225,6 +226,7 @@ def test_a_worker_that_fails_raises_at_the_commit_and_writes_nothing():
 
 def _fails(*args):
     raise ValueError("broken on purpose")
+    yield  # a generator, as Recalibrator._work is
 
 
 def _prefilled_after(bg, change):
@@ -237,7 +239,7 @@ def _prefilled_after(bg, change):
 
 
 def test_no_background_job_while_one_is_pending_and_requests_wait_for_it():
-    _, bg = _engines()
+    _, bg = _engines(recalibration_lag=1)
     sid = _prefilled(bg)
     job = bg._recal_job
     bg.request_recalibration("request")
@@ -283,7 +285,11 @@ def test_a_worker_s_result_lands_on_a_step_fixed_by_the_lag_not_by_the_timing(la
     bg._recalibrator.threaded = True
     if lag is not None:
         work = bg._recalibrator._work
-        bg._recalibrator._work = lambda *a: (time.sleep(0.3), work(*a))
+
+        def slow(*a):
+            time.sleep(0.3)
+            yield from work(*a)
+        bg._recalibrator._work = slow
     sid = _prefilled(bg)
     job = bg._recal_job
     kd, vd, qd = _data(1, seed=1)
@@ -300,3 +306,71 @@ def test_a_bad_lag_is_refused_with_the_fix():
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="recalibration_lag must be None or a number of decode steps >= 0"):
             _engines(recalibration_lag=bad)
+
+
+def _sleeps(seconds: list[float], ran: list[float]):
+    """Slices of work that sleep the given seconds each, noting when each ended."""
+    for s in seconds:
+        time.sleep(s)
+        ran.append(time.perf_counter())
+        yield
+
+
+def test_a_job_in_slices_runs_about_the_time_it_is_given_and_the_rest_at_its_commit():
+    """advance(seconds): at least one slice, then no more once the slowest so far would not fit
+    in what is left; commit runs whatever is left; an error is raised at the commit, with nothing
+    written."""
+    from hi_sparse.recal_job import RecalibrationJob
+    job, ran = RecalibrationJob("request", background=True), []
+    job.run(_sleeps([0.01] * 20, ran), "slices")
+    assert not job.ready() and ran == []
+    job.advance(0.0)
+    assert len(ran) == 1                             # one at least, whatever the time given
+    t0 = time.perf_counter()
+    job.advance(0.035)
+    took = time.perf_counter() - t0
+    assert 1 <= len(ran) - 1 <= 3 and took < 0.035 + 0.05, (len(ran), took)
+    assert not job.ready()
+    job.commit()
+    assert len(ran) == 20 and job.ready()
+
+    failing = RecalibrationJob("drift", background=True)
+    failing.run(_fails(), "slices")
+    failing.advance(1.0)
+    assert failing.ready()                           # ended: by its error
+    failing.anchors.append(("a result of a slice before the error",))
+    with pytest.raises(RuntimeError, match="drift recalibration failed in the background .*broken on purpose"):
+        failing.commit()
+    assert failing.anchors == []
+
+
+def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_same_result():
+    """On a CPU (no worker asked for) the job's slices run after each step for about that step's
+    time: the first step runs a small part of them (a layer's scoring or a fit iteration each; the
+    fit is 100 iterations), each step at least one, and what it commits, once they ran out, is what
+    the recalibration at once computed at the prefill's end."""
+    sync, bg = _engines()
+    k, v, q = _data(203)
+    ids = [e.add_sequences(1) for e in (sync, bg)]
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)
+    bg._launch_deferred()
+    job = bg._recal_job
+    assert job is not None and not job.threaded and job._slices is not None
+    ran: list[int] = []
+
+    def counted(slices):
+        for _ in slices:
+            ran.append(bg.decode_steps)
+            yield
+    job._slices = counted(job._slices)
+    kd, vd, qd = _data(1, seed=1)
+    steps = 0
+    while bg._recal_job is not None and steps < 400:
+        run_decode(bg, ids[1], qd, kd, vd)
+        steps += 1
+    assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 1
+    per_step = [ran.count(s) for s in range(1, steps + 1)]
+    assert len(ran) >= L + 99 and all(n >= 1 for n in per_step[:-1]), per_step
+    assert per_step[0] < len(ran) / 2, per_step      # not all at once
+    assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hi_sparse.probe import ImportanceProbe, fit_probes, probe_threshold
+from hi_sparse.probe import ImportanceProbe, fit_iterations, fit_params, fit_probes, probe_threshold, small_ops_on_cpu
 from hi_sparse.recalibration import attention_mass, distillation_target
 
 
@@ -76,3 +76,42 @@ def test_the_kernels_gate_is_shut_until_the_fit_opens_it_in_place():
     assert probe.gate(cpu, 0.5, 0.05, 0.95) is gate
     assert torch.equal(gate, threshold_constants(cpu, 0.5, 0.05, 0.95))
     assert probe.gate(cpu, 0.4, 0.05, 0.95).tolist() == threshold_constants(cpu, 0.4, 0.05, 0.95).tolist()
+
+
+def test_the_fit_in_iterations_is_the_fit_and_yields_between_them():
+    """fit_iterations: one training iteration per next (a background recalibration on a CPU runs a
+    few between steps), and what it returns is fit_params' result, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(40, 16, generator=g), torch.rand(40, generator=g)) for _ in range(3)]
+    probes = [ImportanceProbe(16, seed=i) for i in range(3)]
+    whole, losses = fit_params(probes, data, steps=7)
+    training = fit_iterations(probes, data, steps=7)
+    yields = 0
+    while True:
+        try:
+            next(training)
+            yields += 1
+        except StopIteration as end:
+            params, sliced_losses = end.value
+            break
+    assert yields == 6                              # 7 iterations, the last one returns
+    assert all(torch.equal(a, b) for a, b in zip(whole, params)) and torch.equal(losses, sliced_losses)
+
+
+def test_small_ops_on_cpu_flush_denormals_on_one_thread_and_restore_both():
+    """Inside: one thread, and a product below float32's normal range reads 0 (x86 takes ~100
+    cycles per denormal: SmolLM2's fit took 4x longer with them); after: as before."""
+    tiny = torch.tensor([1e-30])
+    threads = torch.get_num_threads()
+    assert float(tiny * 1e-10) != 0.0                # denormals kept outside (torch's default)
+    with small_ops_on_cpu(torch.device("cpu")):
+        assert torch.get_num_threads() == 1
+        assert float(tiny * 1e-10) == 0.0
+    assert torch.get_num_threads() == threads and float(tiny * 1e-10) != 0.0
+    torch.set_flush_denormal(True)                   # a user's own setting is left as it was
+    try:
+        with small_ops_on_cpu(torch.device("cpu")):
+            pass
+        assert float(tiny * 1e-10) == 0.0
+    finally:
+        torch.set_flush_denormal(False)
