@@ -93,7 +93,8 @@ class HiSparseConfig:
                                          # step (the first token does not wait for it). None: on
                                          # CUDA (H200, 32K prefill 1.14x dense, 1.25x without);
                                          # False (the CPU's default): at the end of the step that
-                                         # is due, waiting
+                                         # is due, waiting; True on a CPU: in slices after each
+                                         # step for about that step's time (no ~80x stall)
     recalibration_lag: int | None = None  # a background recalibration is committed at the end
                                          # of the step this many decode steps after its launch,
                                          # waiting for it there (the same step whatever the
