@@ -37,10 +37,40 @@ class CallTimers:
             finally:
                 if sync is not None:
                     sync()
-                t1 = time.perf_counter()
-                self.calls[label].append(t1 - t0)
-                self.spans[label].append((t0, t1))
-        setattr(obj, name, timed)
+                self._note(label, t0)
+        with self._replaced(obj, name, timed):
+            yield
+
+    @contextlib.contextmanager
+    def wrap_slices(self, obj, name: str, label: str) -> Iterator[None]:
+        """``obj.name``, a generator function (work in slices, each a ``next``), with each slice
+        timed under ``label`` until the context ends."""
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            slices = fn(*a, **kw)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    next(slices)
+                except StopIteration as end:
+                    self._note(label, t0)
+                    return end.value
+                self._note(label, t0)
+                yield
+        with self._replaced(obj, name, timed):
+            yield
+
+    def _note(self, label: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.calls[label].append(t1 - t0)
+        self.spans[label].append((t0, t1))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _replaced(obj, name: str, by) -> Iterator[None]:
+        fn = getattr(obj, name)
+        setattr(obj, name, by)
         try:
             yield
         finally:

@@ -5,9 +5,10 @@ median step, each step over --over times the median with its position and what i
 a host block, ran eagerly or captured its whole-step graph: a new key, started or committed a
 recalibration), the share of the decode's time those steps added over the median, and the host
 time of the engine's parts a stall may come from (the audit, a recalibration's launch in the
-step, and its worker thread's launches, which overlap the steps).
+step, and its worker thread's launches, which overlap the steps; with --slices, the same work
+in slices after each step instead).
 
-    python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800
+    python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
 import hi_sparse as hs
 from hi_sparse import pinned, recalibration, step_graph
+from hi_sparse.recal_job import RecalibrationJob
 
 
 def main() -> int:
@@ -34,6 +36,8 @@ def main() -> int:
     ap.add_argument("--bits", type=host_bits, default=4, help="host_kv_bits: none, 4, 5, 6, 8, auto, ...")
     ap.add_argument("--over", type=float, default=1.5, help="a stall: a step over this times the median")
     ap.add_argument("--no-ahead", action="store_true", help="capture no coming key ahead (step_graph.AHEAD_TOKENS)")
+    ap.add_argument("--slices", action="store_true",
+                    help="a background recalibration's work in slices after each step, not on a worker thread")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     args = ap.parse_args()
@@ -43,6 +47,7 @@ def main() -> int:
                                 global_tokens=8, top_k=128, host_kv_bits=args.bits, telemetry=False)
     engine, graphs = hs.integration.binding_of(model).engine, step_graph.of(model)
     graphs.ahead = not args.no_ahead
+    engine._recalibrator.threaded = False if args.slices else None
     step_graph.PRIORITY = not args.no_priority
     timers = CallTimers()
 
@@ -75,7 +80,8 @@ def main() -> int:
     steady = [t for _, t, _ in times[2:]]        # the first two: the eager warm-up and the capture
     med = statistics.median(steady)
     print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}, "
-          f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority: "
+          f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority, "
+          f"recalibration {'in slices' if args.slices else 'on a worker'}: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
     for pos, t, did in times[2:]:
@@ -97,7 +103,7 @@ def main() -> int:
 
 # labels of other threads' work, as a step that overlapped it names it
 WHILE = {"  its scoring of one layer (worker)": "the worker scoring",
-         "  its probes' fit (worker)": "the worker fitting",
+         "  an iteration of its probes' fit (worker)": "the worker fitting",
          "a whole-step capture (either thread)": "a capture",
          "  page-locking a tensor's pages (the step, or the thread ahead)": "page-locking"}
 
@@ -108,9 +114,9 @@ def timed_parts(engine, timers: CallTimers) -> list:
     return [timers.wrap(engine, "_audit", "the audit"),
             timers.wrap(engine._recalibrator, "start", "a recalibration's launch (in the step)"),
             timers.wrap(engine._recalibrator, "_inputs", "  its inputs of one layer (in the step)"),
-            timers.wrap(engine._recalibrator, "_work", "its worker's launches (another thread)"),
+            timers.wrap(RecalibrationJob, "_to_the_end", "its work's launches (a worker, or slices after a step)"),
             timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker)"),
-            timers.wrap(recalibration, "fit_params", "  its probes' fit (worker)"),
+            timers.wrap_slices(recalibration, "fit_iterations", "  an iteration of its probes' fit (worker)"),
             timers.wrap(engine.host, "grow", "the host pool's growth (in the step)"),
             timers.wrap(pinned.Space, "lock_to", "  page-locking a tensor's pages (the step, or the thread ahead)"),
             timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)"),

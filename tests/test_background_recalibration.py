@@ -326,10 +326,8 @@ def test_a_job_in_slices_runs_about_the_time_it_is_given_and_the_rest_at_its_com
     assert not job.ready() and ran == []
     job.advance(0.0)
     assert len(ran) == 1                             # one at least, whatever the time given
-    t0 = time.perf_counter()
-    job.advance(0.035)
-    took = time.perf_counter() - t0
-    assert 1 <= len(ran) - 1 <= 3 and took < 0.035 + 0.05, (len(ran), took)
+    job.advance(0.035)                               # slices of 10 ms or more: a fourth would not fit
+    assert 1 <= len(ran) - 1 <= 3, len(ran)
     assert not job.ready()
     job.commit()
     assert len(ran) == 20 and job.ready()
@@ -345,10 +343,10 @@ def test_a_job_in_slices_runs_about_the_time_it_is_given_and_the_rest_at_its_com
 
 
 def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_same_result():
-    """On a CPU (no worker asked for) the job's slices run after each step for about that step's
-    time: the first step runs a small part of them (a layer's scoring or a fit iteration each; the
-    fit is 100 iterations), each step at least one, and what it commits, once they ran out, is what
-    the recalibration at once computed at the prefill's end."""
+    """On a CPU (no worker asked for) each step's end runs the job's slices for that step's own
+    time (RecalibrationJob.advance: how much that is, the test above); here each gets no time, so
+    one slice: a layer's scoring or one of the fit's 100 iterations. Once they ran out the job
+    lands, and it commits what the recalibration at once computed at the prefill's end."""
     sync, bg = _engines()
     k, v, q = _data(203)
     ids = [e.add_sequences(1) for e in (sync, bg)]
@@ -358,19 +356,27 @@ def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_sa
     job = bg._recal_job
     assert job is not None and not job.threaded and job._slices is not None
     ran: list[int] = []
+    given: list[float] = []
 
     def counted(slices):
         for _ in slices:
             ran.append(bg.decode_steps)
             yield
     job._slices = counted(job._slices)
+    advance = job.advance
+
+    def none_given(seconds):
+        given.append(seconds)
+        advance(0.0)
+    job.advance = none_given
     kd, vd, qd = _data(1, seed=1)
     steps = 0
     while bg._recal_job is not None and steps < 400:
         run_decode(bg, ids[1], qd, kd, vd)
         steps += 1
     assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 1
-    per_step = [ran.count(s) for s in range(1, steps + 1)]
-    assert len(ran) >= L + 99 and all(n >= 1 for n in per_step[:-1]), per_step
-    assert per_step[0] < len(ran) / 2, per_step      # not all at once
+    # one a step: a yield after each layer's scoring and each fit iteration but the last, which
+    # ends the work; the job lands at the end of that step
+    assert len(ran) == L + 99 and ran == list(range(1, len(ran) + 1)), ran
+    assert steps == len(ran) + 1 and all(t > 0 for t in given)
     assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
