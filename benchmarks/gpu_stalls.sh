@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Device calls for issue 21's item 1 (dynamic parts without a stall over ~1 step at a short
+# context), results in $OUT. `bash benchmarks/gpu_stalls.sh tests`: the gpu tests the
+# recalibration's slices and the streams touch. `... 24` and `... 1`: the stall profile at batch
+# 24 (300 steps) or 1 (600 steps) from 1,000 tokens, with the background recalibration on a
+# worker thread (the default) and in slices after each step (--slices), one after the other on
+# one machine. Each part well under a call's 10 minutes with a warm Triton cache (.device/triton.tgz,
+# docs/BENCHMARKS.md). Carry .whl and .device. On the branch warm-ahead: the same parts, for the
+# first capture ahead's step.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+part=${1:-tests}
+if [ "$part" = tests ]; then
+  timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_background_recalibration.py tests/test_streams.py \
+    tests/test_host_pool.py tests/test_step_graph.py tests/test_runtime_planted.py 2>&1 \
+    | tee "$OUT/stall_tests.txt" | tail -15
+else
+  steps=$([ "$part" = 1 ] && echo 600 || echo 300)
+  for mode in "" "--slices"; do
+    timeout 250 $PY benchmarks/stall_profile.py --batch "$part" --prompt 1000 --steps "$steps" $mode 2>&1 \
+      | tee "$OUT/stalls_b${part}${mode//-/_}.txt" | tail -30
+  done
+fi
