@@ -449,8 +449,8 @@ class HiSparseEngine:
         if job is not None and (wait or (self.decode_steps >= job.due
                                          and (self.cfg.recalibration_lag is not None or job.ready()))):
             self._recal_job = None         # one that failed is dropped: commit raises its error
-            job.commit()
-            self._recalibrated(job.reason)
+            if job.commit():               # (one an interrupt broke off: nothing to count)
+                self._recalibrated(job.reason)
         return self._recal_job is None and self._recal_deferred is None
 
     def _recalibrated(self, reason: str) -> None:

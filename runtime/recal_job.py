@@ -101,8 +101,11 @@ class RecalibrationJob:
                         self._slices = None
                         self._launched()
                     slowest = max(slowest, time.perf_counter() - t)
-        except BaseException as exc:
+        except Exception as exc:            # raised by wait, in the thread that steps
             self._slices, self._error = None, exc
+        except BaseException as exc:        # an interrupt (in the thread that steps): the job is dropped
+            self._slices, self._error = None, exc
+            raise
 
     def advance(self, seconds: float) -> None:
         """Run the work of a job in slices for about ``seconds`` (a decode step's worth, so that no
@@ -122,9 +125,10 @@ class RecalibrationJob:
             return False
         return all(e.query() for e in self.events)
 
-    def wait(self) -> None:
+    def wait(self) -> bool:
         """Until the worker (or the slices left) has queued everything; its error, if it failed,
-        raised here."""
+        raised here. False (nothing to write) for a job whose slices an interrupt (Ctrl-C) broke
+        off: that was raised where it happened."""
         if self._worker is not None:
             self._worker.join()
             self._worker = None
@@ -132,13 +136,18 @@ class RecalibrationJob:
         if self._error is not None:
             error, self._error = self._error, None
             self.anchors, self.fits, self.inputs = [], [], []
+            if not isinstance(error, Exception):
+                return False
             raise RuntimeError(f"HiSparse: the {self.reason} recalibration failed in the background "
                                f"({type(error).__name__}: {error}); nothing of it was written") from error
+        return True
 
-    def commit(self) -> None:
+    def commit(self) -> bool:
         """Write the anchors and probe parameters (after the worker and the side streams' work, in
-        the current streams' order: steps after this read them)."""
-        self.wait()
+        the current streams' order: steps after this read them). False when there was nothing
+        to write (:meth:`wait`)."""
+        if not self.wait():
+            return False
         for device, stream in self.streams.items():
             torch.cuda.current_stream(device).wait_stream(stream)
         made: dict[tuple, torch.Tensor] = {}                 # the rows of one batch, made once
@@ -158,3 +167,4 @@ class RecalibrationJob:
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))
         self.anchors, self.fits, self.inputs = [], [], []
+        return True

@@ -380,3 +380,23 @@ def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_sa
     assert len(ran) == L + 99 and ran == list(range(1, len(ran) + 1)), ran
     assert steps == len(ran) + 1 and all(t > 0 for t in given)
     assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+
+
+def test_an_interrupt_in_a_slice_reaches_the_caller_and_drops_the_job():
+    """Ctrl-C while a CPU's slices run (after a step, in the caller's thread) is raised there, as
+    it happens; the job is dropped: nothing written or counted, and settling or closing after it
+    raises nothing (a demo stopped with SIGINT exits cleanly)."""
+    _, bg = _engines()
+
+    def interrupted(*args):
+        yield
+        raise KeyboardInterrupt
+    sid = _prefilled_after(bg, lambda: setattr(bg._recalibrator, "_work", interrupted))
+    before = _state(bg, sid[0])
+    kd, vd, qd = _data(1, seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(5):
+            run_decode(bg, sid, qd, kd, vd)
+    assert bg.settle_recalibration() and bg._recal_job is None
+    assert bg.stats.recalibrations["schedule"] == 0 and _same(_state(bg, sid[0]), before)
+    bg.close()
