@@ -1,7 +1,7 @@
 """What a recalibration costs a decode step on the CPU, with the real model (SmolLM2-135M).
 
     .venv/bin/python benchmarks/bench_recal_cpu.py [--prompt 1024] [--steps 6] [--recals 2]
-        [--threads 2] [--modes step,step-keep,slices]
+        [--threads 2] [--modes step,step-keep,slices] [--prefill]
 
 SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64) reads --prompt tokens of the license texts
 through HiSparse (64-token blocks, window 64, top_k 256, 16 anchors), then decodes token by token:
@@ -79,6 +79,29 @@ def run(lm, ids: list[int], prompt: int, steps: int, recals: int, mode: str) -> 
     return {"plain": statistics.median(plain), "recal": recal, "over": over, "score": score}
 
 
+def prefill(lm, ids: list[int], prompt: int, mode: str) -> float:
+    """Seconds of the prompt's forward: dense (a DynamicCache), or through HiSparse with the first
+    recalibration at its end in the step ("step") or in the background ("slices")."""
+    from transformers import DynamicCache
+
+    from hi_sparse.hf_compat import installed_cache_kwarg
+    from hi_sparse.integration import disable_hisparse_kv_cache, enable_hisparse_kv_cache
+
+    model = lm.model if mode == "dense" else enable_hisparse_kv_cache(
+        lm.model, **OPTIONS, background_recalibration=mode == "slices")
+    cache = {installed_cache_kwarg(): DynamicCache()} if mode == "dense" else {}
+    try:
+        t0 = time.perf_counter()
+        with torch.no_grad():     # the output kept, as for a decode that follows: freeing its
+            out = model(torch.tensor([ids[:prompt]]), use_cache=True, logits_to_keep=1, **cache)
+        took = time.perf_counter() - t0
+        del out                   # cache settles (here: runs) a recalibration still pending
+        return took
+    finally:
+        if mode != "dense":
+            disable_hisparse_kv_cache(lm.model)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", type=int, default=1024)
@@ -86,6 +109,9 @@ def main() -> int:
     ap.add_argument("--recals", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", default="step,step-keep,slices")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time the prompt's forward instead: dense, HiSparse with the first recalibration "
+                         "in the step and in the background, twice each, alternating")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from hi_sparse.real_model import load_model, load_text, token_ids
@@ -94,6 +120,11 @@ def main() -> int:
     ids = token_ids(lm.tokenizer, load_text("licenses"), args.prompt + args.recals * (args.steps + MAX_STEPS) + 8)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads, "
           f"prompt {args.prompt}, {args.steps} steps before each of {args.recals} recalibrations")
+    if args.prefill:
+        for mode in ["dense", "step", "slices"] * 2:
+            took = prefill(lm, ids, args.prompt, mode)
+            print(f"prefill of {args.prompt} tokens, {mode:6s}: {took:.2f} s", flush=True)
+        return 0
     for mode in args.modes.split(","):
         r = run(lm, ids, args.prompt, args.steps, args.recals, mode)
         recal = ", ".join(f"{t:.2f}" for t in r["recal"])
