@@ -5,8 +5,8 @@
 # 24 (300 steps) or 1 (600 steps) from 1,000 tokens, with the background recalibration on a
 # worker thread (the default) and in slices after each step (--slices), one after the other on
 # one machine. Each part well under a call's 10 minutes with a warm Triton cache (.device/triton.tgz,
-# docs/BENCHMARKS.md). Carry .whl and .device. On the branch warm-ahead: the same parts, for the
-# first capture ahead's step.
+# docs/BENCHMARKS.md). `... warm`: 60 steps at batch 1 with and without --warm-blas (the capture
+# ahead's cuBLAS handles made at install), for the first capture ahead's step. Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 part=${1:-tests}
@@ -14,6 +14,11 @@ if [ "$part" = tests ]; then
   timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_background_recalibration.py tests/test_streams.py \
     tests/test_host_pool.py tests/test_step_graph.py tests/test_runtime_planted.py 2>&1 \
     | tee "$OUT/stall_tests.txt" | tail -15
+elif [ "$part" = warm ]; then
+  for mode in "" "--warm-blas"; do
+    timeout 200 $PY benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 60 $mode 2>&1 \
+      | tee "$OUT/stalls_warm${mode//-/_}.txt" | tail -20
+  done
 else
   steps=$([ "$part" = 1 ] && echo 600 || echo 300)
   for mode in "" "--slices"; do

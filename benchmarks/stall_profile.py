@@ -36,11 +36,14 @@ def main() -> int:
     ap.add_argument("--bits", type=host_bits, default=4, help="host_kv_bits: none, 4, 5, 6, 8, auto, ...")
     ap.add_argument("--over", type=float, default=1.5, help="a stall: a step over this times the median")
     ap.add_argument("--no-ahead", action="store_true", help="capture no coming key ahead (step_graph.AHEAD_TOKENS)")
+    ap.add_argument("--warm-blas", action="store_true",
+                    help="make the capture ahead's cuBLAS handles at install (step_graph.WARM_BLAS)")
     ap.add_argument("--slices", action="store_true",
                     help="a background recalibration's work in slices after each step, not on a worker thread")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     args = ap.parse_args()
+    step_graph.WARM_BLAS = args.warm_blas        # read at install
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
@@ -81,7 +84,8 @@ def main() -> int:
     med = statistics.median(steady)
     print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}, "
           f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority, "
-          f"recalibration {'in slices' if args.slices else 'on a worker'}: "
+          f"recalibration {'in slices' if args.slices else 'on a worker'}"
+          f"{', cuBLAS warmed' if args.warm_blas else ''}: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
     for pos, t, did in times[2:]:

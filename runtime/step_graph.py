@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from . import hf_attention, hf_compat
-from .batch_step import _cause, capture, private_random_state
+from .batch_step import _cause, capture, private_random_state, warm_blas
 from .row_bank import staged_view
 from .streams import first_in_line
 
@@ -53,6 +53,10 @@ AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thr
 # replay a step on the device's high-priority stream (streams.first_in_line): its kernels ahead of
 # a background recalibration's (benchmarks turn it off to compare)
 PRIORITY = True
+# make the capture ahead's cuBLAS handles at install (batch_step.warm_blas): an experiment, off
+# until the H200 says whether it takes the first capture ahead's 157-269 ms out of its step
+# (benchmarks/stall_profile.py --warm-blas)
+WARM_BLAS = False
 # forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
 _TENSORS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
 _FLAGS = ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
@@ -106,6 +110,8 @@ class StepGraphs:
                        "ahead": 0, "ahead_failed": 0}
         self.capture_errors: collections.deque[str] = collections.deque(maxlen=8)
         self.ahead = True          # capture a coming key's graph on another thread (AHEAD_TOKENS)
+        if self.graphs and WARM_BLAS:
+            warm_blas(next(iter(devices)))
 
     @property
     def original(self) -> Any:
