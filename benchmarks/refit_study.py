@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/refit_study.py capture /tmp/fits.pt     # ~3.5 min on 2 cores
     .venv/bin/python benchmarks/refit_study.py compare /tmp/fits.pt
+    .venv/bin/python benchmarks/refit_study.py time /tmp/fits.pt       # the fit alone, 3 runs
 
 capture: SmolLM2-135M-Instruct reads 1,024 tokens of the license texts, then 96 more with a
 recalibration requested every 24, then a 384-token chunk of the Python reference and 48 more
@@ -10,7 +11,9 @@ before it. compare: each refit again from the fitted probes (the runtime's warm 
 iterations at three learning rates, and from the unfitted probes for 100, scored on its own
 training set and on the next fit's (the keys the probe meets until then): the weighted
 cross-entropy the fit minimises, and rec@16, of each KV head's 16 heaviest tokens the share among
-its 16 highest-scored.
+its 16 highest-scored. time: one fit of 100 iterations on a recalibration's training sets (all
+30 probes at once), as the runtime runs it on a CPU (probe.small_ops_on_cpu), with denormals
+flushed and kept.
 """
 from __future__ import annotations
 
@@ -99,12 +102,31 @@ def compare(path: str) -> None:
                   f"next fit's loss {later[0]:.3f} rec@16 {later[1]:.3f}")
 
 
+def time_fit(path: str) -> None:
+    import time
+
+    import hi_sparse.probe as probe
+
+    data = torch.load(path)[2]["data"]
+    probes = [probe.ImportanceProbe(data[0][0].shape[1]) for _ in data]
+    for _ in range(3):
+        for flush in (True, False):
+            probe.FLUSH_DENORMALS = flush
+            with probe.small_ops_on_cpu(torch.device("cpu")):
+                t0 = time.perf_counter()
+                probe.fit_params(probes, data)
+                took = time.perf_counter() - t0
+            print(f"a fit of {len(data)} probes, {len(data[0][1])} rows each, denormals "
+                  f"{'flushed' if flush else 'kept   '}: {took:.2f} s", flush=True)
+    probe.FLUSH_DENORMALS = True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["capture", "compare"])
+    ap.add_argument("command", choices=["capture", "compare", "time"])
     ap.add_argument("path")
     args = ap.parse_args()
-    capture(args.path) if args.command == "capture" else compare(args.path)
+    {"capture": capture, "compare": compare, "time": time_fit}[args.command](args.path)
     return 0
 
 

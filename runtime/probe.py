@@ -193,8 +193,9 @@ def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor,
         a = h * cdf
         z = torch.bmm(a, w2[:, :, None])[..., 0] + c2[:, None]               # (P, N) logits
         dz = (torch.sigmoid(z) - y) * wn                                      # d loss / d z
-        # d GELU / dh = cdf + h * pdf
-        dh = (dz[..., None] * w2[:, None]) * (cdf + h * torch.exp(-0.5 * h * h) * 0.3989422804014327)
+        # d GELU / dh = cdf + h * pdf, in 6 passes over (P, N, hidden), the products in place
+        pdf = torch.exp(h.square().mul_(-0.5))                               # (2 pi) ** 0.5 * pdf
+        dh = torch.addcmul(cdf, h, pdf, value=0.3989422804014327).mul_(dz[..., None]).mul_(w2[:, None])
         grads = [torch.bmm(x.transpose(1, 2), dh), dh.sum(1), torch.bmm(dz[:, None], a)[:, 0], dz.sum(1)]
         torch._foreach_mul_(m1, b1)
         torch._foreach_add_(m1, grads, alpha=1 - b1)
