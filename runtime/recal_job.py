@@ -7,7 +7,7 @@ decode steps go on: a launch is a few thousand small kernels (~150-320 ms of hos
 layers on the H200), which in the step stalled it 45-65 steps' worth. On a CPU a background
 recalibration's work is cut in slices (a layer's scoring, an iteration of the probes' fit) that
 the engine runs after each step for about a step's time (:meth:`RecalibrationJob.advance`): SmolLM2's
-took 7-9 s in one step of ~0.1 s (benchmarks/bench_recal_cpu.py). Everything the work reads
+took 6-9 s in one step of ~0.1 s (benchmarks/bench_recal_cpu.py). Everything the work reads
 that later steps change was copied when the job started (recent queries, visibility, block
 tables, float tails), so the job reads the state of the step it started at whenever it runs, and
 no later append has to wait for it. :meth:`RecalibrationJob.commit` (at a step boundary, or first
