@@ -61,13 +61,14 @@ def capture(out: str) -> None:
 
 def scores(params: list[torch.Tensor], data: list, heads: int = 3, k: int = 16) -> tuple[float, float]:
     """(weighted cross-entropy, rec@k), means over the layers."""
+    from hi_sparse.probe import row_weights
+
     w1, c1, w2, c2 = params
     loss = rec = 0.0
     for i, (x, y) in enumerate(data):
         z = torch.nn.functional.gelu(x.float() @ w1[i] + c1[i]) @ w2[i] + c2[i]
         y = y.float().clamp(0, 1)
-        pos = (y > 0.5).float()
-        w = 1.0 + pos * ((1 - pos).sum() / pos.sum().clamp_min(1)).clamp_min(1.0)
+        w = row_weights(y)
         loss += float((torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none") * w).mean())
         true, picked = y.view(heads, -1).topk(k, 1).indices, z.view(heads, -1).topk(k, 1).indices
         rec += float((true[:, :, None] == picked[:, None, :]).any(2).float().mean())

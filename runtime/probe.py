@@ -160,6 +160,14 @@ def to_the_end(slices: Generator[None, None, T]) -> T:
             return end.value
 
 
+def row_weights(targets: torch.Tensor) -> torch.Tensor:
+    """The fit's weight of each training row, targets (N,) in [0, 1]: positives (target > 0.5) are
+    rare, so each weighs as many negatives as there are per positive (at least 1), not to be
+    drowned by them. No host sync."""
+    pos = (targets > 0.5).float()
+    return 1.0 + pos * ((1 - pos).sum() / pos.sum().clamp_min(1)).clamp_min(1.0)
+
+
 def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
                    lr: float = 0.05) -> Generator[None, None, tuple[list[torch.Tensor], torch.Tensor]]:
     """:func:`fit_params` one training iteration at a time: each ``next`` runs one (the first
@@ -176,9 +184,7 @@ def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor,
         m = len(targets)
         x[i, :m] = keys.float().to(dev)
         y[i, :m] = targets.float().to(dev).clamp(0, 1)
-        # positives are rare: weight them so they are not drowned by the negatives
-        pos = (y[i, :m] > 0.5).float()
-        w[i, :m] = 1.0 + pos * ((1 - pos).sum() / pos.sum().clamp_min(1)).clamp_min(1.0)   # no host sync
+        w[i, :m] = row_weights(y[i, :m])
     wn = w / n[:, None]                                       # the weighted mean's factor per row
     # stacked parameters, (P, D, hidden), (P, hidden), (P, hidden), (P,); written back at the end
     params = [torch.stack([p.fc1.weight.T for p in probes]), torch.stack([p.fc1.bias for p in probes]),
