@@ -8,7 +8,7 @@ time of the engine's parts a stall may come from (the audit, a recalibration's l
 step, and its worker thread's launches, which overlap the steps; with --slices, the same work
 in slices after each step instead).
 
-    python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices]
+    python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices] [--switch-interval keep]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from call_timers import CallTimers
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
 import hi_sparse as hs
-from hi_sparse import pinned, recalibration, step_graph
+from hi_sparse import pinned, recalibration, side_threads, step_graph
 from hi_sparse.recal_job import RecalibrationJob
 
 
@@ -36,14 +36,18 @@ def main() -> int:
     ap.add_argument("--bits", type=host_bits, default=4, help="host_kv_bits: none, 4, 5, 6, 8, auto, ...")
     ap.add_argument("--over", type=float, default=1.5, help="a stall: a step over this times the median")
     ap.add_argument("--no-ahead", action="store_true", help="capture no coming key ahead (step_graph.AHEAD_TOKENS)")
-    ap.add_argument("--warm-blas", action="store_true",
-                    help="make the capture ahead's cuBLAS handles at install (step_graph.WARM_BLAS)")
+    ap.add_argument("--no-warm-blas", action="store_true",
+                    help="make no cuBLAS handles for the capture ahead at install (step_graph.WARM_BLAS)")
+    ap.add_argument("--switch-interval", type=switch_interval, default=side_threads.SWITCH_INTERVAL,
+                    help="the GIL's switch interval (s) while the runtime's threads run (side_threads), "
+                         "or 'keep' for the interpreter's own")
     ap.add_argument("--slices", action="store_true",
                     help="a background recalibration's work in slices after each step, not on a worker thread")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     args = ap.parse_args()
-    step_graph.WARM_BLAS = args.warm_blas        # read at install
+    step_graph.WARM_BLAS = not args.no_warm_blas        # read at install
+    side_threads.SWITCH_INTERVAL = args.switch_interval
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
@@ -85,7 +89,8 @@ def main() -> int:
     print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}, "
           f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority, "
           f"recalibration {'in slices' if args.slices else 'on a worker'}"
-          f"{', cuBLAS warmed' if args.warm_blas else ''}: "
+          f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}, "
+          f"switch interval {'kept' if args.switch_interval is None else f'{args.switch_interval * 1e3:g} ms'}: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
     for pos, t, did in times[2:]:
@@ -105,9 +110,13 @@ def main() -> int:
     return 0
 
 
+def switch_interval(text: str) -> float | None:
+    return None if text == "keep" else float(text)
+
+
 # labels of other threads' work, as a step that overlapped it names it
-WHILE = {"  its scoring of one layer (worker)": "the worker scoring",
-         "  an iteration of its probes' fit (worker)": "the worker fitting",
+WHILE = {"  its scoring of one layer (worker or slice)": "its scoring",
+         "  an iteration of its probes' fit (worker or slice)": "its fit",
          "a whole-step capture (either thread)": "a capture",
          "  page-locking a tensor's pages (the step, or the thread ahead)": "page-locking"}
 
@@ -119,8 +128,8 @@ def timed_parts(engine, timers: CallTimers) -> list:
             timers.wrap(engine._recalibrator, "start", "a recalibration's launch (in the step)"),
             timers.wrap(engine._recalibrator, "_inputs", "  its inputs of one layer (in the step)"),
             timers.wrap(RecalibrationJob, "_to_the_end", "its work's launches (a worker, or slices after a step)"),
-            timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker)"),
-            timers.wrap_slices(recalibration, "fit_iterations", "  an iteration of its probes' fit (worker)"),
+            timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker or slice)"),
+            timers.wrap_slices(recalibration, "fit_iterations", "  an iteration of its probes' fit (worker or slice)"),
             timers.wrap(engine.host, "grow", "the host pool's growth (in the step)"),
             timers.wrap(pinned.Space, "lock_to", "  page-locking a tensor's pages (the step, or the thread ahead)"),
             timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)"),

@@ -47,16 +47,17 @@ import torch
 from . import hf_attention, hf_compat
 from .batch_step import _cause, capture, private_random_state, warm_blas
 from .row_bank import staged_view
+from .side_threads import beside_the_steps
 from .streams import first_in_line
 
 AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thread
 # replay a step on the device's high-priority stream (streams.first_in_line): its kernels ahead of
 # a background recalibration's (benchmarks turn it off to compare)
 PRIORITY = True
-# make the capture ahead's cuBLAS handles at install (batch_step.warm_blas): an experiment, off
-# until the H200 says whether it takes the first capture ahead's 157-269 ms out of its step
-# (benchmarks/stall_profile.py --warm-blas)
-WARM_BLAS = False
+# make the capture ahead's cuBLAS handles at install (batch_step.warm_blas): the step that starts
+# the first capture ahead took 129 ms on the H200 without, 11 ms with (benchmarks/stall_profile.py
+# --no-warm-blas to compare)
+WARM_BLAS = True
 # forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
 _TENSORS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
 _FLAGS = ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
@@ -286,8 +287,8 @@ class StepGraphs:
         for the new sizes) leaves ``ahead.have`` None and the step runs as without it."""
         device = self.binding.engine.layers[0].device     # (whole-step graphs: one device)
         try:
-            with torch.inference_mode(inference), torch.no_grad(), torch.cuda.device(device), staged_view(), \
-                    self.binding.engine.planned_in_this_thread(ahead.plan):
+            with beside_the_steps(), torch.inference_mode(inference), torch.no_grad(), torch.cuda.device(device), \
+                    staged_view(), self.binding.engine.planned_in_this_thread(ahead.plan):
                 hf_attention.push(ctx)
                 try:
                     graph, output = capture(lambda: self.original(**call), torch.cuda.graph_pool_handle(),
