@@ -87,20 +87,21 @@ class HiSparseConfig:
     recalibrate_every: int = 32768       # tokens between scheduled recalibrations
     recalibrate_topk: int = 32           # tokens labelled as anchors when the probe is refit
     recalibrate_queries: int = 8         # recent decode queries kept per layer for re-scoring
-    background_recalibration: bool | None = None   # recalibrate on a side stream while steps go
-                                         # on and use the result from the first step after it
-                                         # finished; one due at a prefill's end starts with the next
-                                         # step (the first token does not wait for it). None: on
-                                         # CUDA (H200, 32K prefill 1.14x dense, 1.25x without);
-                                         # False (the CPU's default): at the end of the step that
-                                         # is due, waiting; True on a CPU: in slices after each
-                                         # step for about that step's time (no ~80x stall)
+    background_recalibration: bool | None = None   # recalibrate while the steps go on and use
+                                         # the result some steps later; one due at a prefill's end
+                                         # starts with the next step (the first token does not
+                                         # wait for it). On CUDA a worker thread queues it on a side
+                                         # stream (H200: 32K prefill 1.14x dense, 1.25x without); on
+                                         # a CPU it runs in slices after each step (SmolLM2: the
+                                         # slowest step 2.1x, 74x in the step). None: True. False: at
+                                         # the end of the step that is due, waiting
     recalibration_lag: int | None = None  # a background recalibration is committed at the end
                                          # of the step this many decode steps after its launch,
                                          # waiting for it there (the same step whatever the
                                          # timing: reproducible decodes; it may stall a step).
-                                         # None: at the first step end after it finished, and
-                                         # with a worker thread (CUDA) not before 32 steps
+                                         # None: with a worker thread (CUDA) at the first step end
+                                         # after it finished, not before 32 steps; in slices (a
+                                         # CPU) after 96 steps, each running its share
     audit_every: int = 16                # decode steps between audits (0 = never)
     audit_top_m: int = 8                 # true top-m tokens compared against the selection ("top_m")
     # what an audit measures: "mass", the share of the query's exact attention that fell on the
@@ -233,7 +234,7 @@ class HiSparseConfig:
         need(self.decode_graphs in DECODE_GRAPHS and isinstance(self.decode_graphs, bool | str),
              f"decode_graphs must be True, False or 'step', got {self.decode_graphs!r}")
         need(self.background_recalibration is None or isinstance(self.background_recalibration, bool),
-             f"background_recalibration must be True, False or None (on CUDA), "
+             f"background_recalibration must be True, False or None (True), "
              f"got {self.background_recalibration!r}")
         need(self.recalibration_lag is None or (isinstance(self.recalibration_lag, int)
                                                 and not isinstance(self.recalibration_lag, bool)

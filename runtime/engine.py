@@ -48,8 +48,9 @@ from .storage import Storage
 # decode steps a recalibration's worker thread runs before its result is used, at least (with
 # recalibration_lag None): beside the steps it took ~250-600 ms of host time at 32 layers on the
 # H200, 50-130 steps of 1-3K tokens; one that finishes within them lands on the same step whatever
-# the timing, a slower one at the first step end after it finished
-WORKER_LAG = 32
+# the timing, a slower one at the first step end after it finished. One in slices (a CPU's) lands
+# after SLICE_LAG steps whatever the timing, each running its share (SmolLM2's 1K: 73-96 by time)
+WORKER_LAG, SLICE_LAG = 32, 96
 
 
 class HiSparseEngine:
@@ -95,8 +96,7 @@ class HiSparseEngine:
             self.pool.grow(cfg.host_pool_blocks)
             self.host.grow(blocks=cfg.host_pool_blocks)
         self.layers = self._layers(devices)
-        bg = cfg.background_recalibration             # None: where there is a side stream to run on
-        self._background = any(d.type == "cuda" for d in devices) if bg is None else bg
+        self._background = cfg.background_recalibration is not False
         self._sequences = SequenceTable(cfg, self.layers, self.host, self.pages)
         self._storage = Storage(cfg, self.pool, self.pages, self.host, self.layers, self._sequences, metrics)
         self._decoder = Decoder(cfg, shape, self.layers, self.host, self._storage, self._sequences, metrics)
@@ -383,12 +383,14 @@ class HiSparseEngine:
             self._audited = None
         self._prefill.end_step()
         self._decoder.flush_quant_errors()
-        if self._control.recalibration_requested():
+        job = self._recal_job
+        # a request while one requested runs is answered by it (its landing acknowledges the latest)
+        if self._control.recalibration_requested() and "request" not in (self._recal_deferred, job and job.reason):
             self.recal.request("request")
         live = list(self._sequences.live.values())
         ready = any(s.queries_kept[0] and s.lengths[0] - s.first_token > self.cfg.top_k for s in live)
-        if self._recal_job is not None:              # a CPU's: its next slices, a step's time
-            self._recal_job.advance(took or 0.0)
+        if job is not None:          # a CPU's: its next slices, a step's time or its share by its step
+            job.advance(took or 0.0, max(1, job.due - self.decode_steps + 1))
         self.settle_recalibration(wait=False)       # a background one the device finished
         reason = self.recal.due(ready) if self._recal_job is None and self._recal_deferred is None else None
         if reason is not None:
@@ -422,7 +424,7 @@ class HiSparseEngine:
         job = self._recalibrator.start(live, reason, background=background)
         if job.background:
             lag = self.cfg.recalibration_lag
-            job.due = self.decode_steps + (lag if lag is not None else WORKER_LAG if job.threaded else 0)
+            job.due = self.decode_steps + (lag if lag is not None else WORKER_LAG if job.threaded else SLICE_LAG)
             self._recal_job = job
         else:
             job.commit()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 MAX_PARAMS = 15_000
+FIT_STEPS = 100           # Adam iterations of a probe's fit
 T = TypeVar("T")
 FLUSH_DENORMALS = True    # small_ops_on_cpu flushes them (benchmarks turn it off to compare)
 
@@ -89,12 +90,12 @@ class ImportanceProbe(nn.Module):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x))).squeeze(-1)
 
-    def fit(self, keys: torch.Tensor, targets: torch.Tensor, steps: int = 100, lr: float = 0.05) -> float:
+    def fit(self, keys: torch.Tensor, targets: torch.Tensor, steps: int = FIT_STEPS, lr: float = 0.05) -> float:
         """Distil: keys (N, D), soft targets (N,) in [0, 1]. Returns the final loss."""
         return fit_probes([self], [(keys, targets)], steps, lr)[0]
 
 
-def fit_probes(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
+def fit_probes(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = FIT_STEPS,
                lr: float = 0.05) -> list[float]:
     """Distil several probes of one shape on one device at once (a recalibration fits every
     layer's): probe i on keys (N_i, D) and soft targets (N_i,) in [0, 1]. The same training as
@@ -142,7 +143,7 @@ def _flushing() -> bool:
     return float(torch.tensor([1e-30]) * torch.tensor([1e-10])) == 0.0
 
 
-def fit_params(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
+def fit_params(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = FIT_STEPS,
                lr: float = 0.05) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`fit_probes`' training without touching the probes or waiting for the device: the
     fitted parameters stacked over the probes ((P, D, hidden), (P, hidden), (P, hidden), (P,)) and
@@ -168,7 +169,7 @@ def row_weights(targets: torch.Tensor) -> torch.Tensor:
     return 1.0 + pos * ((1 - pos).sum() / pos.sum().clamp_min(1)).clamp_min(1.0)
 
 
-def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
+def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor, torch.Tensor]], steps: int = FIT_STEPS,
                    lr: float = 0.05) -> Generator[None, None, tuple[list[torch.Tensor], torch.Tensor]]:
     """:func:`fit_params` one training iteration at a time: each ``next`` runs one (the first
     also sets the training up) and the generator returns what fit_params does. A background

@@ -48,7 +48,8 @@ class RecalibrationJob:
         self.events: list = []
         self.inputs: list = []
         self._worker: threading.Thread | None = None
-        self._slices: Generator[None, None, None] | None = None    # the work not yet run
+        self._slices: Generator[int | None, None, None] | None = None    # the work not yet run
+        self.left: int | None = None    # its slices left, as the work's last slice said (None: not said)
         self._error: BaseException | None = None
         self.threaded = False           # its work runs (or ran) on a worker thread
         self.due = 0                    # the decode step from whose end it may be committed (the engine's)
@@ -67,7 +68,7 @@ class RecalibrationJob:
     def on(stream: torch.cuda.Stream | None):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def run(self, work: Generator[None, None, None], how: str) -> None:
+    def run(self, work: Generator[int | None, None, None], how: str) -> None:
         """Do ``work`` (slices that queue the job's device work, :meth:`Recalibrator._work
         <hi_sparse.recalibration.Recalibrator._work>`): "now"; on a worker "thread" (gradients off
         there too: the setting is per thread); or in "slices", :meth:`advance` running some after
@@ -89,22 +90,29 @@ class RecalibrationJob:
         with beside_the_steps():    # the steps get the GIL back sooner (side_threads.py)
             self._to_the_end()
 
-    def _to_the_end(self, seconds: float = math.inf) -> None:
+    def _to_the_end(self, seconds: float = math.inf, steps_left: int | None = None) -> None:
         """Run the work's slices until it ends, or while ``seconds`` are not spent: at least one,
-        and no more once the slowest so far would not fit in what is left. An error ends the
-        work, raised by :meth:`wait` (in the thread that steps)."""
-        t0, slowest = time.perf_counter(), 0.0
+        and no more once the slowest so far would not fit in what is left; with ``steps_left``
+        (the calls to this that are left, this one included) at least the slices left (as the
+        work last said) over those calls, and all at the last. An error ends the work, raised by
+        :meth:`wait` (in the thread that steps)."""
+        t0, slowest, ran = time.perf_counter(), 0.0, 0
+        must = self._share(steps_left)      # slices this call runs at least (None: once the work says)
         try:
             with torch.no_grad():
                 while self._slices is not None:
                     t = time.perf_counter()
-                    if slowest and t - t0 + slowest > seconds:
+                    if must is None and ran:
+                        must = ran + (self._share(steps_left) or 0)
+                    if ran >= (must or 1) and slowest and t - t0 + slowest > seconds:
                         return
                     try:
-                        next(self._slices)
+                        left = next(self._slices)
+                        self.left = left if isinstance(left, int) else None
                     except StopIteration:
-                        self._slices = None
+                        self._slices, self.left = None, 0
                         self._launched()
+                    ran += 1
                     slowest = max(slowest, time.perf_counter() - t)
         except Exception as exc:            # raised by wait, in the thread that steps
             self._slices, self._error = None, exc
@@ -112,11 +120,21 @@ class RecalibrationJob:
             self._slices, self._error = None, exc
             raise
 
-    def advance(self, seconds: float) -> None:
+    def _share(self, steps_left: int | None) -> float | None:
+        """A call's share of the slices left over ``steps_left`` calls (all at the last; None while
+        the work has not said how many are left)."""
+        if steps_left is None:
+            return 1
+        if steps_left <= 1:
+            return math.inf
+        return None if self.left is None else math.ceil(self.left / steps_left)
+
+    def advance(self, seconds: float, steps_left: int | None = None) -> None:
         """Run the work of a job in slices for about ``seconds`` (a decode step's worth, so that no
-        step waits much longer than another), unless a worker does it."""
+        step waits much longer than another), and at least its share of what is left when
+        ``steps_left`` calls remain before it is due, unless a worker does it."""
         if self._worker is None:
-            self._to_the_end(seconds)
+            self._to_the_end(seconds, steps_left)
 
     def _launched(self) -> None:
         for stream in self.streams.values():

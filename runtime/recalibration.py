@@ -27,7 +27,7 @@ from easymats.catalogue import RECALIBRATION_REASONS
 from hi_sparse.kernels.recent import push_recent
 
 from .host_seal import to_device
-from .probe import fit_iterations, small_ops_on_cpu
+from .probe import FIT_STEPS, fit_iterations, small_ops_on_cpu
 from .recal_job import RecalibrationJob
 from .row_bank import RowBank
 from .trace import phase
@@ -267,6 +267,16 @@ def _fit_groups(fits: list[tuple[LayerRows, tuple[torch.Tensor, torch.Tensor]]])
     return groups
 
 
+def _fit_group_count(fits: list[tuple[LayerRows, tuple[torch.Tensor, torch.Tensor]]], scale: float) -> int:
+    """How many groups :func:`_fit_groups` will make of one device's layers once ``scale`` times as
+    many have their training sets as ``fits`` has (exact at 1)."""
+    groups = len(_fit_groups(fits))
+    if scale == 1 or fits[0][0].device.type != "cpu":
+        return groups
+    size = sum(len(data[1]) * layer.probe.fc1.out_features for layer, data in fits)
+    return max(groups, math.ceil(size * scale / FIT_SLICE))
+
+
 class Audit(NamedTuple):
     """One audited (sequence, layer, query head): lookups and hits as ``audit_measure`` counts them
     (true top-m tokens and those selected, or one query and the attention share it kept)."""
@@ -326,23 +336,27 @@ class Recalibrator:
         job.run(self._work(work, fit, job, streams), "thread" if thread else "slices" if background else "now")
         return job
 
-    def _work(self, work: list, fit: set[int], job: RecalibrationJob, streams: dict) -> Iterator[None]:
+    def _work(self, work: list, fit: set[int], job: RecalibrationJob, streams: dict) -> Iterator[int]:
         """Each layer's contexts read and scored into ``job``, then the probes of each device fitted
         together, on the side streams ``streams`` (the current ones without): in slices, a layer's
         scoring or a fit's iteration each, with nothing of it (one thread, a stream) set between
         them, so a CPU's decode steps may run between two (RecalibrationJob.advance)."""
         fits: dict[torch.device, list] = {}
-        for layer, inputs in work:
+        per = FIT_STEPS - 1     # slices of a group's fit: its last iteration runs in the next group's first
+        for n, (layer, inputs) in enumerate(work, 1):
             stream = streams.get(layer.device)
             with layer.on_device(), small_ops_on_cpu(layer.device), job.on(stream), phase("recalibrate.score"):
                 data = self._layer(layer, inputs, fit, job)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
-            yield
-        for group in (g for device_fits in fits.values() for g in _fit_groups(device_fits)):
+            # the slices left (RecalibrationJob.advance paces them), the fit's groups estimated
+            yield len(work) - n + per * sum(_fit_group_count(f, len(work) / n) for f in fits.values()) + 1
+        every = [g for device_fits in fits.values() for g in _fit_groups(device_fits)]
+        for g, group in enumerate(every):
             device = group[0][0].device
             probes = [layer.probe for layer, _ in group]
-            training = fit_iterations(probes, [data for _, data in group])
+            training = fit_iterations(probes, [data for _, data in group], FIT_STEPS)
+            left = (len(every) - g) * per + 1
             while True:
                 with (group[0][0].on_device(), small_ops_on_cpu(device), job.on(streams.get(device)),
                       phase("recalibrate.fit")):
@@ -351,7 +365,8 @@ class Recalibrator:
                     except StopIteration as end:
                         job.fits.append((probes, end.value[0]))
                         break
-                yield
+                left -= 1
+                yield left
 
     def _fit_sequences(self, seqs: list[Sequence]) -> set[int]:
         """The ids of the sequences whose tokens train the probes: all where they give up to

@@ -15,7 +15,7 @@ import torch
 
 from hi_sparse import pinned
 from hi_sparse.config import HiSparseConfig
-from hi_sparse.engine import HiSparseEngine
+from hi_sparse.engine import SLICE_LAG, HiSparseEngine
 from hi_sparse.workloads import run_decode, run_prefill
 
 L, HQ, HKV, D = 2, 4, 2, 16
@@ -68,16 +68,24 @@ def test_a_background_recalibration_commits_at_the_next_boundary_with_the_same_r
     assert not _same(_state(bg, ids[1][0]), before)
 
 
-def test_the_default_is_background_on_cuda_only_and_a_bad_value_is_refused():
-    """None (the default) recalibrates in the step on a CPU: the prefill's recalibration is
-    committed when the prefill's step ends, as with False."""
+def test_the_default_is_background_and_a_bad_value_is_refused():
+    """None (the default) recalibrates in the background on a CPU too: the prefill's recalibration
+    waits for the next step, and runs in slices (no worker thread); False commits it when the
+    prefill's step ends."""
     base = dict(max_seq_len=1024, cache_block_size=16, window_size=16, global_tokens=4, top_k=48,
                 recalibrate_every=10**6, audit_every=0, telemetry=False)
     assert HiSparseConfig(**base).background_recalibration is None
-    eng = HiSparseEngine(HiSparseConfig(**base), L, HQ, HKV, D)
     k, v, q = _data(203)
-    run_prefill(eng, eng.add_sequences(1), k, v, q)
-    assert eng.stats.recalibrations["schedule"] == 1 and eng._recal_deferred is None
+    for bg in (None, False):
+        eng = HiSparseEngine(HiSparseConfig(**base, background_recalibration=bg), L, HQ, HKV, D)
+        ids = eng.add_sequences(1)
+        run_prefill(eng, ids, k, v, q)
+        assert eng.stats.recalibrations["schedule"] == (bg is False)
+        assert (eng._recal_deferred == "schedule") == (bg is None)
+        if bg is None:
+            kd, vd, qd = _data(1, seed=1)
+            run_decode(eng, ids, qd, kd, vd)
+            assert eng._recal_job is not None and not eng._recal_job.threaded and eng._recal_job.due == SLICE_LAG
     with pytest.raises(ValueError, match="background_recalibration must be True, False or None"):
         HiSparseConfig(**base, background_recalibration="yes").validate()
 
@@ -342,12 +350,15 @@ def test_a_job_in_slices_runs_about_the_time_it_is_given_and_the_rest_at_its_com
     assert failing.anchors == []
 
 
-def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_same_result():
+@pytest.mark.parametrize("lag", [None, 7])
+def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_same_result(lag):
     """On a CPU (no worker asked for) each step's end runs the job's slices for that step's own
-    time (RecalibrationJob.advance: how much that is, the test above); here each gets no time, so
-    one slice: a layer's scoring or one of the fit's 100 iterations. Once they ran out the job
-    lands, and it commits what the recalibration at once computed at the prefill's end."""
-    sync, bg = _engines()
+    time (RecalibrationJob.advance: how much that is, the test above) and at least its share of
+    those left until the job is due (engine.SLICE_LAG steps, or recalibration_lag); here each
+    gets no time, so its share alone: the slices spread over the steps, the last due step runs
+    what is left, and the job lands at its end whatever the timing, with what the recalibration
+    at once computed at the prefill's end."""
+    sync, bg = _engines(recalibration_lag=lag)
     k, v, q = _data(203)
     ids = [e.add_sequences(1) for e in (sync, bg)]
     for e, i in zip((sync, bg), ids):
@@ -355,30 +366,37 @@ def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_sa
     bg._launch_deferred()
     job = bg._recal_job
     assert job is not None and not job.threaded and job._slices is not None
+    due = SLICE_LAG if lag is None else lag
+    assert job.due == due
     ran: list[int] = []
-    given: list[float] = []
+    said: list[int] = []
 
     def counted(slices):
-        for _ in slices:
+        for left in slices:
             ran.append(bg.decode_steps)
-            yield
+            said.append(left)
+            yield left
     job._slices = counted(job._slices)
     advance = job.advance
 
-    def none_given(seconds):
-        given.append(seconds)
-        advance(0.0)
+    def none_given(seconds, steps_left):
+        assert seconds > 0 and steps_left == due - bg.decode_steps + 1
+        advance(0.0, steps_left)
     job.advance = none_given
     kd, vd, qd = _data(1, seed=1)
     steps = 0
     while bg._recal_job is not None and steps < 400:
         run_decode(bg, ids[1], qd, kd, vd)
         steps += 1
-    assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 1
-    # one a step: a yield after each layer's scoring and each fit iteration but the last, which
-    # ends the work; the job lands at the end of that step
-    assert len(ran) == L + 99 and ran == list(range(1, len(ran) + 1)), ran
-    assert steps == len(ran) + 1 and all(t > 0 for t in given)
+    assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 1 and steps == due
+    # a yield after each layer's scoring and each fit iteration but the last, which ends the
+    # work; what the work said was left each time, exactly once the layers were scored
+    total = L + 99
+    assert len(ran) == total and said[L - 1:] == list(range(100, 0, -1)), said
+    per = [ran.count(step) for step in range(1, due + 1)]
+    share = -(-(total + 1) // due)   # (the first step's is counted once the work said how many are left)
+    last = max(step for step, n in enumerate(per) if n)
+    assert sum(per) == total and all(1 <= n <= share + 2 for n in per[:last + 1]), per
     assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
 
 

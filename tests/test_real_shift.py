@@ -20,9 +20,11 @@ from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
 from hi_sparse.integration import binding_of, disable_hisparse_kv_cache, enable_hisparse_kv_cache
 from hi_sparse.real_model import load_text, token_ids
 
+# the recalibrations in the step: the tests read what one does from the next token on (in the
+# background, the default, it lands engine.SLICE_LAG steps later on a CPU)
 OPTIONS = dict(max_seq_len=8192, block_size=32, window_size=64, global_tokens=16, top_k=256,
                recalibrate_every=1 << 20, recalibrate_topk=16, audit_every=1, drift_floor=0.0,
-               telemetry=False)
+               telemetry=False, background_recalibration=False)
 PROMPT, READ, SHIFT = 1024, 96, 384
 
 

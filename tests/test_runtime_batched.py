@@ -249,6 +249,7 @@ def test_forked_sequences_continue_like_independent_copies(bits):
     _run(copies, ids_c, rep(K), rep(V), rep(Q), 0, P)
     copies.request_recalibration()
     _run(copies, ids_c, rep(K), rep(V), rep(Q), P, P + 1)
+    copies.settle_recalibration()        # as the fork did: it commits one pending first
     before = forked.stats.hot_buffer_hits, copies.stats.hot_buffer_hits
     g = torch.Generator().manual_seed(5)   # the rows now diverge: different tokens per row
     for t in range(steps - 1):

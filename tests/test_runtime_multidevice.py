@@ -53,7 +53,8 @@ def test_layer_devices_all_cpu_is_bit_identical_to_default(bits, meta):
     # sparse decode (top_k < context), swap-ins (buffer < context), audits and recalibrations
     cfg = dict(max_seq_len=512, cache_block_size=8, window_size=8, global_tokens=4, top_k=32,
                device_buffer_tokens=48, audit_every=2, recalibrate_every=8, telemetry=False,
-               host_kv_bits=bits, metadata_device=meta, prefetch_blocks=1)
+               host_kv_bits=bits, metadata_device=meta, prefetch_blocks=1,
+               recalibration_lag=2)      # in the background (the default), landing within the 20 steps
     L, B, Hq, Hkv, D = 2, 2, 4, 2, 16
     a = HiSparseEngine(HiSparseConfig(**cfg), L, Hq, Hkv, D)
     b = HiSparseEngine(HiSparseConfig(**cfg), L, Hq, Hkv, D, layer_devices=["cpu", torch.device("cpu")])

@@ -24,10 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(seed=1, **over):
-    # these tests are about finding planted tokens: the audit counts the true top-m (needle recall)
+    # these tests are about finding planted tokens: the audit counts the true top-m (needle recall);
+    # a recalibration in the step, so that its effect shows from the next step on
     kw = dict(max_seq_len=8192, cache_block_size=32, window_size=32, global_tokens=12, top_k=128,
               audit_every=1, audit_top_m=8, audit_measure="top_m", drift_floor=0.0, telemetry=False,
-              prefetch_blocks=1)
+              prefetch_blocks=1, background_recalibration=False)
     kw.update(over)
     wl = PlantedWorkload(HKV, HQ, D, seed=seed)
     eng = HiSparseEngine(HiSparseConfig(**kw), L, HQ, HKV, D)
@@ -119,7 +120,8 @@ def test_control_file_request_is_counted_and_acknowledged(segment_dir):
     seg = telemetry.open_segment("planted")
     wl = PlantedWorkload(HKV, HQ, D, seed=3)
     eng = HiSparseEngine(HiSparseConfig(max_seq_len=8192, cache_block_size=32, window_size=32,
-                                        global_tokens=8, top_k=128, audit_every=4, drift_floor=0.0),
+                                        global_tokens=8, top_k=128, audit_every=4, drift_floor=0.0,
+                                        background_recalibration=False),
                          L, HQ, HKV, D, segment=seg)
     ids = eng.add_sequences(1)
     s = wl.segment(512, topic="A", anchors=4, margin=64)
@@ -134,6 +136,43 @@ def test_control_file_request_is_counted_and_acknowledged(segment_dir):
         time.sleep(0.01)
     assert agent_side.acked()[0] == req and agent_side.acked()[2] == 0
     assert eng.stats.recalibrations["request"] == 1
+    eng.close()
+    seg.close()
+
+
+def test_a_request_while_a_requested_one_runs_is_answered_by_it(segment_dir):
+    """In the background (the default), a second request (Alertmanager repeats an alert that is
+    still firing) that arrives while the first one's recalibration runs starts no second one: that
+    one's landing acknowledges the latest, and one is counted."""
+    seg = telemetry.open_segment("planted")
+    wl = PlantedWorkload(HKV, HQ, D, seed=3)
+    eng = HiSparseEngine(HiSparseConfig(max_seq_len=8192, cache_block_size=32, window_size=32,
+                                        global_tokens=8, top_k=128, audit_every=4, drift_floor=0.0,
+                                        recalibration_lag=40), L, HQ, HKV, D, segment=seg)
+    ids = eng.add_sequences(1)
+    s = wl.segment(512, topic="A", anchors=4, margin=64)
+    run_prefill(eng, ids, s.k[None], s.v[None], topic_queries(wl, "A", 8))
+    agent_side = telemetry.ControlFile.open_existing(control_path(seg.path))
+
+    def decode_until(done, steps=200):
+        for _ in range(steps):   # the runtime polls the control file at most every 50 ms
+            k, v = wl.noise(1)
+            run_decode(eng, ids, wl.topic_query("A")[None, :, None], k[None], v[None])
+            if done():
+                return
+            time.sleep(0.01)
+        raise AssertionError("not reached")
+    decode_until(lambda: eng.stats.recalibrations["schedule"] == 1)      # the prefill's first fit
+    first = agent_side.request("recalibrate", reason="HiSparseAnchorHitRateLow", requester="test")
+    decode_until(lambda: eng._recal_job is not None and eng._recal_job.reason == "request")
+    second = agent_side.request("recalibrate", reason="HiSparseAnchorHitRateLow", requester="test")
+    decode_until(lambda: agent_side.acked()[0] == second)
+    assert first != second and agent_side.acked()[2] == 0
+    decode_until(lambda: eng._recal_job is None and eng._recal_deferred is None, steps=1)
+    for _ in range(45):          # past another lag: nothing more was started
+        k, v = wl.noise(1)
+        run_decode(eng, ids, wl.topic_query("A")[None, :, None], k[None], v[None])
+    assert eng.stats.recalibrations["request"] == 1 and eng._recal_job is None
     eng.close()
     seg.close()
 
@@ -187,7 +226,8 @@ def test_an_audit_of_a_batch_is_one_audit_to_the_drift_window():
     wl = PlantedWorkload(HKV, HQ, D, seed=5)
     eng = HiSparseEngine(HiSparseConfig(max_seq_len=4096, cache_block_size=32, window_size=32, global_tokens=8,
                                         top_k=64, audit_every=1, audit_top_m=8, audit_measure="top_m",
-                                        drift_floor=0.0, drift_window=4, telemetry=False), L, HQ, HKV, D)
+                                        drift_floor=0.0, drift_window=4, telemetry=False,
+                                        background_recalibration=False), L, HQ, HKV, D)
     ids = eng.add_sequences(4)
     segs = [wl.segment(512, topic="A", anchors=4, margin=64) for _ in ids]
     run_prefill(eng, ids, torch.stack([s.k for s in segs]), torch.stack([s.v for s in segs]),
