@@ -8,7 +8,7 @@ time of the engine's parts a stall may come from (the audit, a recalibration's l
 step, and its worker thread's launches, which overlap the steps; with --slices, the same work
 in slices after each step instead).
 
-    python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices] [--switch-interval keep]
+    python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices] [--no-warm-blas]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from call_timers import CallTimers
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
 import hi_sparse as hs
-from hi_sparse import pinned, recalibration, side_threads, step_graph
+from hi_sparse import pinned, recalibration, step_graph
 from hi_sparse.recal_job import RecalibrationJob
 
 
@@ -38,16 +38,12 @@ def main() -> int:
     ap.add_argument("--no-ahead", action="store_true", help="capture no coming key ahead (step_graph.AHEAD_TOKENS)")
     ap.add_argument("--no-warm-blas", action="store_true",
                     help="make no cuBLAS handles for the capture ahead at install (step_graph.WARM_BLAS)")
-    ap.add_argument("--switch-interval", type=switch_interval, default=side_threads.SWITCH_INTERVAL,
-                    help="the GIL's switch interval (s) while the runtime's threads run (side_threads), "
-                         "or 'keep' for the interpreter's own")
     ap.add_argument("--slices", action="store_true",
                     help="a background recalibration's work in slices after each step, not on a worker thread")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     args = ap.parse_args()
     step_graph.WARM_BLAS = not args.no_warm_blas        # read at install
-    side_threads.SWITCH_INTERVAL = args.switch_interval
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
@@ -89,8 +85,7 @@ def main() -> int:
     print(f"{dev}, batch {args.batch}, prompt {args.prompt}, {args.steps} steps, host_kv_bits {args.bits}, "
           f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority, "
           f"recalibration {'in slices' if args.slices else 'on a worker'}"
-          f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}, "
-          f"switch interval {'kept' if args.switch_interval is None else f'{args.switch_interval * 1e3:g} ms'}: "
+          f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
     for pos, t, did in times[2:]:
@@ -108,10 +103,6 @@ def main() -> int:
             print(f"host time in {part}: {len(spent)} calls, {1e3 * sum(spent):.1f} ms, "
                   f"the longest {1e3 * max(spent):.1f} ms")
     return 0
-
-
-def switch_interval(text: str) -> float | None:
-    return None if text == "keep" else float(text)
 
 
 # labels of other threads' work, as a step that overlapped it names it

@@ -14,8 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .side_threads import beside_the_steps
-
 
 def pin(t: torch.Tensor) -> None:
     """Page-lock ``t`` in place for the GPU (cudaHostRegister), unregistered when it is freed.
@@ -109,7 +107,7 @@ def lock_ahead(spaces: list[tuple[Space, int]], device: torch.device) -> Future:
         _locker = ThreadPoolExecutor(1, thread_name_prefix="hisparse-pin")
 
     def work() -> None:
-        with torch.cuda.device(device), beside_the_steps():
+        with torch.cuda.device(device):
             for space, n in spaces:
                 try:
                     space.lock_to(n)

@@ -27,7 +27,6 @@ import torch
 
 from .host_seal import to_device
 from .probe import write_params
-from .side_threads import beside_the_steps
 from .streams import own_stream
 
 
@@ -83,12 +82,8 @@ class RecalibrationJob:
             self._launched()
             return
         self.threaded = True
-        self._worker = threading.Thread(target=self._on_worker, name="hisparse-recalibration")
+        self._worker = threading.Thread(target=self._to_the_end, name="hisparse-recalibration")
         self._worker.start()
-
-    def _on_worker(self) -> None:
-        with beside_the_steps():    # the steps get the GIL back sooner (side_threads.py)
-            self._to_the_end()
 
     def _to_the_end(self, seconds: float = math.inf, steps_left: int | None = None) -> None:
         """Run the work's slices until it ends, or while ``seconds`` are not spent: at least one,

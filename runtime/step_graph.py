@@ -47,7 +47,6 @@ import torch
 from . import hf_attention, hf_compat
 from .batch_step import _cause, capture, private_random_state, warm_blas
 from .row_bank import staged_view
-from .side_threads import beside_the_steps
 from .streams import first_in_line
 
 AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thread
@@ -287,8 +286,8 @@ class StepGraphs:
         for the new sizes) leaves ``ahead.have`` None and the step runs as without it."""
         device = self.binding.engine.layers[0].device     # (whole-step graphs: one device)
         try:
-            with beside_the_steps(), torch.inference_mode(inference), torch.no_grad(), torch.cuda.device(device), \
-                    staged_view(), self.binding.engine.planned_in_this_thread(ahead.plan):
+            with torch.inference_mode(inference), torch.no_grad(), torch.cuda.device(device), staged_view(), \
+                    self.binding.engine.planned_in_this_thread(ahead.plan):
                 hf_attention.push(ctx)
                 try:
                     graph, output = capture(lambda: self.original(**call), torch.cuda.graph_pool_handle(),
