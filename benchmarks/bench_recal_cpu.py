@@ -5,13 +5,13 @@
 
 SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64) reads --prompt tokens of the license texts
 through HiSparse (64-token blocks, window 64, top_k 256, 16 anchors), then decodes token by token:
---steps plain steps, then a requested recalibration (done in the step on a CPU: every layer's
-anchors re-scored, every probe refitted) and --steps more, --recals times. Modes, one after
-another in one process: "step", the recalibration in the step (``background_recalibration``
-False, the CPU's default), denormal floats flushed while it runs (the runtime's way);
-"step-keep", the same with them kept (``probe.FLUSH_DENORMALS`` off); "slices", in the
-background (True): its work in slices after each step for about a step's time, decoding on until
-it is committed. Prints the median plain step, each recalibration's step (the slowest step while
+--steps plain steps, then a requested recalibration (every layer's anchors re-scored, every
+probe refitted) and --steps more, --recals times. Modes, one after another in one process:
+"step", the recalibration in the step (``background_recalibration`` False), denormal floats
+flushed while it runs (the runtime's way); "step-keep", the same with them kept
+(``probe.FLUSH_DENORMALS`` off); "slices", in the background (True, the default): its work in
+slices after each step for about a step's time and at least its share by engine.SLICE_LAG steps,
+decoding on until it is committed. Prints the median plain step, each recalibration's step (the slowest step while
 it ran, in slices, and how many steps it ran over) and the scoring of all its layers (the rest
 is the probes' fit).
 """
