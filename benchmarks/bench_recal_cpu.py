@@ -1,7 +1,7 @@
 """What a recalibration costs a decode step on the CPU, with the real model (SmolLM2-135M).
 
     .venv/bin/python benchmarks/bench_recal_cpu.py [--prompt 1024] [--steps 6] [--recals 2]
-        [--threads 2] [--modes step,step-keep,slices] [--prefill]
+        [--threads 2] [--modes step,step-keep,slices] [--prefill] [--request N]
 
 SmolLM2-135M-Instruct (30 layers, 3 KV heads of 64) reads --prompt tokens of the license texts
 through HiSparse (64-token blocks, window 64, top_k 256, 16 anchors), then decodes token by token:
@@ -102,6 +102,34 @@ def prefill(lm, ids: list[int], prompt: int, mode: str) -> float:
             disable_hisparse_kv_cache(lm.model)
 
 
+def request(lm, ids: list[int], prompt: int, tokens: int, mode: str) -> tuple[float, float, float]:
+    """A short request on a fresh engine: seconds of its prefill, of its ``tokens`` decode steps
+    and of its end (the cache released: the engine frees the sequence), with the first
+    recalibration in the step ("step") or in the background ("slices"); dense: a DynamicCache."""
+    from transformers import DynamicCache
+
+    from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
+    from hi_sparse.integration import disable_hisparse_kv_cache, enable_hisparse_kv_cache
+
+    model = lm.model if mode == "dense" else enable_hisparse_kv_cache(
+        lm.model, **OPTIONS, background_recalibration=mode == "slices")
+    name = installed_cache_kwarg()
+    cache = {name: DynamicCache()} if mode == "dense" else {}
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model(torch.tensor([ids[:prompt]]), use_cache=True, logits_to_keep=1, **cache)
+            t1 = time.perf_counter()
+            for at in range(prompt, prompt + tokens):
+                out = model(torch.tensor([[ids[at]]]), use_cache=True, **{name: output_cache(out)})
+            t2 = time.perf_counter()
+            del out               # the engine frees the sequence (and settles what that needs)
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
+    finally:
+        if mode != "dense":
+            disable_hisparse_kv_cache(lm.model)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt", type=int, default=1024)
@@ -112,6 +140,9 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="time the prompt's forward instead: dense, HiSparse with the first recalibration "
                          "in the step and in the background, twice each, alternating")
+    ap.add_argument("--request", type=int, default=0, metavar="N",
+                    help="time short requests instead: the prompt, N decode steps and the request's end, "
+                         "dense, the recalibration in the step and in the background, twice each")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from hi_sparse.real_model import load_model, load_text, token_ids
@@ -120,6 +151,12 @@ def main() -> int:
     ids = token_ids(lm.tokenizer, load_text("licenses"), args.prompt + args.recals * (args.steps + MAX_STEPS) + 8)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads, "
           f"prompt {args.prompt}, {args.steps} steps before each of {args.recals} recalibrations")
+    if args.request:
+        for mode in ["dense", "step", "slices"] * 2:
+            took = request(lm, ids, args.prompt, args.request, mode)
+            print(f"a request of {args.prompt} + {args.request} tokens, {mode:6s}: prefill {took[0]:.2f} s, "
+                  f"decode {took[1]:.2f} s, end {took[2]:.2f} s, in all {sum(took):.2f} s", flush=True)
+        return 0
     if args.prefill:
         for mode in ["dense", "step", "slices"] * 2:
             took = prefill(lm, ids, args.prompt, mode)

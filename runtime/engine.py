@@ -45,11 +45,9 @@ from .recalibration import REASONS, Audit, RecalibrationController, Recalibrator
 from .sequences import SequenceTable
 from .storage import Storage
 
-# decode steps a recalibration's worker thread runs before its result is used, at least (with
-# recalibration_lag None): beside the steps it took ~250-600 ms of host time at 32 layers on the
-# H200, 50-130 steps of 1-3K tokens; one that finishes within them lands on the same step whatever
-# the timing, a slower one at the first step end after it finished. One in slices (a CPU's) lands
-# after SLICE_LAG steps whatever the timing, each running its share (SmolLM2's 1K: 73-96 by time)
+# decode steps before a worker's recalibration is used, at least (recalibration_lag None; ~250-600
+# ms of host time at 32 layers on the H200, 50-130 steps of 1-3K tokens; a slower one lands when
+# done), and after which one in slices (a CPU's) lands, whatever the timing (each step runs its share)
 WORKER_LAG, SLICE_LAG = 32, 96
 
 
@@ -194,7 +192,9 @@ class HiSparseEngine:
 
     def free_sequences(self, seq_ids: list[int]) -> None:
         """Release sequences; their host blocks stay reclaimable for recycle_grace_s (resume)."""
-        self.settle_recalibration()        # it may still read their blocks
+        job = self._recal_job              # it may still read their blocks: settled, or its reads run
+        if self._recal_deferred is not None or job is None or not job.release({*seq_ids}):
+            self.settle_recalibration()
         self._ahead = None                 # a step prepared for them (or others: prepared again)
         self._sequences.free(seq_ids)
         self._decoder.forget(seq_ids)

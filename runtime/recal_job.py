@@ -51,6 +51,7 @@ class RecalibrationJob:
         self.left: int | None = None    # its slices left, as the work's last slice said (None: not said)
         self._error: BaseException | None = None
         self.threaded = False           # its work runs (or ran) on a worker thread
+        self.reading = True             # its work left reads the host pool (a layer's scoring)
         self.due = 0                    # the decode step from whose end it may be committed (the engine's)
 
     def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -130,6 +131,23 @@ class RecalibrationJob:
         ``steps_left`` calls remain before it is due, unless a worker does it."""
         if self._worker is None:
             self._to_the_end(seconds, steps_left)
+
+    def release(self, seq_ids: set[int]) -> bool:
+        """Before the blocks of sequences ``seq_ids`` are freed: a job in slices runs those that read
+        the pool (each layer's scoring), forgets what it would write to those sequences' rows, and
+        goes on (its fit, the long part, need not run in the step that frees them: a CPU's request
+        that ends soon after its prefill would wait seconds for it). False, doing nothing, for a
+        job that must be committed first: a worker's, or one that ended or failed."""
+        while self._slices is not None and self._worker is None and self.reading:
+            self._to_the_end(0.0)
+        if self._slices is None or self._worker is not None:
+            return False
+        for j, (seqs, i, positions, scores) in enumerate(self.anchors):
+            keep = [b for b, s in enumerate(seqs) if s.seq_id not in seq_ids]
+            if len(keep) < len(seqs):
+                at = to_device(torch.tensor(keep, dtype=torch.int64), positions.device)
+                self.anchors[j] = ([seqs[b] for b in keep], i, positions[at], scores[at])
+        return True
 
     def _launched(self) -> None:
         for stream in self.streams.values():

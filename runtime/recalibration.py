@@ -349,8 +349,10 @@ class Recalibrator:
                 data = self._layer(layer, inputs, fit, job)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
+            job.reading = n < len(work)     # the fit reads no host blocks (RecalibrationJob.release)
             # the slices left (RecalibrationJob.advance paces them), the fit's groups estimated
             yield len(work) - n + per * sum(_fit_group_count(f, len(work) / n) for f in fits.values()) + 1
+        job.reading = False
         every = [g for device_fits in fits.values() for g in _fit_groups(device_fits)]
         for g, group in enumerate(every):
             device = group[0][0].device

@@ -132,15 +132,17 @@ def test_a_deferred_recalibration_launches_at_whatever_comes_first(what):
         assert _same(_state(bg, sid[0]), _state(sync, ids[0][0]))
 
 
-@pytest.mark.parametrize("what", ["fork", "free", "host pool growth", "host pool growth in place"])
+@pytest.mark.parametrize("what", ["fork", "free", "free on a worker", "host pool growth", "host pool growth in place"])
 def test_what_would_free_or_move_its_reads_commits_it_first(what, monkeypatch):
-    """Each settle point commits the job before the change: a fork, a free, and a host pool that
-    grows out of its reserved space (pinned.RESERVE 1: none to spare) and moves; one that grows in
-    place leaves the job running (its reads stay where they are)."""
+    """Each settle point commits the job before the change: a fork, a free (of a worker's job; one
+    in slices runs only its reads, test_freeing_... below), and a host pool that grows out of its
+    reserved space (pinned.RESERVE 1: none to spare) and moves; one that grows in place leaves the
+    job running (its reads stay where they are)."""
     if what == "host pool growth":
         monkeypatch.setattr(pinned, "RESERVE", 1)
         monkeypatch.setattr(pinned, "RESERVE_LEAST", 0)
     _, bg = _engines()
+    bg._recalibrator.threaded = what == "free on a worker" or None
     sid = _prefilled(bg)
     assert bg._recal_job is not None
     if what == "fork":
@@ -150,9 +152,13 @@ def test_what_would_free_or_move_its_reads_commits_it_first(what, monkeypatch):
         assert all(torch.equal(bg.seqs[f].anchors[0], src.anchors[0]) for f in forks)
         assert int((src.anchors[0] >= 0).sum()) > 0  # the copies took the new anchors
         return
-    if what == "free":
+    if what.startswith("free"):
+        job = bg._recal_job
         bg.free_sequences(sid)
-        assert bg._recal_job is None
+        if what == "free":                             # in slices: its reads ran, its fit goes on
+            assert bg._recal_job is job and not job.reading and job._slices is not None
+        else:
+            assert bg._recal_job is None and bg.stats.recalibrations["schedule"] == 1
         return
     where = bg.host.layers[0]["k_packed"].data_ptr()
     bg.host.grow(blocks=bg.host.num_blocks + 8)
@@ -398,6 +404,40 @@ def test_a_cpu_background_recalibration_runs_in_slices_between_steps_with_the_sa
     last = max(step for step, n in enumerate(per) if n)
     assert sum(per) == total and all(1 <= n <= share + 2 for n in per[:last + 1]), per
     assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+
+
+def test_freeing_a_sequence_runs_only_the_reads_of_a_job_in_slices_and_drops_its_anchors():
+    """Freeing sequences while a CPU's job runs in slices runs only its slices that read the pool
+    (each layer's scoring), not its fit (seconds with a real model, in the step of a request that
+    ends soon after its prefill); the job lands at its step with what the recalibration at once
+    computed for the sequences left, and writes nothing to the freed one's row, which a new
+    sequence took meanwhile."""
+    sync, bg = _engines()
+    k, v, q = (t.expand(2, -1, -1, -1).clone() for t in _data(203))
+    ids = [e.add_sequences(2) for e in (sync, bg)]
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)
+    bg._launch_deferred()
+    job, (a, b) = bg._recal_job, ids[1]
+    row = bg.seqs[a].row
+    bg.free_sequences([a])
+    assert bg._recal_job is job and not job.reading and job._slices is not None
+    assert bg.stats.recalibrations["schedule"] == 0
+    assert all(a not in {s.seq_id for s in seqs} for seqs, *_ in job.anchors)
+    c = bg.add_sequences(1)
+    assert bg.seqs[c[0]].row == row                      # the freed row, taken again
+    kc, vc, qc = _data(20, seed=4)
+    run_prefill(bg, c, kc, vc, qc)
+    before = _state(bg, c[0])
+    kd, vd, qd = _data(1, seed=1)
+    steps = 0
+    while bg._recal_job is not None and steps < 400:
+        run_decode(bg, [b], qd, kd, vd)
+        steps += 1
+    assert bg.stats.recalibrations["schedule"] == 1 and steps == SLICE_LAG
+    assert _same(_state(bg, b), _state(sync, ids[0][1]))
+    anchors_c, _, _ = _state(bg, c[0])
+    assert all(torch.equal(x, y) and torch.equal(u, w) for (x, u), (y, w) in zip(anchors_c, before[0]))
 
 
 def test_an_interrupt_in_a_slice_reaches_the_caller_and_drops_the_job():
