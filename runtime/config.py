@@ -93,7 +93,7 @@ class HiSparseConfig:
                                          # wait for it). On CUDA a worker thread queues it on a side
                                          # stream (H200: 32K prefill 1.14x dense, 1.25x without); on
                                          # a CPU it runs in slices after each step (SmolLM2: the
-                                         # slowest step 2.1x, 74x in the step). None: True. False: at
+                                         # slowest step 2.2x, 72x in the step). None: True. False: at
                                          # the end of the step that is due, waiting
     recalibration_lag: int | None = None  # a background recalibration is committed at the end
                                          # of the step this many decode steps after its launch,
