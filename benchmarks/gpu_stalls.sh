@@ -7,7 +7,8 @@
 # after the other on one machine. Each part well under a call's 10 minutes with a warm Triton
 # cache (.device/triton.tgz, docs/BENCHMARKS.md). `... warm`: 60 steps at batch 1 with and
 # without --no-warm-blas (the capture ahead's cuBLAS handles made at install), for the first
-# capture ahead's step. `... suite`: the whole gpu suite (~330 s). Carry .whl and .device.
+# capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... pace`: batch 24 with the
+# worker's fit unpaced and at most 4 and 1 iterations a step (--fit-per-step). Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 part=${1:-tests}
@@ -17,6 +18,11 @@ if [ "$part" = tests ]; then
     | tee "$OUT/stall_tests.txt" | tail -15
 elif [ "$part" = suite ]; then
   timeout 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/ 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
+elif [ "$part" = pace ]; then
+  for k in "" 4 1; do
+    timeout 180 $PY benchmarks/stall_profile.py --batch 24 --prompt 1000 --steps 300 ${k:+--fit-per-step $k} 2>&1 \
+      | tee "$OUT/stalls_pace${k}.txt" | tail -25
+  done
 elif [ "$part" = warm ]; then
   for mode in "" "--no-warm-blas"; do
     timeout 200 $PY benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 60 $mode 2>&1 \
