@@ -79,33 +79,11 @@ def run(lm, ids: list[int], prompt: int, steps: int, recals: int, mode: str) -> 
     return {"plain": statistics.median(plain), "recal": recal, "over": over, "score": score}
 
 
-def prefill(lm, ids: list[int], prompt: int, mode: str) -> float:
-    """Seconds of the prompt's forward: dense (a DynamicCache), or through HiSparse with the first
-    recalibration at its end in the step ("step") or in the background ("slices")."""
-    from transformers import DynamicCache
-
-    from hi_sparse.hf_compat import installed_cache_kwarg
-    from hi_sparse.integration import disable_hisparse_kv_cache, enable_hisparse_kv_cache
-
-    model = lm.model if mode == "dense" else enable_hisparse_kv_cache(
-        lm.model, **OPTIONS, background_recalibration=mode == "slices")
-    cache = {installed_cache_kwarg(): DynamicCache()} if mode == "dense" else {}
-    try:
-        t0 = time.perf_counter()
-        with torch.no_grad():     # the output kept, as for a decode that follows: freeing its
-            out = model(torch.tensor([ids[:prompt]]), use_cache=True, logits_to_keep=1, **cache)
-        took = time.perf_counter() - t0
-        del out                   # cache settles (here: runs) a recalibration still pending
-        return took
-    finally:
-        if mode != "dense":
-            disable_hisparse_kv_cache(lm.model)
-
-
 def request(lm, ids: list[int], prompt: int, tokens: int, mode: str) -> tuple[float, float, float]:
-    """A short request on a fresh engine: seconds of its prefill, of its ``tokens`` decode steps
-    and of its end (the cache released: the engine frees the sequence), with the first
-    recalibration in the step ("step") or in the background ("slices"); dense: a DynamicCache."""
+    """A short request on a fresh engine: seconds of its prefill (the prompt's forward), of its
+    ``tokens`` decode steps and of its end (the cache released: the engine frees the sequence),
+    with the first recalibration in the step ("step") or in the background ("slices"); dense: a
+    DynamicCache."""
     from transformers import DynamicCache
 
     from hi_sparse.hf_compat import installed_cache_kwarg, output_cache
@@ -159,7 +137,7 @@ def main() -> int:
         return 0
     if args.prefill:
         for mode in ["dense", "step", "slices"] * 2:
-            took = prefill(lm, ids, args.prompt, mode)
+            took = request(lm, ids, args.prompt, 0, mode)[0]     # the prompt's forward alone
             print(f"prefill of {args.prompt} tokens, {mode:6s}: {took:.2f} s", flush=True)
         return 0
     for mode in args.modes.split(","):
