@@ -8,7 +8,9 @@
 # cache (.device/triton.tgz, docs/BENCHMARKS.md). `... warm`: 60 steps at batch 1 with and
 # without --no-warm-blas (the capture ahead's cuBLAS handles made at install), for the first
 # capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... pace`: batch 24 with the
-# worker's fit unpaced and at most 4 and 1 iterations a step (--fit-per-step). Carry .whl and .device.
+# worker's fit unpaced and at most 4 and 1 iterations a step (--fit-per-step). `... fit`: the probe fit's
+# kernel (its gpu tests, benchmarks/bench_fit.py) and the stall profiles at batch 24 and 1 with it.
+# Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 part=${1:-tests}
@@ -22,6 +24,14 @@ elif [ "$part" = pace ]; then
   for k in "" 4 1; do
     timeout 180 $PY benchmarks/stall_profile.py --batch 24 --prompt 1000 --steps 300 ${k:+--fit-per-step $k} 2>&1 \
       | tee "$OUT/stalls_pace${k}.txt" | tail -25
+  done
+elif [ "$part" = fit ]; then
+  timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_kernels_gpu.py -k fit_grads 2>&1 \
+    | tee "$OUT/fit_tests.txt" | tail -5
+  timeout 120 $PY benchmarks/bench_fit.py 2>&1 | tee "$OUT/bench_fit.txt"
+  for b in 24 1; do
+    timeout 150 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps $((b == 1 ? 600 : 300)) 2>&1 \
+      | tee "$OUT/stalls_fit_b$b.txt" | tail -25
   done
 elif [ "$part" = warm ]; then
   for mode in "" "--no-warm-blas"; do

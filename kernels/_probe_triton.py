@@ -1,10 +1,13 @@
 """Triton: a decode token's anchor scoring and merge in one launch (probe.py says what it does)."""
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
 
-from ._launch import next_pow2
+from ._launch import next_pow2, sm_count
 
 
 @triton.jit
@@ -58,3 +61,74 @@ def pin_one(k, pos, w1, b1, w2, b2, consts, anchor_p, anchors) -> None:
         anchors.stride(0), anchors.stride(1), anchors.stride(2),
         BLOCK_D=next_pow2(D), BLOCK_HID=next_pow2(HID), BLOCK_A=next_pow2(A + 1),
     )
+
+
+@triton.jit
+def _fit_grads_kernel(
+    p_x, p_y, p_wn, p_w1, p_c1, p_w2, p_c2, p_g, p_z, N, D, HID, ROWS, T, G,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_Z: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (p, t): probe p's rows [t * ROWS, (t + 1) * ROWS), BLOCK_N at a time; its gradient
+    sums go to row p * T + t of p_g (G floats: dw1 (D, HID), dc1, dw2 (HID each), dc2)."""
+    p, t = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d, o_h = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_H)
+    m_d, m_h = o_d < D, o_h < HID
+    m_dh = m_d[:, None] & m_h[None, :]
+    w1 = tl.load(p_w1 + p * D * HID + o_d[:, None] * HID + o_h[None, :], mask=m_dh, other=0)
+    c1 = tl.load(p_c1 + p * HID + o_h, mask=m_h, other=0)
+    w2 = tl.load(p_w2 + p * HID + o_h, mask=m_h, other=0)
+    c2 = tl.load(p_c2 + p)
+    g_w1 = tl.zeros((BLOCK_D, BLOCK_H), tl.float32)
+    g_c1 = tl.zeros((BLOCK_H,), tl.float32)
+    g_w2 = tl.zeros((BLOCK_H,), tl.float32)
+    g_c2 = tl.zeros((BLOCK_N,), tl.float32)
+    start = t * ROWS
+    end = tl.minimum(start + ROWS, N)
+    for r0 in range(start, end, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        m_n = rows < end
+        x = tl.load(p_x + p * N * D + rows[:, None] * D + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0)
+        h = tl.dot(x, w1, input_precision=PRECISION) + c1[None, :]                       # (BLOCK_N, BLOCK_H)
+        cdf = 0.5 * (1.0 + tl.erf(h * 0.7071067811865476))
+        a = h * cdf                                                                       # exact GELU
+        z = tl.sum(a * w2[None, :], 1) + c2
+        y = tl.load(p_y + p * N + rows, mask=m_n, other=0)
+        wn = tl.load(p_wn + p * N + rows, mask=m_n, other=0)                              # 0 past the rows
+        dz = (1.0 / (1.0 + tl.exp(-z)) - y) * wn
+        dh = (cdf + h * tl.exp(-0.5 * h * h) * 0.3989422804014327) * dz[:, None] * w2[None, :]
+        g_w1 += tl.dot(tl.trans(x), dh, input_precision=PRECISION)
+        g_c1 += tl.sum(dh, 0)
+        g_w2 += tl.sum(a * dz[:, None], 0)
+        g_c2 += dz
+        if WRITE_Z:
+            tl.store(p_z + p * N + rows, z, mask=m_n)
+    out = p_g + (p * T + t) * G
+    tl.store(out + o_d[:, None] * HID + o_h[None, :], g_w1, mask=m_dh)
+    tl.store(out + D * HID + o_h, g_c1, mask=m_h)
+    tl.store(out + D * HID + HID + o_h, g_w2, mask=m_h)
+    tl.store(out + D * HID + 2 * HID, tl.sum(g_c2, 0))
+
+
+def fit_grads(x, y, wn, w1, c1, w2, c2, want_z: bool):
+    P, N, D = x.shape
+    HID = w1.shape[-1]
+    x, y, wn, w1, c1, w2, c2 = (t.contiguous() for t in (x, y, wn, w1, c1, w2, c2))
+    BLOCK_N = 32
+    # about four programs a streaming multiprocessor, each over whole tiles of rows
+    T = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(4 * sm_count(x.device), P)))
+    ROWS = triton.cdiv(triton.cdiv(N, T), BLOCK_N) * BLOCK_N
+    T = triton.cdiv(N, ROWS)
+    G = D * HID + 2 * HID + 1
+    g = torch.empty(P, T, G, device=x.device)
+    z = torch.empty(P, N, device=x.device) if want_z else g
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():   # Triton's current device
+        _fit_grads_kernel[(P, T)](
+            x, y, wn, w1, c1, w2, c2, g, z, N, D, HID, ROWS, T, G,
+            BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_H=max(16, next_pow2(HID)), WRITE_Z=want_z,
+            PRECISION="tf32" if x.is_cuda else "ieee", num_warps=8,
+        )
+    s = g.sum(1)                                                   # (P, G), over the programs in order
+    grads = [s[:, :D * HID].view(P, D, HID), s[:, D * HID:D * HID + HID], s[:, D * HID + HID:D * HID + 2 * HID],
+             s[:, D * HID + 2 * HID]]
+    return grads, (z if want_z else None)

@@ -18,6 +18,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from hi_sparse.kernels.probe import fit_grads
+
 MAX_PARAMS = 15_000
 FIT_STEPS = 100           # Adam iterations of a probe's fit
 T = TypeVar("T")
@@ -195,15 +197,7 @@ def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor,
     b1, b2, eps = 0.9, 0.999, 1e-8
     w1, c1, w2, c2 = params
     for t in range(1, steps + 1):
-        h = torch.baddbmm(c1[:, None], x, w1)                                # (P, N, hidden)
-        cdf = torch.special.ndtr(h)                                          # GELU(h) = h * cdf
-        a = h * cdf
-        z = torch.bmm(a, w2[:, :, None])[..., 0] + c2[:, None]               # (P, N) logits
-        dz = (torch.sigmoid(z) - y) * wn                                      # d loss / d z
-        # d GELU / dh = cdf + h * pdf, in 6 passes over (P, N, hidden), the products in place
-        pdf = torch.exp(h.square().mul_(-0.5))                               # (2 pi) ** 0.5 * pdf
-        dh = torch.addcmul(cdf, h, pdf, value=0.3989422804014327).mul_(dz[..., None]).mul_(w2[:, None])
-        grads = [torch.bmm(x.transpose(1, 2), dh), dh.sum(1), torch.bmm(dz[:, None], a)[:, 0], dz.sum(1)]
+        grads, z = fit_grads(x, y, wn, w1, c1, w2, c2, want_z=t == steps)
         torch._foreach_mul_(m1, b1)
         torch._foreach_add_(m1, grads, alpha=1 - b1)
         torch._foreach_mul_(m2, b2)
@@ -214,6 +208,7 @@ def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor,
         torch._foreach_addcdiv_(params, m1, denom, value=-lr / (1 - b1 ** t))
         if t < steps:
             yield
+    assert z is not None                                      # the last iteration's logits
     losses = (nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none") * wn).sum(1)
     return params, losses
 

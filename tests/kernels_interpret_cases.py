@@ -456,6 +456,59 @@ def _pin_one(seed: int, A: int, bf16: bool, scale: float) -> None:
     _need(bool((banks[0].t["anchors"][0] == -1).all()), "a row outside the batch changed")
 
 
+def _fit_data(g: torch.Generator, P: int, N: int, D: int, HID: int, pad: int) -> tuple:
+    """A fit iteration's inputs (kernels/probe.py fit_grads): keys of fp16 values, targets in [0, 1],
+    the last ``pad`` rows of each probe padding (weight 0, keys 0, as fit_iterations pads)."""
+    x = torch.randn(P, N, D, generator=g).half().float()
+    y = torch.rand(P, N, generator=g) ** 4
+    wn = torch.rand(P, N, generator=g) / N
+    x[:, N - pad:], y[:, N - pad:], wn[:, N - pad:] = 0, 0, 0
+    params = (torch.randn(P, D, HID, generator=g) * D ** -0.5, torch.randn(P, HID, generator=g) * 0.1,
+              torch.randn(P, HID, generator=g) * HID ** -0.5, torch.randn(P, generator=g) * 0.1)
+    return x, y, wn, params
+
+
+def _fit_grads(P: int, N: int, D: int, HID: int, want_z: bool) -> None:
+    """A probe fit's gradients in one launch against the torch ops they replace: several programs a
+    probe (the interpreter's 4 multiprocessors), each over one or more tiles of rows, a ragged last
+    tile, non-power-of-2 widths, padding rows."""
+    from hi_sparse.kernels.probe import fit_grads, reference_fit_grads
+    x, y, wn, params = _fit_data(torch.Generator().manual_seed(P * N), P, N, D, HID, pad=N // 5)
+    got, z = fit_grads(x, y, wn, *params, want_z=want_z)
+    want, want_z_ = reference_fit_grads(x, y, wn, *params)
+    for name, a, b in zip(("dw1", "dc1", "dw2", "dc2"), got, want):
+        _need(a.shape == b.shape and _rel(a, b) < 1e-5, f"{name}: {tuple(a.shape)}, rel {_rel(a, b):.2e}")
+    _need(z is None if not want_z else _rel(z, want_z_) < 1e-6, "z")
+
+
+def _fit_whole() -> None:
+    """fit_probes (probes of different training sizes, padded) with the kernel's gradients ends where
+    the torch fit ends: parameters and losses within float rounding after 40 Adam iterations."""
+    from hi_sparse.kernels._dispatch import FORCE_ENV
+    from hi_sparse.probe import ImportanceProbe, fit_probes
+    g = torch.Generator().manual_seed(9)
+    D = 20
+    data = [(torch.randn(n, D, generator=g).half().float(), torch.rand(n, generator=g) ** 6) for n in (40, 90)]
+    kernel, torch_ = ([ImportanceProbe(D, seed=i) for i in range(2)] for _ in range(2))
+    got = fit_probes(kernel, data, steps=40)
+    os.environ[FORCE_ENV] = "0"
+    try:
+        want = fit_probes(torch_, data, steps=40)
+    finally:
+        os.environ[FORCE_ENV] = "1"
+    _need(got == _approx(want), f"losses {got} against {want}")
+    for a, b in zip(kernel, torch_):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            _need(_rel(pa.detach(), pb.detach()) < 1e-4, f"parameters apart: {_rel(pa.detach(), pb.detach()):.2e}")
+    _need(want[0] < 0.9 * ImportanceProbe(D).fit(*data[0], steps=1),
+          "the fit learned nothing: the case tests too little")
+
+
+def _approx(values: list[float]) -> object:
+    import pytest
+    return pytest.approx(values, rel=1e-4, abs=1e-6)
+
+
 def _hot_buffer_oracle() -> None:
     """The hot buffer's LRU oracle test (tests/test_hot_buffer.py) with its banks' kernels on:
     every lookup, prefetch and install a Triton launch."""
@@ -1176,6 +1229,10 @@ CASES: dict[str, Callable[[], None]] = {
     "pin_one-a4-saturated": lambda: _pin_one(1, 4, False, 1.0),
     "pin_one-a5-bf16": lambda: _pin_one(2, 5, True, 0.25),
     "pin_one-a16": lambda: _pin_one(3, 16, False, 0.25),
+    # a probe fit's gradients (kernels/probe.py fit_grads) and a whole fit through them
+    "fit_grads-one-tile-a-program": lambda: _fit_grads(2, 100, 20, 12, True),
+    "fit_grads-two-tiles-a-program-d128-h64": lambda: _fit_grads(3, 200, 128, 64, False),
+    "fit_grads-whole-fit": _fit_whole,
     "insert_one-per-head": lambda: _insert_one(True),
     "push_recent-r5-bf16": lambda: _push_recent(3, 5, (4, 12), torch.bfloat16),
     "push_recent-r16-wide": lambda: _push_recent(2, 16, (3, 700), torch.float32),

@@ -1,0 +1,85 @@
+"""A probe fit on a GPU: one iteration's gradients as the torch ops (about twenty passes over the
+(P, N, hidden) activations) against the one-launch Triton kernel (kernels/probe.py fit_grads), and
+a whole fit (runtime/probe.fit_params, FIT_STEPS Adam iterations) either way.
+
+P probes (one a layer: 32 for the Llama-3-8B shape of stall_profile.py), N training rows each (a
+recalibration's FIT_ROWS is 16,384), keys of D = 128, the probe's hidden width. The gradient times
+are of CUDA graphs (graph_timing.py); GB/s counts the keys, targets and weights read once. The
+whole fit is timed from its first launch to its last kernel's end.
+
+    python benchmarks/bench_fit.py [--probes 32] [--rows 16384,4096] [--dim 128]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from graph_timing import graph_us, missing_gpu_or_triton
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _whole_fit_ms(probes, data, grads_fn) -> tuple[float, list[float]]:
+    import hi_sparse.probe as probe_module
+    kept = probe_module.fit_grads
+    probe_module.fit_grads = grads_fn
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _, losses = probe_module.fit_params(probes, data)
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t0), losses.tolist()
+    finally:
+        probe_module.fit_grads = kept
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--probes", type=int, default=32)
+    ap.add_argument("--rows", default="16384,4096")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    if missing_gpu_or_triton("bench_fit.py"):
+        return 2
+    from hi_sparse.kernels.probe import fit_grads, reference_fit_grads
+    from hi_sparse.probe import ImportanceProbe
+
+    P, D = args.probes, args.dim
+    probes = [ImportanceProbe(D, seed=i).cuda() for i in range(P)]
+    HID = probes[0].fc1.out_features
+    print(f"{torch.cuda.get_device_name()}, {P} probes, keys of {D}, hidden {HID}")
+    print("| rows | torch grads us | kernel grads us | speed-up | kernel GB/s | rel. error | "
+          "whole fit torch ms | whole fit kernel ms | losses apart |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for N in [int(v) for v in args.rows.split(",")]:
+        keys = [torch.randn(N, D, generator=g).half() for _ in range(P)]
+        targets = [torch.rand(N, generator=g) ** 8 for _ in range(P)]
+        x = torch.stack(keys).float().cuda()
+        y = torch.stack(targets).cuda()
+        wn = torch.full((P, N), 1.0 / N, device="cuda")
+        params = [torch.stack([f(p) for p in probes]).detach() for f in (
+            lambda p: p.fc1.weight.T, lambda p: p.fc1.bias, lambda p: p.fc2.weight[0], lambda p: p.fc2.bias[0])]
+        with torch.no_grad():
+            ref_us = graph_us(lambda: reference_fit_grads(x, y, wn, *params), args.reps, 5)
+            ker_us = graph_us(lambda: fit_grads(x, y, wn, *params, want_z=False), args.reps, 5)
+            got, _ = fit_grads(x, y, wn, *params, want_z=False)
+            want, _ = reference_fit_grads(x, y, wn, *params)
+        err = max(_rel(a, b) for a, b in zip(got, want))
+        gbs = (x.numel() + 2 * y.numel()) * 4 / (ker_us * 1e-6) / 1e9
+        data = [(k.cuda(), t.cuda()) for k, t in zip(keys, targets)]
+        _whole_fit_ms(probes, data, fit_grads)                             # warm-up (compiles)
+        torch_ms, torch_loss = _whole_fit_ms(probes, data, lambda *a, want_z=True: reference_fit_grads(*a))
+        kernel_ms, kernel_loss = _whole_fit_ms(probes, data, fit_grads)
+        apart = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kernel_loss, torch_loss))
+        print(f"| {N} | {ref_us:.0f} | {ker_us:.0f} | {ref_us / ker_us:.1f}x | {gbs:.0f} | {err:.1e} | "
+              f"{torch_ms:.1f} | {kernel_ms:.1f} | {apart:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
