@@ -9,8 +9,7 @@
 # without --no-warm-blas (the capture ahead's cuBLAS handles made at install), for the first
 # capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... pace`: batch 24 with the
 # worker's fit unpaced and at most 4 and 1 iterations a step (--fit-per-step). `... fit`: the probe fit's
-# kernel (its gpu tests, benchmarks/bench_fit.py), the stall profiles at batch 24 with it and with the
-# torch ops (--torch-fit), at batch 1 with a launch's inputs in chunks and all at once (--launch-layers 0).
+# kernel (its gpu tests, benchmarks/bench_fit.py) and the stall profiles at batch 24 and 1 with it.
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -27,13 +26,12 @@ elif [ "$part" = pace ]; then
       | tee "$OUT/stalls_pace${k}.txt" | tail -25
   done
 elif [ "$part" = fit ]; then
-  timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_kernels_gpu.py -k fit_grads \
-    tests/test_background_recalibration.py 2>&1 | tee "$OUT/fit_tests.txt" | tail -5
+  timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_kernels_gpu.py -k fit_grads 2>&1 \
+    | tee "$OUT/fit_tests.txt" | tail -5
   timeout 120 $PY benchmarks/bench_fit.py 2>&1 | tee "$OUT/bench_fit.txt"
-  for run in "24" "24 --torch-fit" "1" "1 --launch-layers 0"; do
-    set -- $run
-    timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps $(($1 == 1 ? 600 : 300)) ${2:-} ${3:-} \
-      2>&1 | tee "$OUT/stalls_fit_b${run// /}.txt" | tail -25
+  for b in 24 1; do
+    timeout 150 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps $((b == 1 ? 600 : 300)) 2>&1 \
+      | tee "$OUT/stalls_fit_b$b.txt" | tail -25
   done
 elif [ "$part" = warm ]; then
   for mode in "" "--no-warm-blas"; do

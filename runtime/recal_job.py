@@ -21,7 +21,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 
 import torch
 
@@ -52,10 +52,7 @@ class RecalibrationJob:
         self.fits: list[tuple[list, list[torch.Tensor]]] = []   # (probes, stacked parameters)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.events: list = []
-        self.inputs: list = []          # what its work reads, copied: kept until the commit
-        self.work: list = []            # (layer, inputs) of the layers whose inputs are made, in order
-        self._feed: Iterator[tuple[list, bool]] | None = None     # the chunks of inputs not yet made
-        self._fed = threading.Condition()            # a worker waits on it for the next chunk
+        self.inputs: list = []
         self._worker: threading.Thread | None = None
         self._slices: Generator[int | None, None, None] | None = None    # the work not yet run
         self.left: int | None = None    # its slices left, as the work's last slice said (None: not said)
@@ -79,59 +76,6 @@ class RecalibrationJob:
     @staticmethod
     def on(stream: torch.cuda.Stream | None):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def feed_from(self, chunks: Iterator[tuple[list, bool]]) -> None:
-        """Make the first chunk of the layers' inputs now (:meth:`Recalibrator._chunks
-        <hi_sparse.recalibration.Recalibrator._chunks>`: lists of (layer, inputs), and whether it is
-        the last), and the others
-        one at each :meth:`advance` (a worker's job), or all at once when something waits for the
-        job (:meth:`wait`)."""
-        self._feed = chunks
-        self.feed()
-        if self._error is not None:          # the first chunk's: raised where the job is launched
-            error, self._error = self._error, None
-            raise error
-
-    @property
-    def feeding(self) -> bool:
-        """Some layers' inputs are still to be made."""
-        return self._feed is not None
-
-    def feed(self, everything: bool = False) -> None:
-        """In the thread that steps: the next chunk of inputs (or all that are left); the side
-        streams (a background job's) wait for the copies just queued, and a worker waiting for
-        them goes on. An error ends the feeding, raised by :meth:`wait`."""
-        while self._feed is not None:
-            try:
-                chunk, last = next(self._feed)
-                if last:
-                    self._feed = None
-            except StopIteration:
-                chunk, self._feed = [], None
-            except Exception as exc:         # raised by wait; the worker ends with the layers it has
-                chunk, self._feed, self._error = [], None, self._error or exc
-            self.inputs += [inputs for _, inputs in chunk]
-            if self.background:              # the work on the side streams comes after the copies
-                for device in dict.fromkeys(layer.device for layer, _ in chunk):
-                    self.stream_for(device)
-            with self._fed:
-                self.work.extend(chunk)
-                self._fed.notify_all()
-            if not everything:
-                return
-
-    def taken(self) -> Iterator[tuple]:
-        """The work's (layer, inputs), in order, each as soon as it is made (a worker waits)."""
-        n = 0
-        while True:
-            with self._fed:
-                while n >= len(self.work) and self._feed is not None:
-                    self._fed.wait()
-                if n >= len(self.work):
-                    return
-                item = self.work[n]
-            yield item
-            n += 1
 
     def run(self, work: Generator[int | None, None, None], how: str) -> None:
         """Do ``work`` (slices that queue the job's device work, :meth:`Recalibrator._work
@@ -210,7 +154,6 @@ class RecalibrationJob:
         if self._worker is None:
             self._to_the_end(seconds, steps_left)
         else:
-            self.feed()
             self._tick.set()
 
     def release(self, seq_ids: set[int]) -> bool:
@@ -246,7 +189,6 @@ class RecalibrationJob:
         """Until the worker (or the slices left) has queued everything; its error, if it failed,
         raised here. False (nothing to write) for a job whose slices an interrupt (Ctrl-C) broke
         off: that was raised where it happened."""
-        self.feed(everything=True)
         if self._worker is not None:
             self._hurry = True
             self._tick.set()

@@ -42,7 +42,6 @@ NEGATIVES = 512      # probe training rows per sequence and KV head besides its 
 FIT_ROWS = 16384     # a probe's training rows of one recalibration, at most about
 FIT_SLICE = 1 << 20   # elements of the hidden activations one fit iteration of a CPU's probes makes, at most about
 SCORE_KEYS = 1 << 27  # elements of the keys one scoring read holds (fp32: 512 MB), at most about
-LAUNCH_LAYERS = 8     # layers whose inputs a worker's job copies in one step (Recalibrator._chunks)
 REASONS = RECALIBRATION_REASONS
 
 
@@ -324,46 +323,35 @@ class Recalibrator:
         fit = self._fit_sequences(seqs)
         thread = background and (any(layer.device.type == "cuda" for layer in self.layers) if self.threaded is None
                                  else self.threaded)
-        job.feed_from(self._chunks(seqs, background, LAUNCH_LAYERS if thread else None))
-        job.run(self._work(fit, job), "thread" if thread else "slices" if background else "now")
-        return job
-
-    def _chunks(self, seqs: list[Sequence], background: bool, per: int | None) -> Iterator[tuple[list, bool]]:
-        """The layers' inputs (:meth:`_inputs`, copies made on the current streams), ``per`` layers
-        a chunk (None: all in one), each with whether it is the last: a worker's job takes one at
-        its launch and one at each step end after (RecalibrationJob.feed), so that no step makes
-        the copies of every layer (at batch 1 on the H200 they were ~5.5 of a launch's ~7 ms of
-        host time)."""
         shared: dict = {}
-        chunk = []
-        for n, layer in enumerate(self.layers, 1):
+        work = []
+        for layer in self.layers:
             with layer.on_device():
                 inputs = self._inputs(layer, seqs, shared, tails=background)
             if inputs is not None:
-                chunk.append((layer, inputs))
-            if n == len(self.layers) or (per is not None and n % per == 0):
-                yield chunk, n == len(self.layers)
-                chunk = []
+                job.inputs.append(inputs)      # made on the current stream: kept until the commit
+                work.append((layer, inputs))
+        # the side streams wait for the copies just queued; the work comes after them
+        streams = {layer.device: job.stream_for(layer.device) for layer, _ in work} if background else {}
+        job.run(self._work(work, fit, job, streams), "thread" if thread else "slices" if background else "now")
+        return job
 
-    def _work(self, fit: set[int], job: RecalibrationJob) -> Iterator[int]:
-        """Each layer's contexts read and scored into ``job`` (its inputs as the job takes them),
-        then the probes of each device fitted together, on the job's side streams (the current
-        ones without): in slices, a layer's scoring or a fit's iteration each, with nothing of it
-        (one thread, a stream) set between them, so a CPU's decode steps may run between two
-        (RecalibrationJob.advance)."""
+    def _work(self, work: list, fit: set[int], job: RecalibrationJob, streams: dict) -> Iterator[int]:
+        """Each layer's contexts read and scored into ``job``, then the probes of each device fitted
+        together, on the side streams ``streams`` (the current ones without): in slices, a layer's
+        scoring or a fit's iteration each, with nothing of it (one thread, a stream) set between
+        them, so a CPU's decode steps may run between two (RecalibrationJob.advance)."""
         fits: dict[torch.device, list] = {}
-        streams = job.streams
         per = FIT_STEPS - 1     # slices of a group's fit: its last iteration runs in the next group's first
-        for n, (layer, inputs) in enumerate(job.taken(), 1):
+        for n, (layer, inputs) in enumerate(work, 1):
             stream = streams.get(layer.device)
             with layer.on_device(), small_ops_on_cpu(layer.device), job.on(stream), phase("recalibrate.score"):
                 data = self._layer(layer, inputs, fit, job)
             if data is not None:
                 fits.setdefault(layer.device, []).append((layer, data))
-            work = len(job.work)            # the layers with inputs so far (all of them but on a worker)
-            job.reading = n < work or job.feeding    # the fit reads no host blocks (RecalibrationJob.release)
+            job.reading = n < len(work)     # the fit reads no host blocks (RecalibrationJob.release)
             # the slices left (RecalibrationJob.advance paces them), the fit's groups estimated
-            yield work - n + per * sum(_fit_group_count(f, work / n) for f in fits.values()) + 1
+            yield len(work) - n + per * sum(_fit_group_count(f, len(work) / n) for f in fits.values()) + 1
         job.reading = False
         every = [g for device_fits in fits.values() for g in _fit_groups(device_fits)]
         for g, group in enumerate(every):

@@ -493,36 +493,3 @@ def test_an_interrupt_in_a_slice_reaches_the_caller_and_drops_the_job():
     assert bg.settle_recalibration() and bg._recal_job is None
     assert bg.stats.recalibrations["schedule"] == 0 and _same(_state(bg, sid[0]), before)
     bg.close()
-
-
-@pytest.mark.parametrize("when", ["settled at once", "after a step"])
-def test_a_worker_s_inputs_are_made_a_chunk_a_step_and_the_rest_when_it_must_land(when, monkeypatch):
-    """recalibration.LAUNCH_LAYERS 1: a worker's job copies layer 0's inputs at its launch and
-    layer 1's at the next step's end, the worker waiting for them; a settle before that makes the
-    rest at once (then the job equals a recalibration at once); layer 0 scores the launch's state."""
-    from hi_sparse import recalibration
-    monkeypatch.setattr(recalibration, "LAUNCH_LAYERS", 1)
-    sync, bg = _engines()
-    bg._recalibrator.threaded = True
-    k, v, q = _data(203)
-    ids = [e.add_sequences(1) for e in (sync, bg)]
-    for e, i in zip((sync, bg), ids):
-        run_prefill(e, i, k, v, q)
-    bg._launch_deferred()
-    job = bg._recal_job
-    assert job is not None and job.feeding and [layer.index for layer, _ in job.work] == [0]
-    if when == "after a step":
-        kd, vd, qd = _data(1, seed=1)
-        run_decode(bg, ids[1], qd, kd, vd)           # its end makes layer 1's inputs
-        assert [layer.index for layer, _ in job.work] == [0, 1] and not job.feeding
-    else:                                            # the worker scores layer 0 and waits for layer 1
-        deadline = time.monotonic() + 10
-        while not job.anchors and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
-        assert job.feeding and job._worker.is_alive() and [i for _, i, _, _ in job.anchors] == [0]
-    assert bg.settle_recalibration() and bg.stats.recalibrations["schedule"] == 1
-    got, want = _state(bg, ids[1][0]), _state(sync, ids[0][0])
-    assert torch.equal(got[0][0][0], want[0][0][0]) and torch.equal(got[0][0][1], want[0][0][1])
-    if when == "settled at once":
-        assert _same(got, want)
