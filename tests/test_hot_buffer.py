@@ -212,13 +212,15 @@ def test_on_a_gpu_the_decode_kernels_decode_like_the_reference(graphs):
     """decode_kernels=True (the selection's assembly, the hot buffer's lookup, prefetch and
     install and the key bounds' widening as Triton kernels; replayed from per-layer graphs or
     launched) leaves the LRU state, key bounds, hit counts and outputs of the torch path, through
-    a 2,000-token prefill of two sequences and 40 steps that cross blocks."""
+    a 2,000-token prefill of two sequences and 40 steps that cross blocks. The prefill's background
+    recalibration lands at a fixed step in both (recalibration_lag; without it, once the worker
+    finished: a step that depends on the timing)."""
     from hi_sparse.config import HiSparseConfig
     from hi_sparse.engine import HiSparseEngine
     from hi_sparse.workloads import run_decode, run_prefill
 
     base = dict(max_seq_len=4096, cache_block_size=32, window_size=64, global_tokens=8, top_k=256, audit_every=0,
-                telemetry=False, recalibrate_every=1 << 20, decode_graphs=graphs)
+                telemetry=False, recalibrate_every=1 << 20, decode_graphs=graphs, recalibration_lag=8)
     g = torch.Generator().manual_seed(5)
     L, HQ, HKV, D, T = 2, 8, 2, 64, 2000
     k, v, q = (torch.randn(2, h, T, D, generator=g).cuda() for h in (HKV, HKV, HQ))
