@@ -9,7 +9,6 @@ Driven per layer by a model integration (no transformers import here)::
         eng.append(layer, ids, k, v)       # (B, Hkv, T, D): stored to host, made hot
         out = eng.attend(layer, ids, q)    # (B, Hq, Tq, D): exact causal if Tq > 1, sparse if 1
     eng.end_step()                         # timing, audit bookkeeping, recalibration, publish
-
 Several GPUs: ``layer_devices`` puts each layer's hot buffer and per-layer metadata on its own
 device (the layers of a model split with a device_map); the host pool is shared (pinned, UVA).
 
@@ -236,7 +235,8 @@ class HiSparseEngine:
             self.recal.on_tokens(T * len(seqs))
 
     def attend(self, layer: int, seq_ids: list[int], q: torch.Tensor) -> torch.Tensor:
-        """Attention for the last Tq appended tokens. q (B, Hq, Tq, D) -> (B, Hq, Tq, D)."""
+        """Attention for the last Tq appended tokens. q (B, Hq, Tq, D) -> (B, Hq, Tq, D): from a decode
+        graph (decode_graphs), its output buffer, which the layer's next step overwrites."""
         seqs = self._batch_of(layer, seq_ids)
         Hq, D = self.shape.num_q_heads, self.shape.head_dim
         if q.dim() != 4 or q.shape[0] != len(seq_ids) or q.shape[1] != Hq or q.shape[3] != D:

@@ -121,7 +121,8 @@ def run_prefill(engine, seq_ids: list[int], k: torch.Tensor, v: torch.Tensor,
 def run_decode(engine, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One decode step: append k, v (B, Hkv, 1, D) and attend q (B, Hq, 1, D) at every layer.
 
-    Returns the last layer's output (B, Hq, 1, D).
+    Returns the last layer's output (B, Hq, 1, D), a copy (HiSparseEngine.attend's output of a
+    decode graph is the graph's buffer, which the next step overwrites).
     """
     engine.begin_step()
     out = None
@@ -129,4 +130,4 @@ def run_decode(engine, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: 
         engine.append(layer, seq_ids, k, v)
         out = engine.attend(layer, seq_ids, q)
     engine.end_step()
-    return out
+    return out if out is None else out.clone()
