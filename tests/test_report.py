@@ -112,6 +112,16 @@ def test_sketch_quantiles_within_two_percent():
     assert sk.max == values[-1] and len(sk._pos) < 2000
 
 
+def test_sketch_quantiles_of_values_near_the_largest_float_are_those_values():
+    """A bucket's midpoint past float's range (hypothesis found rss_bytes 1.76e308): the quantile is
+    the largest value seen, or the smallest for negatives, not an OverflowError."""
+    sk = Sketch()
+    for v in (1.7637650858193227e308, -1.7e308, 1.0):
+        sk.add(v)
+    assert sk.quantile(1.0) == 1.7637650858193227e308 and sk.quantile(0.0) == -1.7e308
+    assert sk.quantile(0.5) == pytest.approx(1.0, rel=0.02)
+
+
 def test_downsampler_is_bounded_and_keeps_extremes():
     ds = Downsampler(n=100, width=0.1)
     for i in range(50000):  # 5000 s at 10 Hz

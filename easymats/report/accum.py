@@ -51,7 +51,10 @@ class Sketch:
 
     def _value(self, k: int) -> float:
         g = self._gamma_log
-        return 2 * math.exp(k * g) / (1 + math.exp(g))  # the bucket's midpoint in relative terms
+        try:
+            return 2 * math.exp(k * g) / (1 + math.exp(g))  # the bucket's midpoint in relative terms
+        except OverflowError:       # the top bucket of values near float's largest (1.8e308)
+            return math.inf         # the callers clamp it to the largest value seen
 
     def quantile(self, q: float) -> float | None:
         if not self.count:
