@@ -37,12 +37,30 @@ def _whole_fit_ms(probes, data, grads_fn) -> tuple[float, list[float]]:
         probe_module.fit_grads = kept
 
 
+def _kernel_at(tile: str, call, reps: int, want: list) -> None:
+    """The kernel's time at another tile of rows, warp count and dot precision (kernels/_probe_triton.py
+    FIT_TILE, FIT_WARPS, FIT_DOTS), and its error against the torch ops."""
+    from hi_sparse.kernels import _probe_triton as module
+    kept = module.FIT_TILE, module.FIT_WARPS, module.FIT_DOTS
+    rows, warps, *dots = tile.split("x")
+    module.FIT_TILE, module.FIT_WARPS, module.FIT_DOTS = int(rows), int(warps), (dots or ["tf32"])[0]
+    try:
+        with torch.no_grad():
+            us = graph_us(call, reps, 5)
+            err = max(_rel(a, b) for a, b in zip(call()[0], want))
+        print(f"  tile {tile}: {us:.0f} us, rel. error {err:.1e}", flush=True)
+    finally:
+        module.FIT_TILE, module.FIT_WARPS, module.FIT_DOTS = kept
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probes", type=int, default=32)
     ap.add_argument("--rows", default="16384,4096")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tiles", default="",
+                    help="also time the kernel at these TILExWARPS[xDOTS], e.g. 32x4,64x8,32x8xieee")
     args = ap.parse_args()
     if missing_gpu_or_triton("bench_fit.py"):
         return 2
@@ -78,6 +96,8 @@ def main() -> int:
         apart = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(kernel_loss, torch_loss))
         print(f"| {N} | {ref_us:.0f} | {ker_us:.0f} | {ref_us / ker_us:.1f}x | {gbs:.0f} | {err:.1e} | "
               f"{torch_ms:.1f} | {kernel_ms:.1f} | {apart:.1e} |", flush=True)
+        for tile in filter(None, args.tiles.split(",")):
+            _kernel_at(tile, lambda: fit_grads(x, y, wn, *params, want_z=False), args.reps, want)
     return 0
 
 

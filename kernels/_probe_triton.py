@@ -9,6 +9,9 @@ import triton.language as tl
 
 from ._launch import next_pow2, sm_count
 
+FIT_TILE, FIT_WARPS = 32, 8      # a fit program's rows at a time, its warps (benchmarks/bench_fit.py --tiles)
+FIT_DOTS = "tf32"                # the fit's dots on a GPU (the interpreter's are fp32: "ieee")
+
 
 @triton.jit
 def _pin_one_kernel(
@@ -114,7 +117,7 @@ def fit_grads(x, y, wn, w1, c1, w2, c2, want_z: bool):
     P, N, D = x.shape
     HID = w1.shape[-1]
     x, y, wn, w1, c1, w2, c2 = (t.contiguous() for t in (x, y, wn, w1, c1, w2, c2))
-    BLOCK_N = 32
+    BLOCK_N = FIT_TILE
     # about four programs a streaming multiprocessor, each over whole tiles of rows
     T = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(4 * sm_count(x.device), P)))
     ROWS = triton.cdiv(triton.cdiv(N, T), BLOCK_N) * BLOCK_N
@@ -126,7 +129,7 @@ def fit_grads(x, y, wn, w1, c1, w2, c2, want_z: bool):
         _fit_grads_kernel[(P, T)](
             x, y, wn, w1, c1, w2, c2, g, z, N, D, HID, ROWS, T, G,
             BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_H=max(16, next_pow2(HID)), WRITE_Z=want_z,
-            PRECISION="tf32" if x.is_cuda else "ieee", num_warps=8,
+            PRECISION=FIT_DOTS if x.is_cuda else "ieee", num_warps=FIT_WARPS,
         )
     s = g.sum(1)                                                   # (P, G), over the programs in order
     grads = [s[:, :D * HID].view(P, D, HID), s[:, D * HID:D * HID + HID], s[:, D * HID + HID:D * HID + 2 * HID],
