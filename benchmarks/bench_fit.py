@@ -37,9 +37,10 @@ def _whole_fit_ms(probes, data, grads_fn) -> tuple[float, list[float]]:
         probe_module.fit_grads = kept
 
 
-def _kernel_at(tile: str, call, reps: int, want: list) -> None:
+def _kernel_at(tile: str, call, reps: int, want: list, whole, torch_loss: list[float]) -> None:
     """The kernel's time at another tile of rows, warp count and dot precision (kernels/_probe_triton.py
-    FIT_TILE, FIT_WARPS, FIT_DOTS), and its error against the torch ops."""
+    FIT_TILE, FIT_WARPS, FIT_DOTS), its error against the torch ops, a whole fit's time and how far
+    its losses end from the torch fit's."""
     from hi_sparse.kernels import _probe_triton as module
     kept = module.FIT_TILE, module.FIT_WARPS, module.FIT_DOTS
     rows, warps, *dots = tile.split("x")
@@ -48,7 +49,11 @@ def _kernel_at(tile: str, call, reps: int, want: list) -> None:
         with torch.no_grad():
             us = graph_us(call, reps, 5)
             err = max(_rel(a, b) for a, b in zip(call()[0], want))
-        print(f"  tile {tile}: {us:.0f} us, rel. error {err:.1e}", flush=True)
+        whole()
+        ms, losses = whole()
+        apart = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, torch_loss))
+        print(f"  tile {tile}: {us:.0f} us, rel. error {err:.1e}; whole fit {ms:.1f} ms, losses apart {apart:.1e}",
+              flush=True)
     finally:
         module.FIT_TILE, module.FIT_WARPS, module.FIT_DOTS = kept
 
@@ -97,7 +102,8 @@ def main() -> int:
         print(f"| {N} | {ref_us:.0f} | {ker_us:.0f} | {ref_us / ker_us:.1f}x | {gbs:.0f} | {err:.1e} | "
               f"{torch_ms:.1f} | {kernel_ms:.1f} | {apart:.1e} |", flush=True)
         for tile in filter(None, args.tiles.split(",")):
-            _kernel_at(tile, lambda: fit_grads(x, y, wn, *params, want_z=False), args.reps, want)
+            _kernel_at(tile, lambda: fit_grads(x, y, wn, *params, want_z=False), args.reps, want,
+                       lambda: _whole_fit_ms(probes, data, fit_grads), torch_loss)
     return 0
 
 

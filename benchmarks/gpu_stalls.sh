@@ -28,7 +28,8 @@ elif [ "$part" = pace ]; then
 elif [ "$part" = fit ]; then
   timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_kernels_gpu.py -k fit_grads 2>&1 \
     | tee "$OUT/fit_tests.txt" | tail -5
-  timeout 120 $PY benchmarks/bench_fit.py 2>&1 | tee "$OUT/bench_fit.txt"
+  timeout 150 $PY benchmarks/bench_fit.py --tiles 32x8,32x4,64x8,64x4,128x8,16x4,32x8xieee 2>&1 \
+    | tee "$OUT/bench_fit.txt"
   for b in 24 1; do
     timeout 150 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps $((b == 1 ? 600 : 300)) 2>&1 \
       | tee "$OUT/stalls_fit_b$b.txt" | tail -25
