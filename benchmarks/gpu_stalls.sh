@@ -9,7 +9,8 @@
 # without --no-warm-blas (the capture ahead's cuBLAS handles made at install), for the first
 # capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... pace`: batch 24 with the
 # worker's fit unpaced and at most 4 and 1 iterations a step (--fit-per-step). `... fit`: the probe fit's
-# kernel (its gpu tests, benchmarks/bench_fit.py) and the stall profiles at batch 24 and 1 with it.
+# kernel (its gpu tests, benchmarks/bench_fit.py), the stall profiles at batch 24 with it and with the
+# torch ops (--torch-fit), and at batch 1.
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -30,9 +31,10 @@ elif [ "$part" = fit ]; then
     | tee "$OUT/fit_tests.txt" | tail -5
   timeout 150 $PY benchmarks/bench_fit.py --tiles 32x8,32x4,64x8,64x4,128x8,16x4,32x8xieee 2>&1 \
     | tee "$OUT/bench_fit.txt"
-  for b in 24 1; do
-    timeout 150 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps $((b == 1 ? 600 : 300)) 2>&1 \
-      | tee "$OUT/stalls_fit_b$b.txt" | tail -25
+  for run in "24" "24 --torch-fit" "1"; do
+    set -- $run
+    timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps $(($1 == 1 ? 600 : 300)) ${2:-} 2>&1 \
+      | tee "$OUT/stalls_fit_b${run// /}.txt" | tail -25
   done
 elif [ "$part" = warm ]; then
   for mode in "" "--no-warm-blas"; do
