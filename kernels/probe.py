@@ -13,6 +13,8 @@ activations; the Adam update stays in torch.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._dispatch import check, kernel_module, use_triton
@@ -35,11 +37,15 @@ def pin_one(k: torch.Tensor, pos: torch.Tensor, fc1_w: torch.Tensor, fc1_b: torc
 
 
 def reference_fit_grads(x: torch.Tensor, y: torch.Tensor, wn: torch.Tensor, w1: torch.Tensor, c1: torch.Tensor,
-                        w2: torch.Tensor, c2: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+                        w2: torch.Tensor, c2: torch.Tensor,
+                        dots_in: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The gradients of sum_n wn * BCE(sigmoid(z), y) of P stacked probes, z = gelu(x @ w1 + c1) . w2 + c2,
     x (P, N, D), y and wn (P, N) (wn 0: a padding row), w1 (P, D, HID), c1 and w2 (P, HID), c2 (P,),
-    fp32: ([dw1, dc1, dw2, dc2], z (P, N)). Op for op what runtime/probe.fit_iterations ran."""
-    h = torch.baddbmm(c1[:, None], x, w1)                                # (P, N, hidden)
+    fp32: ([dw1, dc1, dw2, dc2], z (P, N)). Op for op what runtime/probe.fit_iterations ran.
+    ``dots_in``: a rounding of the two dots' inputs (benchmarks/fit_tf32.py: the kernel's TF32)."""
+    r = dots_in or (lambda t: t)
+    h = torch.baddbmm(c1[:, None], r(x), r(w1))                          # (P, N, hidden)
     cdf = torch.special.ndtr(h)                                          # GELU(h) = h * cdf
     a = h * cdf
     z = torch.bmm(a, w2[:, :, None])[..., 0] + c2[:, None]               # (P, N) logits
@@ -47,7 +53,7 @@ def reference_fit_grads(x: torch.Tensor, y: torch.Tensor, wn: torch.Tensor, w1: 
     # d GELU / dh = cdf + h * pdf, in 6 passes over (P, N, hidden), the products in place
     pdf = torch.exp(h.square().mul_(-0.5))                               # (2 pi) ** 0.5 * pdf
     dh = torch.addcmul(cdf, h, pdf, value=0.3989422804014327).mul_(dz[..., None]).mul_(w2[:, None])
-    return [torch.bmm(x.transpose(1, 2), dh), dh.sum(1), torch.bmm(dz[:, None], a)[:, 0], dz.sum(1)], z
+    return [torch.bmm(r(x).transpose(1, 2), r(dh)), dh.sum(1), torch.bmm(dz[:, None], a)[:, 0], dz.sum(1)], z
 
 
 def fit_grads(x: torch.Tensor, y: torch.Tensor, wn: torch.Tensor, w1: torch.Tensor, c1: torch.Tensor,
