@@ -7,8 +7,7 @@
 # after the other on one machine. Each part well under a call's 10 minutes with a warm Triton
 # cache (.device/triton.tgz, docs/BENCHMARKS.md). `... warm`: 60 steps at batch 1 with and
 # without --no-warm-blas (the capture ahead's cuBLAS handles made at install), for the first
-# capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... pace`: batch 24 with the
-# worker's fit unpaced and at most 4 and 1 iterations a step (--fit-per-step). `... fit`: the probe fit's
+# capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... fit`: the probe fit's
 # kernel (its gpu tests, benchmarks/bench_fit.py), the stall profiles at batch 24 with it and with the
 # torch ops (--torch-fit), and at batch 1.
 # Carry .whl and .device.
@@ -21,11 +20,6 @@ if [ "$part" = tests ]; then
     | tee "$OUT/stall_tests.txt" | tail -15
 elif [ "$part" = suite ]; then
   timeout 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/ 2>&1 | tee "$OUT/gpu_suite.txt" | tail -15
-elif [ "$part" = pace ]; then
-  for k in "" 4 1; do
-    timeout 180 $PY benchmarks/stall_profile.py --batch 24 --prompt 1000 --steps 300 ${k:+--fit-per-step $k} 2>&1 \
-      | tee "$OUT/stalls_pace${k}.txt" | tail -25
-  done
 elif [ "$part" = fit ]; then
   timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_kernels_gpu.py -k fit_grads 2>&1 \
     | tee "$OUT/fit_tests.txt" | tail -5

@@ -9,7 +9,7 @@ step, and its worker thread's launches, which overlap the steps; with --slices, 
 in slices after each step instead).
 
     python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices] [--no-warm-blas]
-        [--fit-per-step K]
+        [--torch-fit]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from call_timers import CallTimers
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 
 import hi_sparse as hs
-from hi_sparse import pinned, probe, recal_job, recalibration, step_graph
+from hi_sparse import pinned, probe, recalibration, step_graph
 from hi_sparse.kernels.probe import reference_fit_grads
 from hi_sparse.recal_job import RecalibrationJob
 
@@ -42,15 +42,12 @@ def main() -> int:
                     help="make no cuBLAS handles for the capture ahead at install (step_graph.WARM_BLAS)")
     ap.add_argument("--slices", action="store_true",
                     help="a background recalibration's work in slices after each step, not on a worker thread")
-    ap.add_argument("--fit-per-step", type=int, default=None,
-                    help="a worker's fit iterations between two step ends, at most (recal_job.FIT_PER_STEP)")
     ap.add_argument("--torch-fit", action="store_true",
                     help="the probes' fit gradients as torch ops, not the Triton kernel (kernels/probe.py)")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     args = ap.parse_args()
     step_graph.WARM_BLAS = not args.no_warm_blas        # read at install
-    recal_job.FIT_PER_STEP = args.fit_per_step
     if args.torch_fit:
         probe.fit_grads = lambda *a, want_z=True: reference_fit_grads(*a)
     model, dev = random_llama(**LLAMA_32_LAYERS)
@@ -95,7 +92,6 @@ def main() -> int:
           f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority, "
           f"recalibration {'in slices' if args.slices else 'on a worker'}"
           f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}"
-          f"{f', the fit {args.fit_per_step} iterations a step' if args.fit_per_step else ''}"
           f"{', the fit as torch ops' if args.torch_fit else ''}: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0

@@ -29,13 +29,6 @@ from .host_seal import to_device
 from .probe import write_params
 from .streams import own_stream
 
-# a worker's fit iterations between two step ends, at most (None: as fast as it can queue them).
-# An experiment, off until the H200 says whether it takes the batch-24 stalls out: there the
-# steps the fit overlaps took 4.1-4.6x the median (its kernels, over 16K rows a probe, hold the
-# GPU), at batch 1 1.6-1.7x (benchmarks/stall_profile.py --fit-per-step)
-FIT_PER_STEP: int | None = None
-TICK_WAIT = 0.05    # seconds a paced worker waits for a step end before it goes on anyway
-
 
 class RecalibrationJob:
     """A recalibration's results (anchors per sequence and layer, fitted probe parameters) until
@@ -59,8 +52,6 @@ class RecalibrationJob:
         self._error: BaseException | None = None
         self.threaded = False           # its work runs (or ran) on a worker thread
         self.reading = True             # its work left reads the host pool (a layer's scoring)
-        self._tick = threading.Event()  # a step ended (a paced worker's, FIT_PER_STEP)
-        self._hurry = False             # a paced worker runs the rest at once (wait)
         self.due = 0                    # the decode step from whose end it may be committed (the engine's)
 
     def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -92,21 +83,8 @@ class RecalibrationJob:
             self._launched()
             return
         self.threaded = True
-        self._worker = threading.Thread(target=self._on_worker, args=(FIT_PER_STEP,), name="hisparse-recalibration")
+        self._worker = threading.Thread(target=self._to_the_end, name="hisparse-recalibration")
         self._worker.start()
-
-    def _on_worker(self, per_step: int | None) -> None:
-        """The worker: all the work, or with ``per_step`` the fit's slices at most that many
-        between two step ends (:meth:`advance` marks them), unless :meth:`wait` hurries it."""
-        ran = 0
-        while per_step is not None and self._slices is not None:
-            if not self.reading and ran >= per_step and not self._hurry:
-                self._tick.wait(TICK_WAIT)
-                self._tick.clear()
-                ran = 0
-            self._to_the_end(0.0)        # one slice
-            ran += not self.reading
-        self._to_the_end()
 
     def _to_the_end(self, seconds: float = math.inf, steps_left: int | None = None) -> None:
         """Run the work's slices until it ends, or while ``seconds`` are not spent: at least one,
@@ -153,8 +131,6 @@ class RecalibrationJob:
         ``steps_left`` calls remain before it is due, unless a worker does it."""
         if self._worker is None:
             self._to_the_end(seconds, steps_left)
-        else:
-            self._tick.set()
 
     def release(self, seq_ids: set[int]) -> bool:
         """Before the blocks of sequences ``seq_ids`` are freed: a job in slices runs those that read
@@ -190,8 +166,6 @@ class RecalibrationJob:
         raised here. False (nothing to write) for a job whose slices an interrupt (Ctrl-C) broke
         off: that was raised where it happened."""
         if self._worker is not None:
-            self._hurry = True
-            self._tick.set()
             self._worker.join()
             self._worker = None
         self._to_the_end()

@@ -440,41 +440,6 @@ def test_freeing_a_sequence_runs_only_the_reads_of_a_job_in_slices_and_drops_its
     assert all(torch.equal(x, y) and torch.equal(u, w) for (x, u), (y, w) in zip(anchors_c, before[0]))
 
 
-def _until(cond, seconds: float = 30.0) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < end, "the worker never got there"
-        time.sleep(0.005)
-
-
-def test_a_paced_worker_runs_its_fit_a_few_iterations_a_step_and_all_at_the_commit(monkeypatch):
-    """recal_job.FIT_PER_STEP (an experiment, off by default): a worker's fit runs at most that
-    many iterations between two step ends (advance marks one), and the rest at once when the job
-    is committed; the result is the one at once."""
-    from hi_sparse import recal_job
-    monkeypatch.setattr(recal_job, "FIT_PER_STEP", 1)
-    monkeypatch.setattr(recal_job, "TICK_WAIT", 60.0)
-    sync, bg = _engines()
-    k, v, q = _data(203)
-    ids = [e.add_sequences(1) for e in (sync, bg)]
-    for e, i in zip((sync, bg), ids):
-        run_prefill(e, i, k, v, q)
-    bg._recalibrator.threaded = True
-    bg._launch_deferred()
-    job = bg._recal_job
-    _until(lambda: not job.reading and job.left is not None)
-    left = job.left
-    time.sleep(0.2)
-    assert job.left == left and job._worker.is_alive()          # one iteration, then it waits
-    for n in (1, 2):
-        job.advance(0.0)                                         # a step ended
-        _until(lambda: job.left == left - n)
-        time.sleep(0.2)
-        assert job.left == left - n
-    assert bg.settle_recalibration() and bg.stats.recalibrations["schedule"] == 1
-    assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
-
-
 def test_an_interrupt_in_a_slice_reaches_the_caller_and_drops_the_job():
     """Ctrl-C while a CPU's slices run (after a step, in the caller's thread) is raised there, as
     it happens; the job is dropped: nothing written or counted, and settling or closing after it
