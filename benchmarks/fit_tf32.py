@@ -26,7 +26,7 @@ def tf32(t: torch.Tensor) -> torch.Tensor:
 
 def tf32_grads(*args, want_z=True):
     """reference_fit_grads with its two dots' inputs in TF32, as the kernel's tensor-core dots."""
-    return reference_fit_grads(*args, dots_in=tf32)
+    return reference_fit_grads(*args, want_z=want_z, dots_in=tf32)
 
 
 def main() -> None:
@@ -52,7 +52,7 @@ def main() -> None:
             keys[heavy] += 6 * u
             data.append((keys.half(), heavy.float() * torch.rand(N, generator=g).clamp_min(0.5)))
         ends = {}
-        for dots, grads in (("fp32", lambda *a, want_z=True: reference_fit_grads(*a)), ("tf32", tf32_grads)):
+        for dots, grads in (("fp32", reference_fit_grads), ("tf32", tf32_grads)):
             probe_module.fit_grads = grads
             probes = [ImportanceProbe(D, seed=i) for i in range(P)]
             with torch.no_grad():

@@ -49,7 +49,7 @@ def main() -> int:
     args = ap.parse_args()
     step_graph.WARM_BLAS = not args.no_warm_blas        # read at install
     if args.torch_fit:
-        probe.fit_grads = lambda *a, want_z=True: reference_fit_grads(*a)
+        probe.fit_grads = reference_fit_grads
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,

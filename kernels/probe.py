@@ -37,12 +37,13 @@ def pin_one(k: torch.Tensor, pos: torch.Tensor, fc1_w: torch.Tensor, fc1_b: torc
 
 
 def reference_fit_grads(x: torch.Tensor, y: torch.Tensor, wn: torch.Tensor, w1: torch.Tensor, c1: torch.Tensor,
-                        w2: torch.Tensor, c2: torch.Tensor,
+                        w2: torch.Tensor, c2: torch.Tensor, want_z: bool = True,
                         dots_in: Callable[[torch.Tensor], torch.Tensor] | None = None
                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The gradients of sum_n wn * BCE(sigmoid(z), y) of P stacked probes, z = gelu(x @ w1 + c1) . w2 + c2,
     x (P, N, D), y and wn (P, N) (wn 0: a padding row), w1 (P, D, HID), c1 and w2 (P, HID), c2 (P,),
-    fp32: ([dw1, dc1, dw2, dc2], z (P, N)). Op for op what runtime/probe.fit_iterations ran.
+    fp32: ([dw1, dc1, dw2, dc2], z (P, N)). Op for op what runtime/probe.fit_iterations ran. z
+    whatever ``want_z`` says (there for :func:`fit_grads`' signature: either may stand for the other).
     ``dots_in``: a rounding of the two dots' inputs (benchmarks/fit_tf32.py: the kernel's TF32)."""
     r = dots_in or (lambda t: t)
     h = torch.baddbmm(c1[:, None], r(x), r(w1))                          # (P, N, hidden)

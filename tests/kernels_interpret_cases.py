@@ -484,6 +484,8 @@ def _fit_grads(P: int, N: int, D: int, HID: int, want_z: bool) -> None:
 def _fit_whole() -> None:
     """fit_probes (probes of different training sizes, padded) with the kernel's gradients ends where
     the torch fit ends: parameters and losses within float rounding after 40 Adam iterations."""
+    import pytest
+
     from hi_sparse.kernels._dispatch import FORCE_ENV
     from hi_sparse.probe import ImportanceProbe, fit_probes
     g = torch.Generator().manual_seed(9)
@@ -496,17 +498,12 @@ def _fit_whole() -> None:
         want = fit_probes(torch_, data, steps=40)
     finally:
         os.environ[FORCE_ENV] = "1"
-    _need(got == _approx(want), f"losses {got} against {want}")
+    _need(got == pytest.approx(want, rel=1e-4, abs=1e-6), f"losses {got} against {want}")
     for a, b in zip(kernel, torch_):
         for pa, pb in zip(a.parameters(), b.parameters()):
             _need(_rel(pa.detach(), pb.detach()) < 1e-4, f"parameters apart: {_rel(pa.detach(), pb.detach()):.2e}")
     _need(want[0] < 0.9 * ImportanceProbe(D).fit(*data[0], steps=1),
           "the fit learned nothing: the case tests too little")
-
-
-def _approx(values: list[float]) -> object:
-    import pytest
-    return pytest.approx(values, rel=1e-4, abs=1e-6)
 
 
 def _hot_buffer_oracle() -> None:
