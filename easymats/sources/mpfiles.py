@@ -24,8 +24,16 @@ The file starts at 64 KiB and doubles (truncate, remap) when full.
 
 **Reading.** A file is read with ``pread`` (never mapped: a file shrunk under a mapping would kill
 the reader with SIGBUS) up to ``used``, twice. A value whose 16 bytes differ between the two reads
-was being written: it is read again until two reads in a row agree (a bounded number of times),
-so a value is never taken half-written. Keys are parsed once per file and offset.
+was being written: it is read again until two reads in a row agree (a bounded number of times).
+Keys are parsed once per file and offset.
+
+What that guarantees: each 8-byte field is 8-aligned, so it is always one whole value the writer
+wrote. The pair is not guaranteed: a 16-byte copy is not an atomic store (an entry at 56 mod 64
+crosses a cache line), and a writer stopped between its halves leaves a value and a timestamp of
+two successive writes for as long as it is stopped; no number of reads can tell. Read once, one or
+two entries in a million come apart under a writer that never pauses; with the re-reads one did in
+dozens of CI runs. Only ``mostrecent`` gauges use the timestamp (every other writer stores 0): such
+a gauge may then be merged by its previous write's time for one sample.
 
 **Merging** follows prometheus_client's ``MultiProcessCollector``: counters, summaries and
 histogram buckets are summed over files (buckets are stored per bucket and made cumulative here,
