@@ -9,7 +9,8 @@
 # without --no-warm-blas (the capture ahead's cuBLAS handles made at install), for the first
 # capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... fit`: the probe fit's
 # kernel (its gpu tests, benchmarks/bench_fit.py), the stall profiles at batch 24 with it and with the
-# torch ops (--torch-fit), and at batch 1.
+# torch ops (--torch-fit), and at batch 1. `... trace`: the stall profiles at batch 1 and 24 under
+# torch.profiler (--trace), each stall and a median step read from the timeline (step_trace.py).
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -29,6 +30,11 @@ elif [ "$part" = fit ]; then
     set -- $run
     timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps $(($1 == 1 ? 600 : 300)) ${2:-} 2>&1 \
       | tee "$OUT/stalls_fit_b${run// /}.txt" | tail -25
+  done
+elif [ "$part" = trace ]; then
+  for b in 1 24; do
+    timeout 280 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps $(($b == 1 ? 600 : 300)) \
+      --trace "$OUT/trace_b$b.json.gz" 2>&1 | tee "$OUT/stalls_trace_b$b.txt" | tail -40
   done
 elif [ "$part" = warm ]; then
   for mode in "" "--no-warm-blas"; do

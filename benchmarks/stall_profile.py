@@ -6,10 +6,12 @@ a host block, ran eagerly or captured its whole-step graph: a new key, started o
 recalibration), the share of the decode's time those steps added over the median, and the host
 time of the engine's parts a stall may come from (the audit, a recalibration's launch in the
 step, and its worker thread's launches, which overlap the steps; with --slices, the same work
-in slices after each step instead).
+in slices after each step instead). With --trace, the decode runs under torch.profiler and each
+stall and a median step are read from its timeline (step_trace.py): where the step's thread spent
+its time, what other threads ran, the GPU's kernels and busy time.
 
     python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices] [--no-warm-blas]
-        [--torch-fit]
+        [--torch-fit] [--trace stalls.json.gz]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import torch
 from call_timers import CallTimers
 from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
+from step_trace import StepTrace
 
 import hi_sparse as hs
 from hi_sparse import pinned, probe, recalibration, step_graph
@@ -46,6 +49,9 @@ def main() -> int:
                     help="the probes' fit gradients as torch ops, not the Triton kernel (kernels/probe.py)")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
+    ap.add_argument("--trace", metavar="FILE.json.gz",
+                    help="profile the decode (torch.profiler) and read each stall and a median step from its timeline; "
+                         "their windows' events written to FILE")
     args = ap.parse_args()
     step_graph.WARM_BLAS = not args.no_warm_blas        # read at install
     if args.torch_fit:
@@ -67,11 +73,15 @@ def main() -> int:
                 engine.host.layers[0][next(iter(engine.host.layers[0]))].data_ptr())
 
     times: list[tuple[int, float, list[str]]] = []
+    trace = StepTrace(cuda=dev == "cuda") if args.trace else None
     with contextlib.ExitStack() as stack:
         for part in timed_parts(engine, timers):
             stack.enter_context(part)
+        if trace is not None:
+            stack.enter_context(trace)
         before = state()
-        for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps):
+        for pos, ms in decode(model, dev, args.batch, args.prompt, args.steps,
+                              **({"around": trace.step} if trace else {})):
             end = time.perf_counter()
             now = state()
             did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
@@ -95,14 +105,18 @@ def main() -> int:
           f"{', the fit as torch ops' if args.torch_fit else ''}: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
-    for pos, t, did in times[2:]:
-        if t > args.over * med:
+    picks = {}
+    for i, (pos, t, did) in enumerate(times):
+        if i >= 2 and t > args.over * med:
             extra += t - med
-            print(f"  position {pos}: {t:.1f} ms ({t / med:.1f}x) {', '.join(did)}")
+            picks[i] = f"  position {pos}: {t:.1f} ms ({t / med:.1f}x) {', '.join(did)}"
+            print(picks[i])
     total = sum(steady)
     print(f"stalls added {extra:.1f} ms over {len(steady)} steps: {100 * extra / total:.1f} % of the decode's "
           f"{total:.0f} ms; {len(steady) / total * 1e3 * args.batch:.0f} tok/s against "
           f"{args.batch / med * 1e3:.0f} at the median")
+    if trace is not None:
+        report_trace(trace, picks, times, med, args.trace)
     for why in graphs.capture_errors:
         print(f"a failed capture: {why}")
     for part, spent in timers.calls.items():
@@ -111,6 +125,20 @@ def main() -> int:
                   f"the longest {1e3 * max(spent):.1f} ms")
     return 0
 
+
+def report_trace(trace: StepTrace, picks: dict[int, str], times: list, med: float, path: str) -> None:
+    """The median step and each stall read from the profiler's timeline; their windows to ``path``."""
+    at_median = min(range(2, len(times)), key=lambda i: abs(times[i][1] - med))
+    picks = {at_median: f"  a median step, position {times[at_median][0]}: {times[at_median][1]:.1f} ms", **picks}
+    print("the timeline (torch.profiler: its overhead is in these times):")
+    for line in trace.report(picks):
+        print(line)
+    kept = sorted(picks, key=lambda i: -times[i][1])[:KEEP_WINDOWS]   # the file small enough to fetch
+    trace.write_json(path, {i: picks[i] for i in sorted({at_median, *kept})})
+    print(f"the events of the median step's and the {len(kept)} longest stalls' windows: {path}")
+
+
+KEEP_WINDOWS = 12
 
 # labels of other threads' work, as a step that overlapped it names it
 WHILE = {"  its scoring of one layer (worker or slice)": "its scoring",
