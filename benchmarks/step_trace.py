@@ -5,7 +5,8 @@ and which GPU kernels and copies ran in it, whichever thread queued them, with t
 time. A stall's cause is then read from its numbers beside the median step's, not guessed from
 which events it met. The profiler records the ops of the thread that started it only (other
 Python threads, such as a recalibration's worker, record none: stall_profile.py names the work
-they did during a step from its own timers), but the device's kernels of every thread.
+they did during a step from its own timers), but the CUDA calls (launches, copies, waits) and
+the device's kernels of every thread: those of threads other than the step's are listed by thread.
 
 Each step runs inside a range named ``STEP`` (decode_run.decode's ``around``), so its window
 is the profiler's own clock. ``write_json`` keeps the picked windows' events for a closer look.
@@ -61,19 +62,24 @@ class StepTrace:
     def window(self, index: int) -> dict:
         """What step ``index`` (0: the first step traced) spent, in microseconds: {"us": its
         length, "thread": {range or op: self time} of its thread by the engine's ranges
-        ("phases") and by op ("ops", with counts), the device's events clipped to it by name
-        ("device") and their union ("busy")}."""
+        ("phases") and by op ("ops", (time, count)), other threads' CUDA calls by thread and
+        name ("calls"), the device's events clipped to it by name ("device") and their union
+        ("busy")}."""
         steps, host, host_at, device, device_at = self._events()
         step = steps[index]
         t0, t1 = step.time_range.start, step.time_range.end
         phases: dict[str, float] = defaultdict(float)
         ops: dict[str, list] = defaultdict(lambda: [0.0, 0])
+        calls: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
         for e in host[bisect.bisect_left(host_at, t0):bisect.bisect_left(host_at, t1)]:
             if e.thread == step.thread:
                 phases[phase_of(e)] += e.self_cpu_time_total
                 if not e.name.startswith("hisparse."):
                     ops[e.name][0] += e.self_cpu_time_total
                     ops[e.name][1] += 1
+            elif e.name.startswith("cu"):       # a CUDA runtime or driver call of another thread
+                calls[e.thread][e.name][0] += e.self_cpu_time_total
+                calls[e.thread][e.name][1] += 1
         by_name: dict[str, float] = defaultdict(float)
         spans = []
         # a device event may start before the step: look back from the window's start
@@ -84,6 +90,7 @@ class StepTrace:
                 by_name[e.name] += b - a
                 spans.append((a, b))
         return {"us": t1 - t0, "phases": dict(phases), "ops": {k: tuple(v) for k, v in ops.items()},
+                "calls": {t: {k: tuple(v) for k, v in c.items()} for t, c in calls.items()},
                 "device": dict(by_name), "busy": union(spans)}
 
     def report(self, picks: dict[int, str], top: int = 6) -> list[str]:
@@ -94,7 +101,9 @@ class StepTrace:
             w = self.window(index)
             lines.append(f"{title}: traced {w['us'] / 1e3:.1f} ms")
             lines.append("    its thread, by range: " + biggest(w["phases"], top))
-            lines.append("    its thread, by op: " + biggest({f"{k} x{n}": t for k, (t, n) in w["ops"].items()}, top))
+            lines.append("    its thread, by op: " + biggest(counted(w["ops"]), top))
+            for thread, calls in sorted(w["calls"].items(), key=lambda tc: -sum(t for t, _ in tc[1].values())):
+                lines.append(f"    CUDA calls of thread {thread}: " + biggest(counted(calls), top))
             if w["device"] or w["busy"]:
                 lines.append(f"    device busy {w['busy'] / 1e3:.2f} ms: " + biggest(w["device"], top))
         return lines
@@ -135,6 +144,11 @@ def union(spans: list[tuple[float, float]]) -> float:
             total += b - max(a, end)
             end = b
     return total
+
+
+def counted(times: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """{name: (time, count)} as {'name xcount': time}."""
+    return {f"{k} x{n}": t for k, (t, n) in times.items()}
 
 
 def biggest(times: dict[str, float], top: int) -> str:

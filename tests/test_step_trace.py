@@ -8,9 +8,11 @@ import sys
 import threading
 
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from step_trace import OUTSIDE, StepTrace, biggest, union  # noqa: E402
+from step_trace import OUTSIDE, STEP, StepTrace, biggest, union  # noqa: E402
 
 from hi_sparse.trace import phase  # noqa: E402
 
@@ -55,3 +57,31 @@ def test_union_and_ranking():
     assert union([]) == 0
     assert biggest({"a": 1000.0, "b": 3000.0, "c": 2000.0}, 2) == "b 3.00 ms, c 2.00 ms"
     assert biggest({}, 3) == "-"
+
+
+def test_device_events_and_other_threads_cuda_calls_are_read_in_the_window():
+    """A GPU run's events, made by hand as the profiler makes them (no GPU here): kernels clipped
+    to the step's window and their union, a CUDA call of another thread listed under it."""
+    def ev(i, name, thread, a, b, device=False):
+        return FunctionEvent(i, name, thread, a, b, device_type=DeviceType.CUDA if device else DeviceType.CPU)
+
+    step = ev(0, STEP, 1, 100, 200)
+    launch = ev(1, "cudaGraphLaunch", 1, 105, 110)
+    worker = [ev(2, "cudaLaunchKernel", 77, 120, 124), ev(3, "cudaLaunchKernel", 77, 130, 132),
+              ev(4, "cudaMemcpyAsync", 77, 250, 260)]                         # the last after the step
+    kernels = [ev(5, "gemm", 0, 90, 130, True),                              # began before the step
+               ev(6, "gemm", 0, 120, 140, True), ev(7, "fit_grads", 0, 150, 170, True),
+               ev(8, "fit_grads", 0, 190, 230, True)]                        # runs past its end
+    launch.set_cpu_parent(step)
+    trace = StepTrace(cuda=False)
+    host = sorted([launch, *worker], key=lambda e: e.time_range.start)
+    trace._read = ([step], host, [e.time_range.start for e in host], kernels,
+                   [e.time_range.start for e in kernels])
+    w = trace.window(0)
+    assert w["us"] == 100 and w["ops"] == {"cudaGraphLaunch": (5, 1)}
+    assert w["calls"] == {77: {"cudaLaunchKernel": (6, 2)}}
+    assert w["device"] == {"gemm": 30 + 20, "fit_grads": 20 + 10}
+    assert w["busy"] == 40 + 20 + 10                                         # 100-140, 150-170, 190-200
+    lines = trace.report({0: "a stall"})
+    assert "CUDA calls of thread 77: cudaLaunchKernel x2 0.01 ms" in lines[3]
+    assert lines[4].startswith("    device busy 0.07 ms: gemm 0.05 ms, fit_grads 0.03 ms")
