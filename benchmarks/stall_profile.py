@@ -70,7 +70,7 @@ def main() -> int:
         return (len(timers.calls["a recalibration's launch (in the step)"]), sum(engine.stats.recalibrations.values()),
                 graphs.counts["eager"], graphs.counts["captured"], graphs.counts["capture_retried"],
                 graphs.counts["ahead"], graphs.counts["ahead_failed"], engine.host.num_blocks,
-                engine.host.layers[0][next(iter(engine.host.layers[0]))].data_ptr())
+                engine.host.layers[0][next(iter(engine.host.layers[0]))].data_ptr(), len(timers.calls["the audit"]))
 
     times: list[tuple[int, float, list[str]]] = []
     trace = StepTrace(cuda=dev == "cuda") if args.trace else None
@@ -87,7 +87,7 @@ def main() -> int:
             did = [what for what, a, b in zip(("started a recalibration", "committed one", "ran eagerly (a new key)",
                                                "captured its graph", "(a capture met an unloaded kernel)",
                                                "replayed a graph captured ahead", "(a capture ahead failed)",
-                                               "grew the host pool", "(which moved it)"),
+                                               "grew the host pool", "(which moved it)", "audited"),
                                               before, now) if a != b]
             if pos % block == block - 1:
                 did.insert(0, "completed a block")
@@ -112,6 +112,10 @@ def main() -> int:
             picks[i] = f"  position {pos}: {t:.1f} ms ({t / med:.1f}x) {', '.join(did)}"
             print(picks[i])
     total = sum(steady)
+    causes = by_cause(times, med, args.over)
+    if causes:
+        print("stall time by the first of what the step did: " + ", ".join(
+            f"{cause} {n} steps {ms:.1f} ms ({100 * ms / extra:.0f} %)" for cause, (n, ms) in causes))
     print(f"stalls added {extra:.1f} ms over {len(steady)} steps: {100 * extra / total:.1f} % of the decode's "
           f"{total:.0f} ms; {len(steady) / total * 1e3 * args.batch:.0f} tok/s against "
           f"{args.batch / med * 1e3:.0f} at the median")
@@ -139,6 +143,22 @@ def report_trace(trace: StepTrace, picks: dict[int, str], times: list, med: floa
 
 
 KEEP_WINDOWS = 12
+# what a stall is put down to: the first of these its step did, else another thread's work it
+# overlapped, else nothing seen
+CAUSES = ("grew the host pool", "started a recalibration", "committed one", "ran eagerly (a new key)",
+          "captured its graph", "completed a block", "audited")
+
+
+def by_cause(times: list, med: float, over: float) -> list[tuple[str, tuple[int, float]]]:
+    """[(cause, (stalled steps, ms over the median))], the largest first."""
+    out: dict[str, tuple[int, float]] = {}
+    for _, t, did in times[2:]:
+        if t > over * med:
+            cause = next((c for c in CAUSES if c in did), None) or next(
+                (d for d in did if d.startswith("[")), "nothing seen")
+            n, ms = out.get(cause, (0, 0.0))
+            out[cause] = (n + 1, ms + t - med)
+    return sorted(out.items(), key=lambda kv: -kv[1][1])
 
 # labels of other threads' work, as a step that overlapped it names it
 WHILE = {"  its scoring of one layer (worker or slice)": "its scoring",
