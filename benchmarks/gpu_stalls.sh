@@ -10,7 +10,8 @@
 # capture ahead's step. `... suite`: the whole gpu suite (~330 s). `... fit`: the probe fit's
 # kernel (its gpu tests, benchmarks/bench_fit.py), the stall profiles at batch 24 with it and with the
 # torch ops (--torch-fit), and at batch 1. `... trace`: the stall profiles at batch 1 and 24 under
-# torch.profiler (--trace), each stall and a median step read from the timeline (step_trace.py).
+# torch.profiler (--trace), 300 steps each, each stall and a median step read from the timeline
+# (step_trace.py).
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -32,8 +33,10 @@ elif [ "$part" = fit ]; then
       | tee "$OUT/stalls_fit_b${run// /}.txt" | tail -25
   done
 elif [ "$part" = trace ]; then
+  # 300 steps at both batches (each class of stall comes in them): the profiler's events are
+  # read in Python at its end, ~50 us each on a slow CPU, ~1,000 a replayed step
   for b in 1 24; do
-    timeout 280 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps $(($b == 1 ? 600 : 300)) \
+    timeout 270 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps 300 \
       --trace "$OUT/trace_b$b.json.gz" 2>&1 | tee "$OUT/stalls_trace_b$b.txt" | tail -40
   done
 elif [ "$part" = warm ]; then
