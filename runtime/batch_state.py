@@ -9,6 +9,7 @@ import torch
 
 from .batch_step import GraphRunner
 from .host_pool import HostPool
+from .host_seal import to_device
 from .layers import KVShape
 from .page_table import PageTable
 from .sequences import Sequence
@@ -32,7 +33,7 @@ class Batch:
         self.tables = torch.full((B, -(-max_seq_len // shape.block_size)), -1, dtype=torch.int64, device=device)
         self._uploaded: list | None = None     # per row: (its pages, version, edits, blocks) in tables
         firsts = [s.first_token for s in seqs]
-        self.first = torch.tensor(firsts, dtype=torch.int64).to(device)                    # (B,)
+        self.first = to_device(torch.tensor(firsts, dtype=torch.int64), device)              # (B,)
         self.first_lo = min(firsts)
         heads = torch.arange(B * H, device=device)
         self.seq_of_head, self.kv_head = (heads // H)[:, None], (heads % H)[:, None]        # (B*H, 1)
@@ -40,7 +41,7 @@ class Batch:
         # what the decode step reads per (sequence, KV head) row, gathered once per batch: the
         # captured step holds no indexing for them
         self.first_of_head = self.first[self.seq_of_head]                                   # (B*H, 1)
-        tails = torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64).to(device)
+        tails = to_device(torch.tensor([s.tail_slot for s in seqs], dtype=torch.int64), device)
         self.tail_units = host.tail_units(tails)                                            # (B, H)
         # per body and layer: each sequence's first new position (append) or token count
         # (attend), once per KV head (so the step reads per-sequence and per-row views of one

@@ -35,6 +35,7 @@ from . import anchors, key_bounds
 from .batch_state import APPEND, ATTEND, WINDOW, Batch, swap_rows, upload  # noqa: F401 (re-exported)
 from .config import HiSparseConfig
 from .host_pool import HostPool, QuantEvents
+from .host_seal import to_device
 from .hot_buffer import ticks
 from .key_bounds import bucket, key_blocks  # noqa: F401 (bucket re-exported)
 from .layers import KVShape, LayerRows
@@ -325,7 +326,7 @@ class Decoder:
         self._pending_errors, self._pending_counts = [], []
         # bucketed where they are (a first bound >= the value: Histogram.observe's rule, in
         # float64 as it compares), one read-back of the buckets, the sum and the units by width
-        at = torch.bucketize(errors, torch.tensor(hist.bounds, dtype=torch.float64, device=errors.device))
+        at = torch.bucketize(errors, to_device(torch.tensor(hist.bounds, dtype=torch.float64), errors.device))
         back = [torch.bincount(at, minlength=len(hist.counts)).double(), errors.sum()[None]]
         back += [c.reshape(-1).double().to(errors.device) for _, c, _ in widths]
         values = torch.cat(back).tolist()

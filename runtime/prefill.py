@@ -81,7 +81,7 @@ class ContextReader:
         taken earlier): the sequences as they were then, and ``tails`` (:meth:`read_tails`, read
         then) their float tails: a read that runs later reads what was there then."""
         meta = self.read_meta(seqs, layer) if meta is None else meta
-        pos = torch.arange(n)[None]
+        pos = torch.arange(n, device=layer.device)[None]
         k = self._read(meta, layer, pos, head, dtype)
         if tails is None:
             return k
@@ -102,14 +102,14 @@ class ContextReader:
         meta = to_device(meta, dev)
         W = meta.shape[1] - 3
         tail, full, length = meta[:, W:].unbind(1)
-        pos = pos.to(dev)
+        pos = to_device(pos, dev)      # (a blocking copy would wait for the device: a host sync)
         if pos.dim() == 2:
             pos = torch.minimum(pos, (length - 1).clamp_min(0)[:, None])[:, None]                 # (B, 1, n)
         H = self.host.num_kv_heads
         heads = torch.arange(H, device=dev) if head is None else torch.full((1,), head, device=dev)
         k, _ = self.host.read(layer.index, meta[:, :W], tail, full, heads[None, :, None], pos, dtype,
                               device=dev if dev.type == "cuda" else None)
-        return k.to(dev)
+        return k                       # on dev: gathered there (a GPU), or the host's rows (the CPU)
 
     def visible(self, s: Sequence, layer: LayerRows, n: int) -> torch.Tensor:
         """(n,) bool on the layer's device: positions after the left padding and outside holes."""

@@ -20,6 +20,8 @@ from torch import nn
 
 from hi_sparse.kernels.probe import fit_grads
 
+from .host_seal import to_device
+
 MAX_PARAMS = 15_000
 FIT_STEPS = 100           # Adam iterations of a probe's fit
 T = TypeVar("T")
@@ -42,9 +44,10 @@ def probe_threshold(context_len: int | torch.Tensor, base: float, lo: float, hi:
 def threshold_constants(device: torch.device, base: float, lo: float, hi: float) -> torch.Tensor:
     """What the tensor form of :func:`probe_threshold` computes with, for a kernel (kernels/probe.py):
     (3,) fp64 on ``device``, base**4 / 131072, the threshold at length 1 and hi (made once per
-    device and thresholds, before any graph capture reads them)."""
-    return torch.tensor([base ** 4 / 131072, probe_threshold(1, base, lo, hi), hi], dtype=torch.float64,
-                        device=device)
+    device and thresholds, before any graph capture reads them; copied there behind the queued
+    work, not after it: a probe's first fit rewrites them in a step)."""
+    return to_device(torch.tensor([base ** 4 / 131072, probe_threshold(1, base, lo, hi), hi], dtype=torch.float64),
+                     torch.device(device))
 
 
 class ImportanceProbe(nn.Module):
@@ -178,7 +181,7 @@ def fit_iterations(probes: list[ImportanceProbe], data: list[tuple[torch.Tensor,
     recalibration on a CPU runs a few between decode steps (recal_job.py)."""
     P, dev = len(probes), probes[0].fc1.weight.device
     n = torch.tensor([len(y) for _, y in data], dtype=torch.float32)                   # (P,)
-    n = n.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else n          # no host sync
+    n = to_device(n, dev)                                                               # no host sync
     width = max(len(y) for _, y in data)
     x = torch.zeros(P, width, probes[0].fc1.in_features, device=dev)
     y = torch.zeros(P, width, device=dev)

@@ -17,6 +17,7 @@ import torch
 
 from .config import HiSparseConfig
 from .host_pool import HostPool
+from .host_seal import to_device
 from .hot_buffer import HotBufferState
 from .layers import LayerRows
 from .page_table import PageTable, SequencePages
@@ -184,8 +185,8 @@ class SequenceTable:
     def _move_hot(layer: LayerRows, old: list[int], new: list[int]) -> None:
         """Hot-buffer LRU state of rows old to rows new (all at once: they may overlap)."""
         H = layer.hot.num_heads
-        src = (torch.tensor(old)[:, None] * H + torch.arange(H)).reshape(-1).to(layer.device)
-        dst = (torch.tensor(new)[:, None] * H + torch.arange(H)).reshape(-1).to(layer.device)
+        src = to_device((torch.tensor(old)[:, None] * H + torch.arange(H)).reshape(-1), layer.device)
+        dst = to_device((torch.tensor(new)[:, None] * H + torch.arange(H)).reshape(-1), layer.device)
         for t in layer.hot.buffers():
             t.index_copy_(0, dst, t.index_select(0, src))
 
