@@ -223,9 +223,10 @@ def write_params(probes: list[ImportanceProbe], params: list[torch.Tensor]) -> N
     with torch.no_grad():
         w1t = w1.transpose(1, 2).contiguous()               # (P, hidden, D): fc1.weight's layout
         dst, src = [], []
-        for i, p in enumerate(probes):
-            dst += [p.fc1.weight, p.fc1.bias, p.fc2.weight[0], p.fc2.bias]
-            src += [w1t[i], c1[i], w2[i], c2[i:i + 1]]
+        # each probe's slices in one op per parameter (a host op each adds up at 32 probes)
+        for p, *parts in zip(probes, w1t.unbind(0), c1.unbind(0), w2.split(1), c2.split(1)):
+            dst += [p.fc1.weight, p.fc1.bias, p.fc2.weight, p.fc2.bias]
+            src += parts
         torch._foreach_copy_(dst, src)                      # every probe's in a launch or two
         for p in probes:
             if not p.fitted:

@@ -194,8 +194,8 @@ class RecalibrationJob:
                 rows = made.get(at)
                 if rows is None:
                     rows = made[at] = to_device(torch.tensor(at[1:], dtype=torch.int64), positions.device)
-                bank["anchors"].index_copy_(0, rows, positions.to(bank["anchors"].dtype))
-                bank["anchor_p"].index_copy_(0, rows, scores.to(bank["anchor_p"].dtype))
+                bank["anchors"].index_copy_(0, rows, positions)     # (in the bank's dtypes: made so)
+                bank["anchor_p"].index_copy_(0, rows, scores)
         for probes, params in self.fits:
             write_params(probes, params)
         if self.streams:   # made on the side streams, read on the current ones: not reused before

@@ -449,7 +449,9 @@ class Recalibrator:
             if len(held) < len(pos):
                 at = to_device(torch.tensor(held, dtype=torch.int64), pos.device)
                 pos, score = pos[at], score[at]
-            job.anchors.append(([seqs[lo + b] for b in held], i, pos, score))
+            bank = layer.bank.t          # in the bank's dtypes here, on the side stream: the commit only writes
+            job.anchors.append(([seqs[lo + b] for b in held], i, pos.to(bank["anchors"].dtype),
+                                score.to(bank["anchor_p"].dtype)))
             for b in held:
                 s, m = seqs[lo + b], n_out[lo + b]
                 if s.seq_id in fit:

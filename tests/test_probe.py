@@ -62,6 +62,29 @@ def test_probes_fitted_together_equal_each_fitted_alone():
         torch.testing.assert_close(p.predict(fresh), q.predict(fresh), atol=1e-4, rtol=0)
 
 
+def test_a_commit_writes_every_probes_parameters_in_a_few_host_ops():
+    """write_params (a recalibration's commit, in a decode step) of 32 probes: each probe's
+    parameters land where the probe reads them, in a handful of host ops whatever the number of
+    probes (on a GPU each op is a launch's host time: ~170 ops had taken ~1.5 ms of a commit)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hi_sparse.probe import write_params
+
+    P, D = 32, 16
+    probes = [ImportanceProbe(D, seed=i) for i in range(P)]
+    hidden = probes[0].fc1.out_features
+    g = torch.Generator().manual_seed(0)
+    w1, c1, w2, c2 = (torch.randn(*shape, generator=g) for shape in ((P, D, hidden), (P, hidden), (P, hidden), (P,)))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        write_params(probes, [w1, c1, w2, c2])
+    ops = [e.name for e in prof.events() if e.cpu_parent is None]
+    assert len(ops) <= 10, ops
+    for i, p in enumerate(probes):
+        assert p.fitted
+        assert torch.equal(p.fc1.weight, w1[i].t()) and torch.equal(p.fc1.bias, c1[i])
+        assert torch.equal(p.fc2.weight[0], w2[i]) and p.fc2.bias.item() == c2[i].item()
+
+
 def test_the_kernels_gate_is_shut_until_the_fit_opens_it_in_place():
     """The decode kernel's threshold constants are the probe's own: above any probability (2)
     until it is fitted, then the true ones, written into the same tensor (a captured step reads
