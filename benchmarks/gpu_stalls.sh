@@ -11,7 +11,8 @@
 # kernel (its gpu tests, benchmarks/bench_fit.py), the stall profiles at batch 24 with it and with the
 # torch ops (--torch-fit), and at batch 1. `... trace`: the stall profiles at batch 1 and 24 under
 # torch.profiler (--trace), 300 steps each, each stall and a median step read from the timeline
-# (step_trace.py).
+# (step_trace.py); `trace1` / `trace24` one of them. `... changed`: the gpu tests of the code the
+# twenty-fourth session changed without a GPU (host syncs, hot buffer, recalibration, planted).
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -32,10 +33,13 @@ elif [ "$part" = fit ]; then
     timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps $(($1 == 1 ? 600 : 300)) ${2:-} 2>&1 \
       | tee "$OUT/stalls_fit_b${run// /}.txt" | tail -25
   done
-elif [ "$part" = trace ]; then
-  # 300 steps at both batches (each class of stall comes in them): the profiler's events are
-  # read in Python at its end, ~50 us each on a slow CPU, ~1,000 a replayed step
-  for b in 1 24; do
+elif [ "$part" = changed ]; then
+  timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_host_syncs.py tests/test_hot_buffer.py \
+    tests/test_background_recalibration.py tests/test_runtime_planted.py 2>&1 | tee "$OUT/changed_tests.txt" | tail -15
+elif [ "$part" = trace ] || [ "$part" = trace1 ] || [ "$part" = trace24 ]; then
+  # 300 steps at each batch (each class of stall comes in them): the profiler's events are read
+  # in Python at its end, ~50 us each on a slow CPU, ~1,000 a replayed step
+  for b in $( [ "$part" = trace ] && echo 1 24 || echo "${part#trace}" ); do
     timeout 270 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps 300 \
       --trace "$OUT/trace_b$b.json.gz" 2>&1 | tee "$OUT/stalls_trace_b$b.txt" | tail -40
   done
