@@ -7,7 +7,14 @@ recalibration's FIT_ROWS is 16,384), keys of D = 128, the probe's hidden width. 
 are of CUDA graphs (graph_timing.py); GB/s counts the keys, targets and weights read once. The
 whole fit is timed from its first launch to its last kernel's end.
 
-    python benchmarks/bench_fit.py [--probes 32] [--rows 16384,4096] [--dim 128]
+With --shares, a decode step's stand-in (a CUDA graph of 1,200 small kernels, ~4 ms like the
+stall profile's step, replayed on a high-priority stream) is timed alone and with fit iterations
+running beside it on a low-priority stream, the fit's launch holding all multiprocessors (None)
+or at most a share of them (kernels/_probe_triton.py FIT_SM_SHARE): how much a background fit
+slows a step, and what the share costs the fit.
+
+    python benchmarks/bench_fit.py [--probes 32] [--rows 16384,4096] [--dim 128] [--tiles ...]
+        [--shares 0.25,0.5,0.75]
 """
 from __future__ import annotations
 
@@ -58,6 +65,57 @@ def _kernel_at(tile: str, call, reps: int, want: list, whole, torch_loss: list[f
         module.FIT_TILE, module.FIT_WARPS, module.FIT_DOTS = kept
 
 
+def _beside(call, shares: list[float | None], replays: int = 20) -> None:
+    """A step's stand-in replayed alone and beside the fit's iterations, per share of the SMs."""
+    from hi_sparse.kernels import _probe_triton as module
+    high, low = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)
+    buf = torch.zeros(4096, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(high):
+        for _ in range(3):
+            buf.mul_(0.5).add_(1.0)
+        with torch.cuda.graph(graph, stream=high):
+            for _ in range(600):
+                buf.mul_(0.5).add_(1.0)
+    torch.cuda.synchronize()
+
+    def steps() -> list[float]:
+        out = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(high):
+                a.record()
+                graph.replay()
+                b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        return sorted(out)
+
+    alone = steps()[replays // 2]
+    print(f"  a step's stand-in (1,200 kernels) alone: median {alone:.2f} ms")
+    kept = module.FIT_SM_SHARE
+    try:
+        for share in shares:
+            module.FIT_SM_SHARE = share
+            with torch.no_grad(), torch.cuda.stream(low):
+                call()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    call()
+                torch.cuda.synchronize()
+                it_us = (time.perf_counter() - t0) / 10 * 1e6
+                for _ in range(int(replays * alone * 1e3 / it_us) * 2 + 10):   # outlasting the replays
+                    call()
+            beside = steps()
+            torch.cuda.synchronize()
+            med = beside[replays // 2]
+            print(f"  beside the fit at share {share}: step median {med:.2f} ms ({med / alone:.2f}x), slowest "
+                  f"{beside[-1]:.2f} ms; a fit iteration {it_us:.0f} us alone", flush=True)
+    finally:
+        module.FIT_SM_SHARE = kept
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probes", type=int, default=32)
@@ -66,6 +124,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tiles", default="",
                     help="also time the kernel at these TILExWARPS[xDOTS], e.g. 32x4,64x8,32x8xieee")
+    ap.add_argument("--shares", default="",
+                    help="time a step's stand-in beside the fit holding these shares of the SMs, e.g. 0.25,0.5,1.0")
     args = ap.parse_args()
     if missing_gpu_or_triton("bench_fit.py"):
         return 2
@@ -104,6 +164,9 @@ def main() -> int:
         for tile in filter(None, args.tiles.split(",")):
             _kernel_at(tile, lambda: fit_grads(x, y, wn, *params, want_z=False), args.reps, want,
                        lambda: _whole_fit_ms(probes, data, fit_grads), torch_loss)
+        if args.shares:
+            _beside(lambda: fit_grads(x, y, wn, *params, want_z=False),
+                    [None] + [float(v) for v in args.shares.split(",")])
     return 0
 
 

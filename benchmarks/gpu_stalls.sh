@@ -13,6 +13,8 @@
 # torch.profiler (--trace), 300 steps each, each stall and a median step read from the timeline
 # (step_trace.py); `trace1` / `trace24` one of them. `... changed`: the gpu tests of the code the
 # twenty-fourth session changed without a GPU (host syncs, hot buffer, recalibration, planted).
+# `... share`: a step's stand-in beside the fit at shares of the SMs (bench_fit.py --shares), and
+# the stall profile at batch 24 with the fit on half and a quarter of them.
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -32,6 +34,12 @@ elif [ "$part" = fit ]; then
     set -- $run
     timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps $(($1 == 1 ? 600 : 300)) ${2:-} 2>&1 \
       | tee "$OUT/stalls_fit_b${run// /}.txt" | tail -25
+  done
+elif [ "$part" = share ]; then
+  timeout 200 $PY benchmarks/bench_fit.py --rows 16384 --shares 0.25,0.5,0.75 2>&1 | tee "$OUT/bench_fit_share.txt"
+  for share in 0.5 0.25; do
+    timeout 170 $PY benchmarks/stall_profile.py --batch 24 --prompt 1000 --steps 300 --fit-share $share 2>&1 \
+      | tee "$OUT/stalls_share_b24_$share.txt" | tail -25
   done
 elif [ "$part" = changed ]; then
   timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_host_syncs.py tests/test_hot_buffer.py \

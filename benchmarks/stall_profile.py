@@ -47,6 +47,9 @@ def main() -> int:
                     help="a background recalibration's work in slices after each step, not on a worker thread")
     ap.add_argument("--torch-fit", action="store_true",
                     help="the probes' fit gradients as torch ops, not the Triton kernel (kernels/probe.py)")
+    ap.add_argument("--fit-share", type=float, default=None,
+                    help="the share of the SMs the probes' fit kernel may hold (kernels/_probe_triton.py FIT_SM_SHARE; "
+                         "default: all)")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     ap.add_argument("--trace", metavar="FILE.json.gz",
@@ -56,6 +59,9 @@ def main() -> int:
     step_graph.WARM_BLAS = not args.no_warm_blas        # read at install
     if args.torch_fit:
         probe.fit_grads = reference_fit_grads
+    if args.fit_share is not None:
+        from hi_sparse.kernels import _probe_triton
+        _probe_triton.FIT_SM_SHARE = args.fit_share
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
@@ -102,7 +108,8 @@ def main() -> int:
           f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority, "
           f"recalibration {'in slices' if args.slices else 'on a worker'}"
           f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}"
-          f"{', the fit as torch ops' if args.torch_fit else ''}: "
+          f"{', the fit as torch ops' if args.torch_fit else ''}"
+          f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}: "
           f"median step {med:.2f} ms", flush=True)
     extra = 0.0
     picks = {}

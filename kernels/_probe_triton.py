@@ -11,6 +11,11 @@ from ._launch import next_pow2, sm_count
 
 FIT_TILE, FIT_WARPS = 32, 8      # a fit program's rows at a time, its warps (benchmarks/bench_fit.py --tiles)
 FIT_DOTS = "tf32"                # the fit's dots on a GPU (the interpreter's are fp32: "ieee")
+# The share of the multiprocessors a fit's launch may hold. None: all of them (about four programs
+# each, the fastest fit). A fraction f: at most f x their number of programs, each looping over
+# the work, so that a decode step's small kernels beside it find free multiprocessors instead of
+# waiting for a fit program to finish (benchmarks/bench_fit.py --shares, stall_profile.py --fit-share).
+FIT_SM_SHARE: float | None = None
 
 
 @triton.jit
@@ -68,13 +73,26 @@ def pin_one(k, pos, w1, b1, w2, b2, consts, anchor_p, anchors) -> None:
 
 @triton.jit
 def _fit_grads_kernel(
-    p_x, p_y, p_wn, p_w1, p_c1, p_w2, p_c2, p_g, p_z, N, D, HID, ROWS, T, G,
+    p_x, p_y, p_wn, p_w1, p_c1, p_w2, p_c2, p_g, p_z, N, D, HID, ROWS, T, G, ITEMS,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_Z: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Program (p, t): probe p's rows [t * ROWS, (t + 1) * ROWS), BLOCK_N at a time; its gradient
-    sums go to row p * T + t of p_g (G floats: dw1 (D, HID), dc1, dw2 (HID each), dc2)."""
-    p, t = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    """Work items i = p * T + t (of ITEMS = P * T), program k taking items k, k + programs, ...:
+    probe p's rows [t * ROWS, (t + 1) * ROWS), BLOCK_N at a time; the item's gradient sums go to
+    row i of p_g (G floats: dw1 (D, HID), dc1, dw2 (HID each), dc2), whichever program ran it."""
+    first, programs = tl.program_id(0), tl.num_programs(0)
+    for k in range(0, tl.cdiv(ITEMS - first, programs)):
+        item = (first + k * programs).to(tl.int64)
+        _fit_item(p_x, p_y, p_wn, p_w1, p_c1, p_w2, p_c2, p_g, p_z, N, D, HID, ROWS, T, G, item // T, item % T,
+                  BLOCK_N, BLOCK_D, BLOCK_H, WRITE_Z, PRECISION)
+
+
+@triton.jit
+def _fit_item(
+    p_x, p_y, p_wn, p_w1, p_c1, p_w2, p_c2, p_g, p_z, N, D, HID, ROWS, T, G, p, t,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_Z: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     o_d, o_h = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_H)
     m_d, m_h = o_d < D, o_h < HID
     m_dh = m_d[:, None] & m_h[None, :]
@@ -125,9 +143,11 @@ def fit_grads(x, y, wn, w1, c1, w2, c2, want_z: bool):
     G = D * HID + 2 * HID + 1
     g = torch.empty(P, T, G, device=x.device)
     z = torch.empty(P, N, device=x.device) if want_z else g
+    items = P * T
+    programs = items if FIT_SM_SHARE is None else max(1, min(items, round(FIT_SM_SHARE * sm_count(x.device))))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():   # Triton's current device
-        _fit_grads_kernel[(P, T)](
-            x, y, wn, w1, c1, w2, c2, g, z, N, D, HID, ROWS, T, G,
+        _fit_grads_kernel[(programs,)](
+            x, y, wn, w1, c1, w2, c2, g, z, N, D, HID, ROWS, T, G, items,
             BLOCK_N=BLOCK_N, BLOCK_D=max(16, next_pow2(D)), BLOCK_H=max(16, next_pow2(HID)), WRITE_Z=want_z,
             PRECISION=FIT_DOTS if x.is_cuda else "ieee", num_warps=FIT_WARPS,
         )

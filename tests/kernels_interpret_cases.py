@@ -468,13 +468,23 @@ def _fit_data(g: torch.Generator, P: int, N: int, D: int, HID: int, pad: int) ->
     return x, y, wn, params
 
 
-def _fit_grads(P: int, N: int, D: int, HID: int, want_z: bool) -> None:
+def _fit_grads(P: int, N: int, D: int, HID: int, want_z: bool, share: float | None = None) -> None:
     """A probe fit's gradients in one launch against the torch ops they replace: several programs a
     probe (the interpreter's 4 multiprocessors), each over one or more tiles of rows, a ragged last
-    tile, non-power-of-2 widths, padding rows."""
+    tile, non-power-of-2 widths, padding rows. ``share`` (FIT_SM_SHARE): fewer programs than work
+    items, each looping over several (of different probes), with the same sums as one a program."""
+    from hi_sparse.kernels import _probe_triton
     from hi_sparse.kernels.probe import fit_grads, reference_fit_grads
     x, y, wn, params = _fit_data(torch.Generator().manual_seed(P * N), P, N, D, HID, pad=N // 5)
-    got, z = fit_grads(x, y, wn, *params, want_z=want_z)
+    _probe_triton.FIT_SM_SHARE = share
+    try:
+        got, z = fit_grads(x, y, wn, *params, want_z=want_z)
+        if share is not None:       # the items' sums are the same whichever program ran them
+            _probe_triton.FIT_SM_SHARE = None
+            alone, _ = fit_grads(x, y, wn, *params, want_z=False)
+            _need(all(torch.equal(a, b) for a, b in zip(got, alone)), "a looping program's sums differ")
+    finally:
+        _probe_triton.FIT_SM_SHARE = None
     want, want_z_ = reference_fit_grads(x, y, wn, *params)
     for name, a, b in zip(("dw1", "dc1", "dw2", "dc2"), got, want):
         _need(a.shape == b.shape and _rel(a, b) < 1e-5, f"{name}: {tuple(a.shape)}, rel {_rel(a, b):.2e}")
@@ -1229,6 +1239,8 @@ CASES: dict[str, Callable[[], None]] = {
     # a probe fit's gradients (kernels/probe.py fit_grads) and a whole fit through them
     "fit_grads-one-tile-a-program": lambda: _fit_grads(2, 100, 20, 12, True),
     "fit_grads-two-tiles-a-program-d128-h64": lambda: _fit_grads(3, 200, 128, 64, False),
+    # two programs (half of the interpreter's 4 multiprocessors) over 3 probes' 6 items
+    "fit_grads-two-programs-loop-over-the-items": lambda: _fit_grads(3, 100, 20, 12, True, share=0.5),
     "fit_grads-whole-fit": _fit_whole,
     "insert_one-per-head": lambda: _insert_one(True),
     "push_recent-r5-bf16": lambda: _push_recent(3, 5, (4, 12), torch.bfloat16),
