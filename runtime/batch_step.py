@@ -20,7 +20,7 @@ import torch
 
 from hi_sparse import kernels
 
-from .streams import own_stream
+from .streams import own_stream, upload
 
 
 def _cause(exc: BaseException) -> str:
@@ -221,5 +221,7 @@ def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
     except RuntimeError:
         _after_failed_capture(current, pool, reset_random=begun is None)
         raise
+    if begun is not None:       # captured ahead: its first replay, in a step, need not upload it
+        upload(graph, stream)
     current.wait_stream(stream)
     return graph, out

@@ -74,6 +74,19 @@ def _create(index: int, high: bool) -> torch.cuda.Stream:
     return torch.cuda.ExternalStream(raw.value, device=torch.device("cuda", index))
 
 
+def upload(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
+    """Upload a captured graph's executable to the device on ``stream`` (cuGraphUpload), which its
+    first replay would otherwise do in the step that replays it: for a graph captured ahead on
+    another thread. False where that cannot be done here (no driver library, a torch without
+    ``raw_cuda_graph_exec``, a driver error): the first replay then uploads it, as before."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        handle = graph.raw_cuda_graph_exec()
+        return cuda.cuGraphUpload(ctypes.c_void_p(handle), ctypes.c_void_p(stream.cuda_stream)) == 0
+    except (OSError, AttributeError, RuntimeError, TypeError, ValueError):
+        return False
+
+
 def _check(err: int, call: str) -> None:
     if err:
         raise RuntimeError(f"HiSparse: {call} failed (CUDA driver error {err}) making a side stream")

@@ -82,3 +82,30 @@ def test_work_first_in_line_runs_at_high_priority_in_the_current_streams_order()
         x.sub_(2)
     assert torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev)
     assert torch.unique(x).tolist() == [13.0]           # 0 -> 1 -> 4 -> 13
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_graph_uploaded_on_another_thread_replays_what_it_captured():
+    """streams.upload, as a capture ahead does on its thread: the driver takes the upload, and the
+    graph's first replay on another stream computes what it captured."""
+    from hi_sparse.batch_step import capture
+    from hi_sparse.streams import upload
+
+    x = torch.arange(1024, device="cuda", dtype=torch.float32)
+    out: dict = {}
+
+    def ahead():
+        with torch.cuda.device(0):
+            graph, y = capture(lambda: (x * 2 + 1).sum(), torch.cuda.graph_pool_handle(), begun=lambda: None)
+            out["graph"], out["y"] = graph, y
+            out["again"] = upload(graph, own_stream(x.device, "capture ahead"))   # a second upload: fine too
+
+    worker = threading.Thread(target=ahead)
+    worker.start()
+    worker.join()
+    assert out["again"] is True
+    x.fill_(1.0)
+    out["graph"].replay()
+    assert out["y"].item() == 3.0 * 1024
+    assert upload(torch.cuda.CUDAGraph(), own_stream(x.device, "capture")) is False     # nothing captured
