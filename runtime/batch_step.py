@@ -221,7 +221,7 @@ def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
     except RuntimeError:
         _after_failed_capture(current, pool, reset_random=begun is None)
         raise
-    if begun is not None:       # captured ahead: its first replay, in a step, need not upload it
-        upload(graph, stream)
     current.wait_stream(stream)
+    if begun is not None:       # captured ahead: its first replay, in a step, need not upload it
+        upload(graph, stream)   # (after the wait: the current stream's later work does not wait for it)
     return graph, out
