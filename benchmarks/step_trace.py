@@ -51,10 +51,15 @@ class StepTrace:
         """(the steps' ranges in order, host events sorted by start, device events sorted by start)."""
         if self._read is None:
             events = self.prof.events()
-            steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
+            steps = sorted((e for e in events if e.name == STEP and e.device_type == DeviceType.CPU),
+                           key=lambda e: e.time_range.start)
             host = sorted((e for e in events if e.device_type == DeviceType.CPU and e.name != STEP),
                           key=lambda e: e.time_range.start)
-            device = sorted((e for e in events if e.device_type != DeviceType.CPU), key=lambda e: e.time_range.start)
+            # the device's kernels and copies: not the ranges the profiler mirrors onto its timeline
+            # (a record_function's span of the GPU work, "gpu_user_annotation")
+            device = sorted((e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation
+                             and e.name != STEP and not e.name.startswith("hisparse.")),
+                            key=lambda e: e.time_range.start)
             self._read = (steps, host, [e.time_range.start for e in host], device,
                           [e.time_range.start for e in device])
         return self._read

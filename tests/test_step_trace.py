@@ -72,11 +72,11 @@ def test_device_events_and_other_threads_cuda_calls_are_read_in_the_window():
     kernels = [ev(5, "gemm", 0, 90, 130, True),                              # began before the step
                ev(6, "gemm", 0, 120, 140, True), ev(7, "fit_grads", 0, 150, 170, True),
                ev(8, "fit_grads", 0, 190, 230, True)]                        # runs past its end
+    # the profiler mirrors a range onto the GPU's timeline (gpu_user_annotation): not a step, not work
+    mirrored = [ev(9, STEP, 0, 102, 198, True), ev(10, "hisparse.recalibrate.commit", 0, 110, 120, True)]
     launch.set_cpu_parent(step)
     trace = StepTrace(cuda=False)
-    host = sorted([launch, *worker], key=lambda e: e.time_range.start)
-    trace._read = ([step], host, [e.time_range.start for e in host], kernels,
-                   [e.time_range.start for e in kernels])
+    trace.prof = type("Profile", (), {"events": lambda self: [step, launch, *worker, *kernels, *mirrored]})()
     w = trace.window(0)
     assert w["us"] == 100 and w["ops"] == {"cudaGraphLaunch": (5, 1)}
     assert w["calls"] == {77: {"cudaLaunchKernel": (6, 2)}}
