@@ -139,18 +139,20 @@ def test_on_a_gpu_the_audits_read_and_count_and_a_new_batch_never_synchronize(mo
     thresholds: a blocking copy or any other host sync there fails the test."""
     from hi_sparse import prefill, recalibration
 
+    # The debug mode is the process's, not a thread's: the recalibration runs in slices on this
+    # thread here (no worker beside it to raise, or to restore a mode set here), and the mode is
+    # off again after the test whatever happens.
     def strict(owner, name):
         fn = getattr(owner, name)
         calls = [0]
 
         def checked(*args, **kwargs):
             calls[0] += 1
-            before = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return fn(*args, **kwargs)
             finally:
-                torch.cuda.set_sync_debug_mode(before)
+                torch.cuda.set_sync_debug_mode("default")
         monkeypatch.setattr(owner, name, checked)
         return calls
 
@@ -159,21 +161,25 @@ def test_on_a_gpu_the_audits_read_and_count_and_a_new_batch_never_synchronize(mo
     eng = HiSparseEngine(HiSparseConfig(max_seq_len=512, cache_block_size=16, window_size=16, global_tokens=4,
                                         top_k=48, host_kv_bits=4, audit_every=1, telemetry=False,
                                         recalibrate_every=10 ** 6), L, HQ, HKV, D, device="cuda")
+    eng._recalibrator.threaded = False
     torch.manual_seed(0)
     ids = eng.add_sequences(2)
     K, V = torch.randn(2, L, 2, HKV, 120, D, device="cuda")
     Q = torch.randn(L, 2, HQ, 120, D, device="cuda")
-    eng.begin_step()
-    for layer in range(L):
-        eng.append(layer, ids, K[layer, :, :, :100], V[layer, :, :, :100])
-        eng.attend(layer, ids, Q[layer, :, :, :100])
-    eng.end_step()
-    for t in range(100, 120):
+    try:
         eng.begin_step()
         for layer in range(L):
-            eng.append(layer, ids, K[layer, :, :, t:t + 1], V[layer, :, :, t:t + 1])
-            eng.attend(layer, ids, Q[layer, :, :, t:t + 1])
+            eng.append(layer, ids, K[layer, :, :, :100], V[layer, :, :, :100])
+            eng.attend(layer, ids, Q[layer, :, :, :100])
         eng.end_step()
-    probe.threshold_constants(torch.device("cuda"), 2.0, 0.1, 0.9)
+        for t in range(100, 120):
+            eng.begin_step()
+            for layer in range(L):
+                eng.append(layer, ids, K[layer, :, :, t:t + 1], V[layer, :, :, t:t + 1])
+                eng.attend(layer, ids, Q[layer, :, :, t:t + 1])
+            eng.end_step()
+        probe.threshold_constants(torch.device("cuda"), 2.0, 0.1, 0.9)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert all(n[0] for n in calls), calls
     assert eng.stats.anchor_lookups > 0
