@@ -3,8 +3,8 @@
 # twenty-fourth session's before/after numbers in docs/BENCHMARKS.md). Make the earlier tree here
 # first, `git worktree add .device/base COMMIT`, and carry .whl and .device. Then:
 #   bash benchmarks/gpu_compare.sh base B    the earlier commit's stall profile at batch B
-#   bash benchmarks/gpu_compare.sh new B     this checkout's
-#   bash benchmarks/gpu_compare.sh tests     gpu_stalls.sh changed;   ... trace B: gpu_stalls.sh traceB
+#   bash benchmarks/gpu_compare.sh new B     this checkout's (its gpu tests and timelines: gpu_stalls.sh
+#                                            changed, trace1, trace24)
 # Results in $OUT (base_bB.txt, new_bB.txt); 300 steps from 1,000 tokens, as gpu_stalls.sh's trace.
 set -uo pipefail
 export TRITON_CACHE_DIR=/tmp/tc; mkdir -p /tmp/tc
@@ -18,7 +18,5 @@ case "${1:-}" in
   new)
     timeout 200 $PY benchmarks/stall_profile.py --batch "$b" --prompt 1000 --steps 300 2>&1 | tee "$OUT/new_b$b.txt" \
       | grep -v "^  position" | tail -16 ;;
-  tests) bash benchmarks/gpu_stalls.sh changed ;;
-  trace) bash benchmarks/gpu_stalls.sh "trace$b" | tail -60 ;;
-  *) echo "usage: bash benchmarks/gpu_compare.sh base|new|tests|trace [BATCH]" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_compare.sh base|new [BATCH]" >&2; exit 2 ;;
 esac

@@ -8,7 +8,7 @@ time of the engine's parts a stall may come from (the audit, a recalibration's l
 step, and its worker thread's launches, which overlap the steps; with --slices, the same work
 in slices after each step instead). With --trace, the decode runs under torch.profiler and each
 stall and a median step are read from its timeline (step_trace.py): where the step's thread spent
-its time, what other threads ran, the GPU's kernels and busy time.
+its time, other threads' CUDA calls, the GPU's kernels and busy time.
 
     python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices] [--no-warm-blas]
         [--torch-fit] [--trace stalls.json.gz]
@@ -111,15 +111,14 @@ def main() -> int:
           f"{', the fit as torch ops' if args.torch_fit else ''}"
           f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}: "
           f"median step {med:.2f} ms", flush=True)
-    extra = 0.0
     picks = {}
     for i, (pos, t, did) in enumerate(times):
         if i >= 2 and t > args.over * med:
-            extra += t - med
             picks[i] = f"  position {pos}: {t:.1f} ms ({t / med:.1f}x) {', '.join(did)}"
             print(picks[i])
     total = sum(steady)
-    causes = by_cause(times, med, args.over)
+    causes = by_cause([times[i] for i in picks], med)
+    extra = sum(ms for _, (_, ms) in causes)
     if causes:
         print("stall time by the first of what the step did: " + ", ".join(
             f"{cause} {n} steps {ms:.1f} ms ({100 * ms / extra:.0f} %)" for cause, (n, ms) in causes))
@@ -156,15 +155,15 @@ CAUSES = ("grew the host pool", "started a recalibration", "committed one", "ran
           "captured its graph", "completed a block", "audited")
 
 
-def by_cause(times: list, med: float, over: float) -> list[tuple[str, tuple[int, float]]]:
-    """[(cause, (stalled steps, ms over the median))], the largest first."""
+def by_cause(stalls: list, med: float) -> list[tuple[str, tuple[int, float]]]:
+    """[(cause, (stalled steps, ms over the median))] of the stalled steps (position, ms, what it
+    did), the largest first."""
     out: dict[str, tuple[int, float]] = {}
-    for _, t, did in times[2:]:
-        if t > over * med:
-            cause = next((c for c in CAUSES if c in did), None) or next(
-                (d for d in did if d.startswith("[")), "nothing seen")
-            n, ms = out.get(cause, (0, 0.0))
-            out[cause] = (n + 1, ms + t - med)
+    for _, t, did in stalls:
+        cause = next((c for c in CAUSES if c in did), None) or next(
+            (d for d in did if d.startswith("[")), "nothing seen")
+        n, ms = out.get(cause, (0, 0.0))
+        out[cause] = (n + 1, ms + t - med)
     return sorted(out.items(), key=lambda kv: -kv[1][1])
 
 # labels of other threads' work, as a step that overlapped it names it

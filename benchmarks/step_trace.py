@@ -64,19 +64,26 @@ class StepTrace:
                           [e.time_range.start for e in device])
         return self._read
 
+    def _between(self, t0: float, t1: float) -> tuple[list, list]:
+        """(host events starting in [t0, t1), device events starting before t1 and ending after t0)."""
+        _, host, host_at, device, device_at = self._events()
+        # a device event may start before the window: look back a second from its start
+        return (host[bisect.bisect_left(host_at, t0):bisect.bisect_left(host_at, t1)],
+                [e for e in device[bisect.bisect_left(device_at, t0 - 1e6):bisect.bisect_left(device_at, t1)]
+                 if e.time_range.end > t0])
+
     def window(self, index: int) -> dict:
         """What step ``index`` (0: the first step traced) spent, in microseconds: {"us": its
-        length, "thread": {range or op: self time} of its thread by the engine's ranges
-        ("phases") and by op ("ops", (time, count)), other threads' CUDA calls by thread and
-        name ("calls"), the device's events clipped to it by name ("device") and their union
-        ("busy")}."""
-        steps, host, host_at, device, device_at = self._events()
-        step = steps[index]
+        length, "phases": its thread's self time by the engine's ranges, "ops": by op (time,
+        count), "calls": other threads' CUDA calls by thread and name, "device": the device's
+        events clipped to it by name, "busy": their union}."""
+        step = self._events()[0][index]
         t0, t1 = step.time_range.start, step.time_range.end
+        host, device = self._between(t0, t1)
         phases: dict[str, float] = defaultdict(float)
         ops: dict[str, list] = defaultdict(lambda: [0.0, 0])
         calls: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
-        for e in host[bisect.bisect_left(host_at, t0):bisect.bisect_left(host_at, t1)]:
+        for e in host:
             if e.thread == step.thread:
                 phases[phase_of(e)] += e.self_cpu_time_total
                 if not e.name.startswith("hisparse."):
@@ -87,13 +94,10 @@ class StepTrace:
                 calls[e.thread][e.name][1] += 1
         by_name: dict[str, float] = defaultdict(float)
         spans = []
-        # a device event may start before the step: look back from the window's start
-        lo = bisect.bisect_left(device_at, t0 - 1e6)
-        for e in device[lo:bisect.bisect_left(device_at, t1)]:
+        for e in device:
             a, b = max(e.time_range.start, t0), min(e.time_range.end, t1)
-            if b > a:
-                by_name[e.name] += b - a
-                spans.append((a, b))
+            by_name[e.name] += b - a
+            spans.append((a, b))
         return {"us": t1 - t0, "phases": dict(phases), "ops": {k: tuple(v) for k, v in ops.items()},
                 "calls": {t: {k: tuple(v) for k, v in c.items()} for t, c in calls.items()},
                 "device": dict(by_name), "busy": union(spans)}
@@ -116,17 +120,15 @@ class StepTrace:
     def write_json(self, path: str, picks: dict[int, str]) -> None:
         """The events of the picked steps' windows (gzip JSON: per step its title, window and
         events as [name, thread, start, duration, device, range] in microseconds)."""
-        steps, host, host_at, device, device_at = self._events()
         out = []
         for index, title in picks.items():
-            t0, t1 = steps[index].time_range.start, steps[index].time_range.end
+            step = self._events()[0][index]
+            t0, t1 = step.time_range.start, step.time_range.end
+            host, device = self._between(t0, t1)
             rows = [[e.name, e.thread, round(e.time_range.start - t0, 1), round(e.time_range.elapsed_us(), 1), "cpu",
-                     phase_of(e)]
-                    for e in host[bisect.bisect_left(host_at, t0):bisect.bisect_left(host_at, t1)]]
+                     phase_of(e)] for e in host]
             rows += [[e.name, e.device_index, round(e.time_range.start - t0, 1), round(e.time_range.elapsed_us(), 1),
-                      "device", ""]
-                     for e in device[bisect.bisect_left(device_at, t0 - 1e6):bisect.bisect_left(device_at, t1)]
-                     if e.time_range.end > t0]
+                      "device", ""] for e in device]
             out.append({"title": title, "us": t1 - t0, "events": rows})
         with gzip.open(path, "wt") as f:
             json.dump(out, f)
