@@ -131,14 +131,15 @@ class HostPool:
     def lock_ahead(self, blocks: int) -> None:
         """Page-lock, on a thread, the pages a growth to ``blocks`` blocks will take in place
         (pinned.lock_ahead): that growth, in a decode step, then has none to lock. ``locking``:
-        the last such job (a Future)."""
+        the last such job (a pinned.LockJob), which replaces the one before (a growth since has
+        taken that one's pages)."""
         if not self.pin or blocks <= self.num_blocks:
             return
         spec = self._spec(blocks, self.num_tail)
         sizes = {name: math.prod(shape) * dt.itemsize for name, (shape, dt) in spec.items()}
         todo = [(space, sizes[name]) for spaces in self._spaces for name, space in spaces.items()
                 if space is not None and space.holds(sizes[name])]
-        self.locking = lock_ahead(todo, torch.device("cuda", torch.cuda.current_device()))
+        self.locking = lock_ahead(todo, torch.device("cuda", torch.cuda.current_device()), replaces=self.locking)
 
     def bytes(self) -> tuple[int, int]:
         """(data bytes, metadata bytes) held: K/V rows and tails vs scales, zeros and bits."""
