@@ -190,11 +190,13 @@ def warm_blas(device: torch.device) -> None:
     thread.join()
 
 
-def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(fn, pool, begun=None, replayed_later: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
     """``fn()`` recorded (not run) in a new CUDA graph allocating from ``pool``: (graph, what fn
     returned). On a failure the capture is undone (_after_failed_capture) and the error raised.
     ``begun()``, when given, is called once the capture has begun, by a capture in another thread
-    than the steps', under :func:`private_random_state` until then.
+    than the steps', under :func:`private_random_state` until then. A graph captured ahead (with
+    ``begun``) or ``replayed_later`` (not in the step that captures it) is uploaded now: its first
+    replay would do that in the step that replays it.
 
     Recorded on a side stream ordered after the current one, like ``torch.cuda.graph`` but
     without what it does first: a device-wide synchronize (which waited for a background
@@ -222,6 +224,6 @@ def capture(fn, pool, begun=None) -> tuple[torch.cuda.CUDAGraph, object]:
         _after_failed_capture(current, pool, reset_random=begun is None)
         raise
     current.wait_stream(stream)
-    if begun is not None:       # captured ahead: its first replay, in a step, need not upload it
+    if begun is not None or replayed_later:     # its first replay, in a step, need not upload it
         upload(graph, stream)   # (after the wait: the current stream's later work does not wait for it)
     return graph, out

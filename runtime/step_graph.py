@@ -46,6 +46,7 @@ import torch
 
 from . import hf_attention, hf_compat
 from .batch_step import _cause, capture, private_random_state, warm_blas
+from .recalibration import audit_hits
 from .row_bank import staged_view
 from .streams import first_in_line
 
@@ -55,7 +56,7 @@ AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thr
 PRIORITY = True
 # make the capture ahead's cuBLAS handles at install (batch_step.warm_blas): the step that starts
 # the first capture ahead took 129 ms on the H200 without, 11 ms with (benchmarks/stall_profile.py
-# --no-warm-blas to compare)
+# --no-warm-blas to compare); and load the kernels of rare parts of a step (warm_first_launches)
 WARM_BLAS = True
 # forward arguments a graph holds: tensors copied into its inputs each step, flags that key it
 _TENSORS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
@@ -112,6 +113,7 @@ class StepGraphs:
         self.ahead = True          # capture a coming key's graph on another thread (AHEAD_TOKENS)
         if self.graphs and WARM_BLAS:
             warm_blas(next(iter(devices)))
+            warm_first_launches(engine, next(iter(devices)))
 
     @property
     def original(self) -> Any:
@@ -310,6 +312,22 @@ class StepGraphs:
         for name in have.cache_fields:
             out[name] = cache
         return out
+
+
+def warm_first_launches(engine: Any, device: torch.device) -> None:
+    """Launch once, on zeros, the kernels that rare parts of a decode step launch first: CUDA loads
+    a kernel at its first launch (lazy loading, its default). On the H100 the first recalibration's
+    commit took 8.9-10.4 ms more in its foreach copy that way (probe.write_params), and the first
+    audit ~7 ms more than later ones (cuBLAS's first heuristics and its matmul's load)."""
+    cfg, D = engine.cfg, engine.shape.head_dim
+    with torch.no_grad():
+        n = 2 * cfg.select_block
+        picked = torch.zeros(1, 4, dtype=torch.int64, device=device)
+        audit_hits(torch.zeros(1, D, device=device), torch.zeros(1, n, D, device=device),
+                   torch.ones(1, n, dtype=torch.bool, device=device), picked, max(1, cfg.audit_top_m),
+                   engine.shape.scale, cfg.audit_measure)
+        a = torch.zeros(4, device=device)
+        torch._foreach_copy_([a], [a + 1])
 
 
 def install(binding: Any, base_model: torch.nn.Module) -> StepGraphs:

@@ -492,3 +492,12 @@ def test_a_layers_graph_key_names_every_buffer_and_moves_when_one_grows():
     moved = decoder.body_key(rows, 7)
     assert moved != key and moved[:2] == key[:2]
     hs.disable_hisparse_kv_cache(model)
+
+
+@pytest.mark.parametrize("measure", ["top_m", "mass"])
+def test_the_first_launches_warm_up_runs_the_audit_and_the_commits_copy_at_the_engines_shapes(measure):
+    """warm_first_launches (at install on a GPU) runs on zeros at the engine's head size, with each
+    audit measure: here on the CPU, where it runs the same ops."""
+    _, model = make_pair("llama")
+    hs.enable_hisparse_kv_cache(model, **SPARSE | {"audit_measure": measure, "audit_top_m": 4}, telemetry=False)
+    step_graph.warm_first_launches(binding_of(model).engine, torch.device("cpu"))
