@@ -35,7 +35,7 @@ from . import anchors, key_bounds
 from .batch_state import APPEND, ATTEND, WINDOW, Batch, swap_rows, upload  # noqa: F401 (re-exported)
 from .config import HiSparseConfig
 from .host_pool import HostPool, QuantEvents
-from .host_seal import to_device
+from .host_seal import HotRows, to_device
 from .hot_buffer import ticks
 from .key_bounds import bucket, key_blocks  # noqa: F401 (bucket re-exported)
 from .layers import KVShape, LayerRows
@@ -449,7 +449,13 @@ class Decoder:
         is captured), not at the first step that completes them (~150 ms of host work at 32 layers)."""
         if self._graphs and self.host.quantized:
             with self.layers[0].on_device():
-                self.host.ready_seal(len(plan.seqs), self.layers[0].device)
+                self.host.ready_seal(len(plan.seqs), self.layers[0].device, self._hot_rows())
+
+    def _hot_rows(self, rows: list[int] | None = None, starts: list[int] | None = None) -> HotRows:
+        """The layers' hot buffers, where a seal reads the rows they hold (host_seal.HotRows): the
+        blocks' rows (of sequence rows ``rows``, from positions ``starts``) are the window's, held
+        there after the step that completes them."""
+        return HotRows([(r.k, r.v, r.hot.token_slot_s) for r in self.layers], rows or [], starts or [])
 
     def finish(self, plan: StepPlan) -> None:
         """The host side that follows a planned step's bodies (however they ran), the blocks its
@@ -458,7 +464,9 @@ class Decoder:
         if plan.seals:      # (each completed block's physical id: no whole block table built for it)
             bs, pages = self.shape.block_size, self.storage.pages.seqs
             items = [(pages[s.seq_id].blocks[b0 // bs].block_id, s.tail_slot) for s, b0 in plan.seals]
+            hot = self._hot_rows([s.row for s, _ in plan.seals], [b0 for _, b0 in plan.seals])
             with self.layers[0].on_device():             # a planned step's layers share one device
-                self._count_write(*self.host.seal_tails(items, self.layers[0].device, self._graphs, len(plan.seqs)))
+                self._count_write(*self.host.seal_tails(items, self.layers[0].device, self._graphs, len(plan.seqs),
+                                                        hot))
         self._after_append(self.layers, plan.seqs, plan.starts, 1)
         self._after_attend(self.layers, plan.seqs, plan.tokens)

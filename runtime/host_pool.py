@@ -28,7 +28,7 @@ import torch
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
 from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_dequant_pair, swap_in_pair
 
-from .host_seal import QuantEvents, seal_graph, seal_many, seal_tails, to_device as _to_device
+from .host_seal import HotRows, QuantEvents, seal_graph, seal_many, seal_tails, to_device as _to_device
 from .pinned import Space, lock_ahead, pin
 from .quant_policy import ADAPTIVE, BITS, LAYOUT, make_policy, max_bits
 from .trace import phase
@@ -283,14 +283,15 @@ class HostPool:
         return seal_many(self, layer, items, together)
 
     def seal_tails(self, items: list[tuple[int, int]], device: torch.device, graphs: bool = False,
-                   room: int = 0) -> tuple[int, QuantEvents]:
+                   room: int = 0, hot: HotRows | None = None) -> tuple[int, QuantEvents]:
         """Seal, at every layer, blocks whose tokens are all in their float tails (host_seal.seal_tails);
-        graphs: by a captured CUDA graph for up to ``room`` blocks where it can."""
-        return seal_tails(self, items, device, self._seal_graphs if graphs else None, room)
+        graphs: by a captured CUDA graph for up to ``room`` blocks where it can; ``hot``: the rows
+        the layers' hot buffers hold read there."""
+        return seal_tails(self, items, device, self._seal_graphs if graphs else None, room, hot)
 
-    def ready_seal(self, items: int, device: torch.device) -> None:
+    def ready_seal(self, items: int, device: torch.device, hot: HotRows | None = None) -> None:
         """Capture the graph :meth:`seal_tails` of ``items`` blocks replays, if it would use one."""
-        seal_graph(self, self._seal_graphs, items * self.num_kv_heads, device)
+        seal_graph(self, self._seal_graphs, items * self.num_kv_heads, device, hot)
 
     @staticmethod
     def _per_unit(name: str) -> bool:

@@ -36,6 +36,45 @@ class QuantEvents:
         default_factory=list)
 
 
+@dataclass
+class HotRows:
+    """Where a seal finds the rows it seals on the device: each layer's hot buffer, ``layers`` [(k,
+    v (rows, Hkv, S, D), its token -> slot map (rows * Hkv, 1 + tokens))], and each sealed item's
+    sequence row and its block's first position (``rows``, ``starts``). A row the buffer holds is
+    read there, the rest from the float tail in host memory: at batch 24 the tails' gather over
+    PCIe took 8.5-11 ms of a completed block's step on the H100 (the step 2.3-3.5x the median)."""
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    rows: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+
+    def where(self, H: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sealed row's (item, head, offset: seal_tails's order) token-map row and column."""
+        n = len(self.rows)
+        at = (torch.tensor(self.rows)[:, None, None] * H + torch.arange(H)[:, None]).expand(n, H, bs)
+        col = (1 + torch.tensor(self.starts)[:, None, None] + torch.arange(bs)).expand(n, H, bs)
+        return at.reshape(-1), col.reshape(-1)
+
+    def key(self) -> tuple:
+        return tuple((t.data_ptr(), tuple(t.shape)) for layer in self.layers for t in layer)
+
+
+def _read_tails(pool: Any, layer: int, tail_d: torch.Tensor, none_d: torch.Tensor, into: torch.Tensor,
+                ko: torch.Tensor, vo: torch.Tensor, hot: tuple | None) -> None:
+    """The float rows ``tail_d`` of ``layer`` (-1: none) into ko / vo (rows ``into``: all, in
+    order): those the layer's hot buffer holds (``hot``: its k, v and token map, and each row's
+    map row and column) from there, the rest from the tail in the host pool."""
+    if hot is None:
+        pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+        return
+    k_hot, v_hot, token_slot, at, col = hot
+    slots = token_slot[at, col]
+    held = (slots >= 0) & (tail_d >= 0)
+    pool.load(layer, none_d, torch.where(held, -1, tail_d), ko, vo, into, count=False)
+    flat = at * k_hot.shape[2] + torch.where(held, slots, 0)
+    for out, src in ((ko, k_hot), (vo, v_hot)):
+        out.copy_(torch.where(held[:, None], src.reshape(-1, src.shape[-1])[flat], out))
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on a GPU through a pinned staging copy: a copy from pageable memory would wait
     for everything queued on the stream first (a host sync); this one is queued behind it."""
@@ -56,7 +95,7 @@ def seal_many(pool: Any, layer: int, items: list[tuple[torch.Tensor, int, int, t
 
 
 def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, graphs: dict | None = None,
-               room: int = 0) -> tuple[int, QuantEvents]:
+               room: int = 0, hot: HotRows | None = None) -> tuple[int, QuantEvents]:
     """Seal, at every layer, blocks every token of which is in the float tail already, items
     (physical block, tail slot): a planned decode step's tokens completed
     them (each was backed up to its tail, and the step read the block from there). Sealed after the
@@ -66,7 +105,8 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     keeps): a pinned pool on a GPU whose widths are chosen there (one width, "auto", "budget")
     seals by replaying a CUDA graph of the whole seal (:class:`SealGraph`), not op by op, one for
     up to ``room`` blocks (a batch's size: however many of its sequences complete a block on a
-    step)."""
+    step). ``hot``: the rows the layers' hot buffers hold are read there (:class:`HotRows`, its
+    items those of ``items``)."""
     events = QuantEvents()
     if not pool.quantized or not items:
         return 0, events
@@ -75,20 +115,24 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     units = (torch.tensor([block for block, _ in items])[:, None] * H + heads).reshape(-1)          # (I*H,)
     slots = torch.tensor([slot for _, slot in items])
     rows = (pool.unit_rows(slots[:, None], heads[None])[..., None] + torch.arange(bs)).reshape(-1)  # (I*H*bs,)
-    g = seal_graph(pool, graphs, max(room, len(items)) * H, device)
+    if hot is not None and any(k.dtype != pool.dtype or k.device != device for k, _, _ in hot.layers):
+        hot = None
+    where = hot.where(H, bs) if hot is not None else None
+    g = seal_graph(pool, graphs, max(room, len(items)) * H, device, hot)
     if g is not None:
-        return g.replay(pool, units, rows, events)
+        return g.replay(pool, units, rows, events, where)
     if not (device.type == "cuda" and pool.pin):
         pool._host_visible()
     tail_d = to_device(rows, device)
     none_d, into = torch.full_like(tail_d, -1), torch.arange(rows.numel(), device=device)
+    at = None if where is None else tuple(to_device(t, device) for t in where)
     staged: dict = {}
     written = 0
     for layer in range(len(pool.layers)):
         ko = torch.empty(rows.numel(), D, dtype=pool.dtype, device=device)
         vo = torch.empty_like(ko)
         pool.prepare(layer, device)
-        pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+        _read_tails(pool, layer, tail_d, none_d, into, ko, vo, None if at is None else (*hot.layers[layer], *at))
         k, v = ko.view(-1, bs, D), vo.view(-1, bs, D)                   # units (I*H, bs, D), as `units`
         kb, vb = pool.policy.choose(k, v)
         for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
@@ -96,14 +140,15 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     return written, events
 
 
-def seal_graph(pool: Any, graphs: dict | None, n: int, device: torch.device) -> SealGraph | None:
+def seal_graph(pool: Any, graphs: dict | None, n: int, device: torch.device,
+               hot: HotRows | None = None) -> SealGraph | None:
     """The graph :func:`seal_tails` replays to seal n units on ``device`` (captured now if it is
     not yet), or None where the seal runs op by op: no ``graphs``, a pool whose policy chooses
     widths on the host ("seed"), unpinned, not a GPU, or a capture that failed."""
     on_device = pool.fixed_bits is not None or hasattr(pool.policy, "choose_on_device")
     if graphs is None or not on_device or device.type != "cuda" or not pool.pin:
         return None
-    return SealGraph.of(pool, graphs, n, device)
+    return SealGraph.of(pool, graphs, n, device, hot)
 
 
 class SealGraph:
@@ -124,24 +169,29 @@ class SealGraph:
     # writes to the pinned pool (latency-bound) overlap (bench_seal_graph.py --streams)
     STREAMS = 4
 
-    def __init__(self, key: tuple, pool: Any, n: int, device: torch.device) -> None:
+    def __init__(self, key: tuple, pool: Any, n: int, device: torch.device, hot: HotRows | None = None) -> None:
         self.key = key
         self.tail = torch.zeros(n * pool.block_size, dtype=torch.int64, device=device)   # the inputs
         self.units = torch.zeros(n, dtype=torch.int64, device=device)
+        # with hot buffers: each row's token-map row and column (0 for padding, which reads none)
+        self.at = None if hot is None else torch.zeros(2, n * pool.block_size, dtype=torch.int64, device=device)
         self.streams = [own_stream(device, f"seal {i}") for i in range(1, self.STREAMS)]
         # uploaded now, as it is captured with a step, not at its first completed block (whose
         # seal's launch took 7.0 ms of host time there on the H100 against 3.7 ms later)
         self.graph, (self.errors, self.counts, self.written) = capture(
-            lambda: _graph_seal(pool, self.tail, self.units, self.streams), torch.cuda.graph_pool_handle(),
+            lambda: _graph_seal(pool, self.tail, self.units, self.streams,
+                                None if hot is None else (hot.layers, *self.at)), torch.cuda.graph_pool_handle(),
             replayed_later=True)
 
     @classmethod
-    def of(cls, pool: Any, graphs: dict, n: int, device: torch.device) -> SealGraph | None:
+    def of(cls, pool: Any, graphs: dict, n: int, device: torch.device, hot: HotRows | None = None
+           ) -> SealGraph | None:
         if graphs.get("failed"):
             return None
         for layer in range(len(pool.layers)):    # the bits' device copies made now, not in the capture
             pool.prepare(layer, device)
-        key = (n, device, *(t.data_ptr() for layer in range(len(pool.layers)) for t in pool.buffers(layer)))
+        key = (n, device, *(t.data_ptr() for layer in range(len(pool.layers)) for t in pool.buffers(layer)),
+               hot.key() if hot is not None else None)
         have = graphs.get((n, device))
         if have is not None and have.key == key:
             return have
@@ -150,7 +200,7 @@ class SealGraph:
         for old in kept[:max(0, len(kept) - cls.KEEP + 1)]:     # the oldest, leaving room for this one
             del graphs[old]
         try:
-            have = graphs[(n, device)] = cls(key, pool, n, device)
+            have = graphs[(n, device)] = cls(key, pool, n, device, hot)
         except RuntimeError as exc:
             graphs["failed"] = True
             warnings.warn(f"HiSparse: CUDA graph capture of the block seal failed ({_cause(exc)}); blocks are "
@@ -159,11 +209,15 @@ class SealGraph:
             return None
         return have
 
-    def replay(self, pool: Any, units: torch.Tensor, rows: torch.Tensor,
-               events: QuantEvents) -> tuple[int, QuantEvents]:
+    def replay(self, pool: Any, units: torch.Tensor, rows: torch.Tensor, events: QuantEvents,
+               where: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, QuantEvents]:
         m, n = units.numel(), self.units.numel()
-        for dst, src in ((self.units, units), (self.tail, rows)):
-            padded = torch.full((dst.numel(),), -1, dtype=torch.int64).pin_memory()
+        inputs = [(self.units, units, -1), (self.tail, rows, -1)]
+        if self.at is not None:
+            assert where is not None, "a seal graph of hot buffers replayed without the rows' places in them"
+            inputs += [(self.at[0], where[0], 0), (self.at[1], where[1], 0)]
+        for dst, src, pad in inputs:
+            padded = torch.full((dst.numel(),), pad, dtype=torch.int64).pin_memory()
             padded[:src.numel()] = src
             dst.copy_(padded, non_blocking=True)
         self.graph.replay()
@@ -187,13 +241,13 @@ def unit_bytes(pool: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor,
-                side: list[torch.cuda.Stream]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: list[torch.cuda.Stream],
+                hot: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """The device work of :func:`seal_tails`, indices on the device: units (N,) and their tail
     rows (N * block_size,), -1 for none; layers spread over the current stream and ``side``
-    streams (forked from it and joined back). Returns (each unit's relative error (2 * layers,
-    N), the units by width (a pool of several widths; else None), bytes written for N units (a
-    pool of one width))."""
+    streams (forked from it and joined back); ``hot``: (HotRows's layers, each row's token-map row
+    and column on the device). Returns (each unit's relative error (2 * layers, N), the units by
+    width (a pool of several widths; else None), bytes written for N units (a pool of one width))."""
     bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
     none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
@@ -206,7 +260,8 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor,
         st.wait_stream(main)
     for layer in range(len(pool.layers)):
         with torch.cuda.stream(streams[layer % len(streams)]):
-            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors, counts)
+            layer_hot = None if hot is None else (*hot[0][layer], hot[1], hot[2])
+            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors, counts, layer_hot)
     for st in side:
         main.wait_stream(st)
     by_width = torch.stack(counts).view(-1, 2, len(pool.widths)).sum(0) if counts else None   # (k/v, widths)
@@ -214,7 +269,7 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor,
 
 
 def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
-                none_d: torch.Tensor, into: torch.Tensor, errors: list, counts: list) -> int:
+                none_d: torch.Tensor, into: torch.Tensor, errors: list, counts: list, hot: tuple | None = None) -> int:
     """One layer of :func:`_graph_seal` on the current stream: each unit's error appended to
     ``errors``, and in a pool of several widths its keys' and its values' units by width to
     ``counts``. Returns the bytes written (a pool of one width)."""
@@ -223,7 +278,7 @@ def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tens
     ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
     vo = torch.zeros_like(ko)
     pool.prepare(layer, dev)
-    pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+    _read_tails(pool, layer, tail_d, none_d, into, ko, vo, hot)
     for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
         layout = LAYOUT[prefix]
         at = unit_rows if layout == "token" else units_d

@@ -488,3 +488,56 @@ def test_the_next_growth_finds_its_pages_locked_ahead(bits, monkeypatch):
             assert t.data_ptr() == space.base.data_ptr()     # grown in place
     k = hp.layers[0]["k" if bits is None else "k_packed"]
     assert k.is_pinned()
+
+
+@pytest.mark.parametrize("bits", [4, "auto"])
+def test_a_seal_reads_the_rows_the_hot_buffers_hold_there_and_the_rest_from_the_tails(bits):
+    """host_seal.HotRows: a row a layer's hot buffer holds (at whatever slot its token map says)
+    is read there, the others from the float tail. Blocks whose held rows have garbage in their
+    tails seal to what true tails seal to: op by op (seal_tails) and in the body a seal graph
+    records (_seal_layer), both run here on the CPU."""
+    from hi_sparse import host_seal
+
+    g = torch.Generator().manual_seed(7)
+    L, blocks, slots = 2, [5, 1, 11], [0, 1, 2]
+    n, R, S, T = len(blocks), 3, 2 * BS + 5, 8 * BS
+    seq_rows, starts = [2, 0, 1], [3 * BS, 0, 7 * BS]          # each item's sequence row, block start
+    k, v = _units_of_two_widths(g, L, n)                         # (L, n, H, BS, D)
+    held = torch.rand(L, n, H, BS, generator=g) < 0.6
+    assert held.any() and not held.all()
+    layers = []
+    for layer in range(L):
+        kh, vh = torch.randn(2, R, H, S, D, generator=g).unbind(0)   # other slots hold other tokens
+        token_slot = torch.full((R * H, 1 + T), -1)
+        for i, (row, start) in enumerate(zip(seq_rows, starts)):
+            for h in range(H):
+                free = torch.randperm(S, generator=g)
+                for t in held[layer, i, h].nonzero().flatten().tolist():
+                    slot = int(free[t])
+                    kh[row, h, slot], vh[row, h, slot] = k[layer, i, h, t], v[layer, i, h, t]
+                    token_slot[row * H + h, 1 + start + t] = slot
+        layers.append((kh, vh, token_slot))
+    hot = host_seal.HotRows(layers, seq_rows, starts)
+    noise = 50 + torch.rand(2, *k.shape, generator=g)
+    bad_k, bad_v = (torch.where(held[..., None], z, x) for z, x in zip(noise, (k, v)))
+    pools = [HostPool(L, H, D, BS, torch.float32, pin=False, host_kv_bits=bits) for _ in range(3)]
+    for hp, (kk, vv) in zip(pools, [(k, v), (bad_k, bad_v), (bad_k, bad_v)]):
+        hp.grow(blocks=16, tails=4)
+        _back_up_as_decode(hp, blocks, slots, kk, vv)
+    items, cpu = list(zip(blocks, slots)), torch.device("cpu")
+    written, ev = pools[0].seal_tails(items, cpu)
+    got, got_ev = pools[1].seal_tails(items, cpu, hot=hot)
+    assert got == written and sorted(got_ev.errors) == sorted(ev.errors) and got_ev.counts == ev.counts
+    hp = pools[2]                                                # the graph's body, eagerly
+    units = (torch.tensor(blocks)[:, None] * H + torch.arange(H)).reshape(-1)
+    tail = (hp.unit_rows(torch.tensor(slots)[:, None], torch.arange(H)[None])[..., None] + torch.arange(BS)).reshape(-1)
+    unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
+    at = hot.where(H, BS)
+    for layer in range(L):
+        host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.full_like(tail, -1), torch.arange(tail.numel()),
+                              [], [], (*layers[layer], *at))
+    for layer in range(L):
+        for name, t in pools[0].layers[layer].items():
+            if not name.endswith("_tail"):                       # (the tails differ: garbage where held)
+                assert torch.equal(t, pools[1].layers[layer][name]), (layer, name)
+                assert torch.equal(t, hp.layers[layer][name]), (layer, name)
