@@ -458,3 +458,29 @@ def test_an_interrupt_in_a_slice_reaches_the_caller_and_drops_the_job():
     assert bg.settle_recalibration() and bg._recal_job is None
     assert bg.stats.recalibrations["schedule"] == 0 and _same(_state(bg, sid[0]), before)
     bg.close()
+
+
+def test_a_commit_writes_each_layers_anchors_into_its_sequences_rows():
+    """recal_job._write_anchors: sequences in consecutive bank rows are written as slices (all
+    layers' in one foreach copy), others by index: either way each sequence's anchors and scores
+    land in its own row and no other row changes."""
+    from types import SimpleNamespace
+
+    from hi_sparse.recal_job import _write_anchors
+
+    g = torch.Generator().manual_seed(3)
+    L, rows, G = 3, 8, 4
+    banks = [SimpleNamespace(t={"anchors": torch.full((rows, G), -1, dtype=torch.int32),
+                                "anchor_p": torch.zeros(rows, G, dtype=torch.float16)}) for _ in range(L)]
+    seqs = [SimpleNamespace(row=r, banks=banks) for r in range(rows)]
+    want = [{k: t.clone() for k, t in b.t.items()} for b in banks]
+    anchors = []
+    for i, picked in enumerate([[2, 3, 4], [1, 5, 6], [7]]):       # consecutive, not, one
+        pos = torch.randint(0, 100, (len(picked), G), generator=g, dtype=torch.int32)
+        p = torch.rand(len(picked), G, generator=g).half()
+        anchors.append(([seqs[r] for r in picked], i, pos, p))
+        want[i]["anchors"][picked], want[i]["anchor_p"][picked] = pos, p
+    anchors.append(([], 0, torch.zeros(0, G, dtype=torch.int32), torch.zeros(0, G).half()))   # nothing kept
+    _write_anchors(anchors)
+    for b, w in zip(banks, want):
+        assert torch.equal(b.t["anchors"], w["anchors"]) and torch.equal(b.t["anchor_p"], w["anchor_p"])
