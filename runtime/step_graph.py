@@ -317,7 +317,8 @@ class StepGraphs:
 def warm_first_launches(engine: Any, device: torch.device) -> None:
     """Launch once, on zeros, the kernels that rare parts of a decode step launch first: CUDA loads
     a kernel at its first launch (lazy loading, its default). On the H100 the first recalibration's
-    commit took 8.9-10.4 ms more in its foreach copy that way (probe.write_params), and the first
+    commit took 8.9-10.4 ms more in its foreach copy that way (probe.write_params; the anchors'
+    copy, recal_job._write_anchors, has one of its own per dtype), and the first
     audit ~7 ms more than later ones (cuBLAS's first heuristics and its matmul's load)."""
     cfg, D = engine.cfg, engine.shape.head_dim
     with torch.no_grad():
@@ -326,8 +327,9 @@ def warm_first_launches(engine: Any, device: torch.device) -> None:
         audit_hits(torch.zeros(1, D, device=device), torch.zeros(1, n, D, device=device),
                    torch.ones(1, n, dtype=torch.bool, device=device), picked, max(1, cfg.audit_top_m),
                    engine.shape.scale, cfg.audit_measure)
-        a = torch.zeros(4, device=device)
-        torch._foreach_copy_([a], [a + 1])
+        for dtype in (torch.float32, torch.int64):     # the probes' parameters; the anchors (and scores)
+            a = torch.zeros(4, dtype=dtype, device=device)
+            torch._foreach_copy_([a], [a + 1])
 
 
 def install(binding: Any, base_model: torch.nn.Module) -> StepGraphs:
