@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -179,15 +180,26 @@ def _ready_blas(stream: torch.cuda.Stream) -> None:
     _blas.stream = stream
 
 
+_ahead: ThreadPoolExecutor | None = None
+
+
+def ahead_thread() -> ThreadPoolExecutor:
+    """The one thread every capture ahead runs on (step_graph.py), made at first use: its cuBLAS
+    handles and workspaces, bound to its stream once (:func:`warm_blas`), serve every capture;
+    a new thread per capture bound them again (on the H100 the step that starts one waited ~5 ms
+    under the profiler for its capture to begin)."""
+    global _ahead
+    if _ahead is None:
+        _ahead = ThreadPoolExecutor(1, thread_name_prefix="hisparse-capture-ahead")
+    return _ahead
+
+
 def warm_blas(device: torch.device) -> None:
     """The cuBLAS handles a capture ahead takes made now (:func:`_ready_blas` on the "capture
-    ahead" stream), on a thread that ends: torch gives an ended thread's handles to the next
-    thread that asks, and each capture ahead is a new thread. Its step waits for the capture to
-    begin, and the first one, making them, took 157-269 ms on the H200 (later ones < 16 ms)."""
-    thread = threading.Thread(target=_ready_blas, args=(own_stream(device, "capture ahead"),),
-                              name="hisparse-blas-warmup")
-    thread.start()
-    thread.join()
+    ahead" stream), on the thread the captures ahead run on (:func:`ahead_thread`). Its step
+    waits for the capture to begin, and the first one, making them, took 157-269 ms on the H200
+    (later ones < 16 ms)."""
+    ahead_thread().submit(_ready_blas, own_stream(device, "capture ahead")).result()
 
 
 def capture(fn, pool, begun=None, replayed_later: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:

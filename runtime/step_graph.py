@@ -40,12 +40,13 @@ import inspect
 import threading
 import warnings
 import weakref
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from . import hf_attention, hf_compat
-from .batch_step import _cause, capture, private_random_state, warm_blas
+from .batch_step import _cause, ahead_thread, capture, private_random_state, warm_blas
 from .recalibration import audit_hits
 from .row_bank import staged_view
 from .streams import first_in_line
@@ -82,7 +83,7 @@ class Lookahead:
 
     def __init__(self, key: tuple, plan: Any) -> None:
         self.key, self.plan = key, plan
-        self.thread: threading.Thread | None = None
+        self.done: Future | None = None           # its capture, on batch_step.ahead_thread()
         self.begun = threading.Event()            # set once the capture began (or failed before)
         self.have: WholeStep | None = None
         self.error: BaseException | None = None
@@ -243,7 +244,7 @@ class StepGraphs:
         del whole["ahead"]
         if ahead.key != key:
             return None
-        ahead.thread.join()
+        ahead.done.result()
         if ahead.have is None:
             self.counts["ahead_failed"] += 1
             self.capture_errors.append(f"ahead: {_cause(ahead.error)}" if ahead.error else "ahead: no graph")
@@ -276,10 +277,9 @@ class StepGraphs:
         inputs = {k: t.clone() for k, t in tensors.items()}
         args = (ahead, hf_attention.current(), {**call, **inputs, self.cache_kwarg: standin}, inputs,
                 torch.is_inference_mode_enabled())
-        ahead.thread = threading.Thread(target=self._capture_ahead, name="hisparse-capture-ahead", args=args)
         whole["ahead"] = ahead
         with private_random_state(self.binding.engine.layers[0].device):
-            ahead.thread.start()
+            ahead.done = ahead_thread().submit(self._capture_ahead, *args)
             ahead.begun.wait()       # (well under a millisecond) the caller samples only after it
 
     def _capture_ahead(self, ahead: Lookahead, ctx: Any, call: dict, inputs: dict, inference: bool) -> None:
