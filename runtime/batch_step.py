@@ -12,10 +12,10 @@ import contextlib
 import gc
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import traceback
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
