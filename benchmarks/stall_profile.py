@@ -47,6 +47,10 @@ def main() -> int:
                     help="a background recalibration's work in slices after each step, not on a worker thread")
     ap.add_argument("--torch-fit", action="store_true",
                     help="the probes' fit gradients as torch ops, not the Triton kernel (kernels/probe.py)")
+    ap.add_argument("--lock-duty", type=float, default=None,
+                    help="the share of its time the pages' lock ahead registers (pinned.LOCK_DUTY; 1: no pauses)")
+    ap.add_argument("--lock-chunk-mb", type=float, default=None,
+                    help="MiB a registration locks ahead (pinned.LOCK_CHUNK)")
     ap.add_argument("--fit-share", type=float, default=None,
                     help="the share of the SMs the probes' fit kernel may hold (kernels/_probe_triton.py FIT_SM_SHARE; "
                          "default: all)")
@@ -62,6 +66,10 @@ def main() -> int:
     if args.fit_share is not None:
         from hi_sparse.kernels import _probe_triton
         _probe_triton.FIT_SM_SHARE = args.fit_share
+    if args.lock_duty is not None:
+        pinned.LOCK_DUTY = args.lock_duty
+    if args.lock_chunk_mb is not None:
+        pinned.LOCK_CHUNK = int(args.lock_chunk_mb * 2**20)
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
@@ -109,7 +117,8 @@ def main() -> int:
           f"recalibration {'in slices' if args.slices else 'on a worker'}"
           f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}"
           f"{', the fit as torch ops' if args.torch_fit else ''}"
-          f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}: "
+          f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}"
+          f", pages locked ahead in {pinned.LOCK_CHUNK / 2**20:g} MiB chunks at a duty of {pinned.LOCK_DUTY:g}: "
           f"median step {med:.2f} ms", flush=True)
     picks = {}
     for i, (pos, t, did) in enumerate(times):

@@ -455,7 +455,7 @@ class Decoder:
         """The layers' hot buffers, where a seal reads the rows they hold (host_seal.HotRows): the
         blocks' rows (of sequence rows ``rows``, from positions ``starts``) are the window's, held
         there after the step that completes them."""
-        return HotRows([(r.k, r.v, r.hot.token_slot_s) for r in self.layers], rows or [], starts or [])
+        return HotRows([(r.k, r.v, r.hot.slot_token_s) for r in self.layers], rows or [], starts or [])
 
     def finish(self, plan: StepPlan) -> None:
         """The host side that follows a planned step's bodies (however they ran), the blocks its

@@ -39,20 +39,21 @@ class QuantEvents:
 @dataclass
 class HotRows:
     """Where a seal finds the rows it seals on the device: each layer's hot buffer, ``layers`` [(k,
-    v (rows, Hkv, S, D), its token -> slot map (rows * Hkv, 1 + tokens))], and each sealed item's
+    v (rows, Hkv, S, D), its slot -> token table (rows * Hkv, S + 1))], and each sealed item's
     sequence row and its block's first position (``rows``, ``starts``). A row the buffer holds is
     read there, the rest from the float tail in host memory: at batch 24 the tails' gather over
-    PCIe took 8.5-11 ms of a completed block's step on the H100 (the step 2.3-3.5x the median)."""
+    PCIe took 8.5-11 ms of a completed block's step on the H100 (the step 2.3-3.5x the median).
+    The slots are found from the slot -> token table, which moves only as the batch's rows grow
+    (a seal graph reading the token -> slot map was captured again at every step key's change:
+    the map grows with the context)."""
     layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     rows: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
 
-    def where(self, H: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sealed row's (item, head, offset: seal_tails's order) token-map row and column."""
-        n = len(self.rows)
-        at = (torch.tensor(self.rows)[:, None, None] * H + torch.arange(H)[:, None]).expand(n, H, bs)
-        col = (1 + torch.tensor(self.starts)[:, None, None] + torch.arange(bs)).expand(n, H, bs)
-        return at.reshape(-1), col.reshape(-1)
+    def where(self, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sealed unit's (item, head: seal_tails's order) table row and block start."""
+        at = torch.tensor(self.rows)[:, None] * H + torch.arange(H)
+        return at.reshape(-1), torch.tensor(self.starts)[:, None].expand(-1, H).reshape(-1)
 
     def key(self) -> tuple:
         return tuple((t.data_ptr(), tuple(t.shape)) for layer in self.layers for t in layer)
@@ -60,17 +61,23 @@ class HotRows:
 
 def _read_tails(pool: Any, layer: int, tail_d: torch.Tensor, none_d: torch.Tensor, into: torch.Tensor,
                 ko: torch.Tensor, vo: torch.Tensor, hot: tuple | None) -> None:
-    """The float rows ``tail_d`` of ``layer`` (-1: none) into ko / vo (rows ``into``: all, in
-    order): those the layer's hot buffer holds (``hot``: its k, v and token map, and each row's
-    map row and column) from there, the rest from the tail in the host pool."""
+    """The float rows ``tail_d`` of ``layer`` (units of block_size rows; -1: none) into ko / vo
+    (rows ``into``: all, in order): those the layer's hot buffer holds (``hot``: its k, v and slot
+    -> token table, and each unit's table row and block start) from there, the rest from the tail
+    in the host pool."""
     if hot is None:
         pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
         return
-    k_hot, v_hot, token_slot, at, col = hot
-    slots = token_slot[at, col]
+    k_hot, v_hot, slot_token, at, start = hot
+    S, bs, dev = k_hot.shape[2], pool.block_size, tail_d.device
+    offset = slot_token[at, :S] - start[:, None]                  # (U, S): each slot's token in the block
+    inside = (offset >= 0) & (offset < bs)
+    slots = torch.full((at.numel(), bs + 1), -1, dtype=torch.int64, device=dev)      # column bs: the rest
+    slots.scatter_(1, torch.where(inside, offset, bs), torch.arange(S, device=dev).expand(at.numel(), S))
+    slots = slots[:, :bs].reshape(-1)
     held = (slots >= 0) & (tail_d >= 0)
     pool.load(layer, none_d, torch.where(held, -1, tail_d), ko, vo, into, count=False)
-    flat = at * k_hot.shape[2] + torch.where(held, slots, 0)
+    flat = at.repeat_interleave(bs) * S + torch.where(held, slots, 0)
     for out, src in ((ko, k_hot), (vo, v_hot)):
         out.copy_(torch.where(held[:, None], src.reshape(-1, src.shape[-1])[flat], out))
 
@@ -117,7 +124,7 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     rows = (pool.unit_rows(slots[:, None], heads[None])[..., None] + torch.arange(bs)).reshape(-1)  # (I*H*bs,)
     if hot is not None and any(k.dtype != pool.dtype or k.device != device for k, _, _ in hot.layers):
         hot = None
-    where = hot.where(H, bs) if hot is not None else None
+    where = hot.where(H) if hot is not None else None
     g = seal_graph(pool, graphs, max(room, len(items)) * H, device, hot)
     if g is not None:
         return g.replay(pool, units, rows, events, where)
@@ -173,8 +180,8 @@ class SealGraph:
         self.key = key
         self.tail = torch.zeros(n * pool.block_size, dtype=torch.int64, device=device)   # the inputs
         self.units = torch.zeros(n, dtype=torch.int64, device=device)
-        # with hot buffers: each row's token-map row and column (0 for padding, which reads none)
-        self.at = None if hot is None else torch.zeros(2, n * pool.block_size, dtype=torch.int64, device=device)
+        # with hot buffers: each unit's slot table row and block start (0 for padding: reads none)
+        self.at = None if hot is None else torch.zeros(2, n, dtype=torch.int64, device=device)
         self.streams = [own_stream(device, f"seal {i}") for i in range(1, self.STREAMS)]
         # uploaded now, as it is captured with a step, not at its first completed block (whose
         # seal's launch took 7.0 ms of host time there on the H100 against 3.7 ms later)

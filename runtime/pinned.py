@@ -114,11 +114,13 @@ class Space:
 
 
 _locker: ThreadPoolExecutor | None = None
-# lock ahead a chunk at a time, pausing between chunks: a registration holds a lock of the driver's
-# that the decode step's launches and copies wait for (on an H100 at batch 24 one job's 27
-# registrations of ~0.2-2 ms each, back to back, made the step after a growth 33 ms, 6x its median)
+# lock ahead a chunk at a time, pausing between chunks when LOCK_DUTY < 1: a registration holds a
+# lock of the driver's that the decode step's launches and copies wait for (on an H100 at batch 24
+# one job's 27 registrations of ~0.2-2 ms each, back to back, made the step after a growth 33 ms,
+# 6x its median). Paced at 0.2 on an H200 the locking ran beside ~80 steps and slowed 19 of them
+# 1.5-2.6x (93 ms in all): not paced by default (stall_profile.py --lock-duty to compare)
 LOCK_CHUNK = 1 << 20         # bytes one registration locks ahead at most
-LOCK_DUTY = 0.2              # the share of the wall time the locker registers (it waits the rest)
+LOCK_DUTY = 1.0              # the share of the wall time the locker registers (it waits the rest)
 _MADV_POPULATE_WRITE = 23    # linux/mman.h, since Linux 5.14
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
 _madvise = getattr(_libc, "madvise", None)

@@ -492,15 +492,15 @@ def test_the_next_growth_finds_its_pages_locked_ahead(bits, monkeypatch):
 
 @pytest.mark.parametrize("bits", [4, "auto"])
 def test_a_seal_reads_the_rows_the_hot_buffers_hold_there_and_the_rest_from_the_tails(bits):
-    """host_seal.HotRows: a row a layer's hot buffer holds (at whatever slot its token map says)
-    is read there, the others from the float tail. Blocks whose held rows have garbage in their
+    """host_seal.HotRows: a row a layer's hot buffer holds (at whatever slot its slot -> token
+    table says) is read there, the others from the float tail. Blocks whose held rows have garbage in their
     tails seal to what true tails seal to: op by op (seal_tails) and in the body a seal graph
     records (_seal_layer), both run here on the CPU."""
     from hi_sparse import host_seal
 
     g = torch.Generator().manual_seed(7)
     L, blocks, slots = 2, [5, 1, 11], [0, 1, 2]
-    n, R, S, T = len(blocks), 3, 2 * BS + 5, 8 * BS
+    n, R, S = len(blocks), 3, 2 * BS + 5
     seq_rows, starts = [2, 0, 1], [3 * BS, 0, 7 * BS]          # each item's sequence row, block start
     k, v = _units_of_two_widths(g, L, n)                         # (L, n, H, BS, D)
     held = torch.rand(L, n, H, BS, generator=g) < 0.6
@@ -508,15 +508,17 @@ def test_a_seal_reads_the_rows_the_hot_buffers_hold_there_and_the_rest_from_the_
     layers = []
     for layer in range(L):
         kh, vh = torch.randn(2, R, H, S, D, generator=g).unbind(0)   # other slots hold other tokens
-        token_slot = torch.full((R * H, 1 + T), -1)
+        slot_token = torch.randint(-1, 4 * BS, (R * H, S + 1), generator=g)
+        slot_token[(slot_token >= 0) & (slot_token < 8 * BS)] += 8 * BS    # (none of the sealed blocks')
+        slot_token[:, S] = -1                                              # the spill column
         for i, (row, start) in enumerate(zip(seq_rows, starts)):
             for h in range(H):
                 free = torch.randperm(S, generator=g)
                 for t in held[layer, i, h].nonzero().flatten().tolist():
                     slot = int(free[t])
                     kh[row, h, slot], vh[row, h, slot] = k[layer, i, h, t], v[layer, i, h, t]
-                    token_slot[row * H + h, 1 + start + t] = slot
-        layers.append((kh, vh, token_slot))
+                    slot_token[row * H + h, slot] = start + t
+        layers.append((kh, vh, slot_token))
     hot = host_seal.HotRows(layers, seq_rows, starts)
     noise = 50 + torch.rand(2, *k.shape, generator=g)
     bad_k, bad_v = (torch.where(held[..., None], z, x) for z, x in zip(noise, (k, v)))
@@ -532,7 +534,7 @@ def test_a_seal_reads_the_rows_the_hot_buffers_hold_there_and_the_rest_from_the_
     units = (torch.tensor(blocks)[:, None] * H + torch.arange(H)).reshape(-1)
     tail = (hp.unit_rows(torch.tensor(slots)[:, None], torch.arange(H)[None])[..., None] + torch.arange(BS)).reshape(-1)
     unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
-    at = hot.where(H, BS)
+    at = hot.where(H)
     for layer in range(L):
         host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.full_like(tail, -1), torch.arange(tail.numel()),
                               [], [], (*layers[layer], *at))
