@@ -322,11 +322,13 @@ def warm_first_launches(engine: Any, device: torch.device) -> None:
     audit ~7 ms more than later ones (cuBLAS's first heuristics and its matmul's load)."""
     cfg, D = engine.cfg, engine.shape.head_dim
     with torch.no_grad():
-        n = 2 * cfg.select_block
-        picked = torch.zeros(1, 4, dtype=torch.int64, device=device)
-        audit_hits(torch.zeros(1, D, device=device), torch.zeros(1, n, D, device=device),
-                   torch.ones(1, n, dtype=torch.bool, device=device), picked, max(1, cfg.audit_top_m),
-                   engine.shape.scale, cfg.audit_measure)
+        # a context of ~1K tokens, one sequence and a batch (cuBLAS picks its kernel by shape: at
+        # 128 tokens the H200's first audit at ~1K still took 3.5x a step)
+        for b, n in ((1, 1024), (8, 1024)):
+            picked = torch.zeros(b, 4, dtype=torch.int64, device=device)
+            audit_hits(torch.zeros(b, D, device=device), torch.zeros(b, n, D, device=device),
+                       torch.ones(b, n, dtype=torch.bool, device=device), picked, max(1, cfg.audit_top_m),
+                       engine.shape.scale, cfg.audit_measure)
         for dtype in (torch.float32, torch.int64):     # the probes' parameters; the anchors (and scores)
             a = torch.zeros(4, dtype=dtype, device=device)
             torch._foreach_copy_([a], [a + 1])
