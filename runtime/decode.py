@@ -453,8 +453,8 @@ class Decoder:
 
     def _hot_rows(self, rows: list[int] | None = None, starts: list[int] | None = None) -> HotRows:
         """The layers' hot buffers, where a seal reads the rows they hold (host_seal.HotRows): the
-        blocks' rows (of sequence rows ``rows``, from positions ``starts``) are the window's, held
-        there after the step that completes them."""
+        blocks' rows (of sequence rows ``rows``, from positions ``starts``) are the window's (all of
+        them with a window of a block or more), held there after the step that completes them."""
         return HotRows([(r.k, r.v, r.hot.slot_token_s) for r in self.layers], rows or [], starts or [])
 
     def finish(self, plan: StepPlan) -> None:

@@ -162,8 +162,9 @@ class LockJob:
 def lock_ahead(spaces: list[tuple[Space, int]], device: torch.device, replaces: LockJob | None = None) -> LockJob:
     """Page-lock each space's first n bytes, ``(space, n)``, on a thread of its own, while the steps
     go on: a pool's next growth then finds its pages locked (cudaHostRegister in the step took
-    28-188 ms on the H200). The pages become resident now, not at the growth. Paced (LOCK_CHUNK,
-    LOCK_DUTY) so that the steps meanwhile wait little for the driver. ``replaces``: an earlier
+    28-188 ms on the H200). The pages become resident now, not at the growth: a chunk
+    (LOCK_CHUNK) at a time, each faulted in before its registration, with pauses between them
+    where LOCK_DUTY < 1 (off by default: measured worse). ``replaces``: an earlier
     job of the same pool, stopped (whatever of it is left, this one locks, as it covers it). A
     registration that fails here is left to the growth, which tries again and says why."""
     global _locker

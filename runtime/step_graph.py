@@ -234,9 +234,9 @@ class StepGraphs:
         return self._result(have, cache)
 
     def _from_ahead(self, plan: Any, key: tuple) -> WholeStep | None:
-        """The graph captured ahead for ``key`` (waiting for its thread if it still captures), made
+        """The graph captured ahead for ``key`` (waiting for it if it still captures), made
         the batch's; None without one. One whose step came with another key (a host pool grew
-        since: its buffers moved) is dropped, its thread left to end on its own."""
+        since: its buffers moved) is dropped, its capture left to end on its own."""
         whole = plan.batch.whole
         ahead: Lookahead | None = whole.get("ahead")
         if ahead is None or (ahead.key != key and max(plan.starts) < max(ahead.plan.starts)):
