@@ -7,6 +7,10 @@ which events it met. The profiler records the ops of the thread that started it 
 Python threads, such as a recalibration's worker, record none: stall_profile.py names the work
 they did during a step from its own timers), but the CUDA calls (launches, copies, waits) and
 the device's kernels of every thread: those of threads other than the step's are listed by thread.
+That last part did not hold on the H100 (torch 2.11): no window listed another thread's calls,
+and the page-locking of the lock-ahead thread (``cudaHostRegister``, back to back after the step's
+own growth had ended, while the step's copies waited) showed as the step's own. Read a CUDA call
+on the step's thread as possibly another thread's where the engine's ranges do not hold it.
 
 Each step runs inside a range named ``STEP`` (decode_run.decode's ``around``), so its window
 is the profiler's own clock. ``write_json`` keeps the picked windows' events for a closer look.
