@@ -122,8 +122,6 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     units = (torch.tensor([block for block, _ in items])[:, None] * H + heads).reshape(-1)          # (I*H,)
     slots = torch.tensor([slot for _, slot in items])
     rows = (pool.unit_rows(slots[:, None], heads[None])[..., None] + torch.arange(bs)).reshape(-1)  # (I*H*bs,)
-    if hot is not None and any(k.dtype != pool.dtype or k.device != device for k, _, _ in hot.layers):
-        hot = None
     where = hot.where(H) if hot is not None else None
     g = seal_graph(pool, graphs, max(room, len(items)) * H, device, hot)
     if g is not None:
@@ -252,8 +250,8 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
                 hot: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """The device work of :func:`seal_tails`, indices on the device: units (N,) and their tail
     rows (N * block_size,), -1 for none; layers spread over the current stream and ``side``
-    streams (forked from it and joined back); ``hot``: (HotRows's layers, each row's token-map row
-    and column on the device). Returns (each unit's relative error (2 * layers, N), the units by
+    streams (forked from it and joined back); ``hot``: (HotRows's layers, each unit's slot table
+    row and block start on the device). Returns (each unit's relative error (2 * layers, N), the units by
     width (a pool of several widths; else None), bytes written for N units (a pool of one width))."""
     bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)

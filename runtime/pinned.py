@@ -90,10 +90,8 @@ class Space:
         most ``most`` bytes more in this call. Returns whether pages are left to lock."""
         if not self.pin:
             return False
-        page = mmap.PAGESIZE
-        goal = min(self.base.numel(), -(-nbytes // page) * page)
         with self._lock:
-            end = goal if most is None else min(goal, self.locked + max(page, most // page * page))
+            goal, end = self._chunk(nbytes, most)
             if end > self.locked:
                 ptr = self.base.data_ptr() + self.locked
                 _register(ptr, end - self.locked)
@@ -101,14 +99,20 @@ class Space:
                 self.locked = end
             return self.locked < goal
 
+    def _chunk(self, nbytes: int, most: int | None) -> tuple[int, int]:
+        """(the end of the whole pages ``nbytes`` takes, within the space; the end of the next
+        chunk of at most ``most`` bytes past what is locked (at least a page), all with None)."""
+        page = mmap.PAGESIZE
+        goal = min(self.base.numel(), -(-nbytes // page) * page)
+        return goal, goal if most is None else min(goal, self.locked + max(page, most // page * page))
+
     def populate(self, nbytes: int, most: int) -> None:
         """Fault in (without writing: their contents stay) the next ``most`` bytes of pages that
         :meth:`lock_to` ``nbytes`` would lock, so that its registration only pins them: the
         registration holds a lock of the driver's that a decode step's CUDA calls wait for,
         faulting in does not. Does nothing where the kernel cannot (Linux before 5.14)."""
-        page = mmap.PAGESIZE
         start = self.locked
-        end = min(self.base.numel(), -(-nbytes // page) * page, start + max(page, most // page * page))
+        _, end = self._chunk(nbytes, most)
         if end > start and _madvise is not None:    # (an error, e.g. EINVAL before 5.14: the lock faults them in)
             _madvise(ctypes.c_void_p(self.base.data_ptr() + start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE)
 

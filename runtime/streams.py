@@ -51,12 +51,17 @@ def first_in_line(device: torch.device) -> Iterator[None]:
     current.wait_stream(high)
 
 
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library (OSError where it cannot be loaded: not Linux, no driver)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _create(index: int, high: bool) -> torch.cuda.Stream:
     """A new CUDA stream of its own on device ``index``; a pooled torch stream where the driver
     library cannot be loaded (not Linux)."""
     torch.cuda.init()
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda = _driver()
     except OSError:
         return torch.cuda.Stream(index, priority=-1 if high else 0)
     dev, ctx, raw = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -80,7 +85,7 @@ def upload(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
     another thread. False where that cannot be done here (no driver library, a torch without
     ``raw_cuda_graph_exec``, a driver error): the first replay then uploads it, as before."""
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda = _driver()
         handle = graph.raw_cuda_graph_exec()
         return cuda.cuGraphUpload(ctypes.c_void_p(handle), ctypes.c_void_p(stream.cuda_stream)) == 0
     except (OSError, AttributeError, RuntimeError, TypeError, ValueError):
