@@ -187,7 +187,8 @@ def timed_parts(engine, timers: CallTimers) -> list:
     and waiting for it), each timed by ``timers`` while the contexts returned are entered."""
     return [timers.wrap(engine, "_audit", "the audit"),
             timers.wrap(engine._recalibrator, "start", "a recalibration's launch (in the step)"),
-            timers.wrap(engine._recalibrator, "_inputs", "  its inputs of one layer (in the step)"),
+            timers.wrap(engine._recalibrator, "_inputs", "  its inputs, all layers (in the step)"),
+            timers.wrap(engine._recalibrator, "_alike", "    those of the layers alike (one gather each)"),
             timers.wrap(RecalibrationJob, "_to_the_end", "its work's launches (a worker, or slices after a step)"),
             timers.wrap(engine._recalibrator, "_layer", "  its scoring of one layer (worker or slice)"),
             timers.wrap_slices(recalibration, "fit_iterations", "  an iteration of its probes' fit (worker or slice)"),

@@ -6,6 +6,7 @@ choice, and importing `hi_sparse.kernels` must work where Triton is not installe
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import os
@@ -50,3 +51,32 @@ def check(cond: bool, message: str) -> None:
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_driver() -> ctypes.CDLL:
+    """The CUDA driver library (OSError where it cannot be loaded: not Linux, no driver)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def device_address(t: torch.Tensor, device: torch.device) -> int:
+    """The address a kernel on ``device`` reads t at: its own, or for pinned host memory on a GPU
+    the mapping the driver gives it (cuPointerGetAttribute, as Triton resolves a pinned tensor it
+    is passed), in the device's primary context, torch's."""
+    if device.type != "cuda" or t.is_cuda:
+        return t.data_ptr()
+    check(t.is_pinned(), "a GPU reads host memory only where it is pinned: pin the tensor (HostPool(pin=True))")
+    cuda, ctx, index = cuda_driver(), ctypes.c_void_p(), ctypes.c_int()
+    out = ctypes.c_uint64()
+    errs = [cuda.cuDeviceGet(ctypes.byref(index), device.index if device.index is not None else
+                             torch.cuda.current_device())]
+    errs.append(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), index))
+    errs.append(cuda.cuCtxPushCurrent_v2(ctx))
+    try:
+        errs.append(cuda.cuPointerGetAttribute(ctypes.byref(out), 3, ctypes.c_uint64(t.data_ptr())))  # DEVICE_POINTER
+    finally:
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        cuda.cuDevicePrimaryCtxRelease(index)
+    if any(errs):
+        raise RuntimeError(f"HiSparse: the CUDA driver gave no device address for a pinned tensor (errors {errs})")
+    return out.value

@@ -57,6 +57,25 @@ def _gather_rows_kernel(
         tl.store(p_d + o_w[None, :], b_x, mask=m)
 
 
+@triton.jit
+def _gather_layers_kernel(p_table, p_rows, p_out, M, W, s_src, s_out_l, s_out_m,
+                          BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows rows[i] (axis 0) of the source of a layer (axis 1; its address in the table, as
+    32-bit words) into out[layer, i]; a row of -1 writes zeros."""
+    layer = tl.program_id(1).to(tl.int64)
+    o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    row = tl.load(p_rows + o_m, mask=m_m, other=-1).to(tl.int64)
+    src = tl.load(p_table + layer).to(tl.pointer_type(tl.int32))
+    p_s = src + row[:, None] * s_src
+    p_d = p_out + layer * s_out_l + o_m[:, None].to(tl.int64) * s_out_m
+    for w0 in range(0, W, BLOCK_W):
+        o_w = w0 + tl.arange(0, BLOCK_W)
+        m = m_m[:, None] & (o_w < W)[None, :]
+        b_x = tl.load(p_s + o_w[None, :], mask=m & (row >= 0)[:, None], other=0)
+        tl.store(p_d + o_w[None, :], b_x, mask=m)
+
+
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """View rows as int32 words when the byte width allows it (int8/int16 otherwise)."""
     row_bytes = t.shape[1] * t.element_size()
@@ -175,3 +194,17 @@ def swap_plan(both, miss, loaded, slots, pslots, head_rows, tables, seq, kv_head
         QUANT=quant, BLOCK=BLOCK,
     )
     return src, src_tail, dst
+
+
+def gather_layers(table: torch.Tensor, srcs: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
+    """out[l, i] = srcs[l][rows[i]] in one launch, the sources read at their device addresses in
+    ``table`` (L,) int64 (swap_in.layer_table): rows of 4-byte multiples at 4-byte aligned
+    addresses, one row stride."""
+    words = out.view(torch.int32)
+    w = words.shape[-1]
+    BLOCK_W = min(next_pow2(w), 1024)
+    BLOCK_M = max(1, min(32, 2048 // BLOCK_W))
+    stride = srcs[0].stride(0) * srcs[0].element_size() // 4
+    _gather_layers_kernel[(triton.cdiv(rows.numel(), BLOCK_M), len(srcs))](
+        table, rows, words, rows.numel(), w, stride, words.stride(0), words.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)

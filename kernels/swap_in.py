@@ -4,6 +4,8 @@ On CUDA the source is pinned host memory read by the kernel over UVA (no cudaMem
 swap_in:          src (R, W), dst (S, W), src_rows / dst_rows (M,): dst[dst_rows[i]] = src[src_rows[i]]
                   (a source row of -1 copies nothing: fixed-width lists of a graph-captured step).
 swap_in_pair:     swap_in of two tensors with the same rows (a layer's K and V) in one launch.
+gather_layers:    the same rows (M,) of L tensors (every layer's float tails, or recent queries)
+                  into one (L, M, ...) tensor in one launch (a row of -1 reads zeros).
 backup_token:     a decode token's K and V rows into the host pool, their pool rows computed in the
                   launch (CUDA or the interpreter only: HostPool.backup is the reference).
 swap_in_dequant:  packed (R, P) uint8 rows of `bits`-bit codes (one row = one token's D values,
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check, kernel_module, use_triton
+from ._dispatch import FLOAT_DTYPES, INDEX_DTYPES, check, device_address, kernel_module, use_triton
 from .quant import LAYOUTS, PARAM_DTYPES, SUPPORTED_BITS, packed_width, unpack_codes
 
 
@@ -113,6 +115,65 @@ def swap_in_pair(src_a: torch.Tensor, src_b: torch.Tensor, src_rows: torch.Tenso
         return
     reference_swap_in(src_a, src_rows, dst_a, dst_rows)
     reference_swap_in(src_b, src_rows, dst_b, dst_rows)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}     # gather_layers' address tables by (device, the sources' addresses)
+
+
+def _layer_table(srcs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """(L,) int64 on ``device``: where a kernel there reads each source, made once per set of
+    addresses (a host pool grows in place: its layers keep theirs)."""
+    key = (device, *(t.data_ptr() for t in srcs))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= 64:
+            _TABLES.clear()
+        table = torch.tensor([device_address(t, device) for t in srcs], dtype=torch.int64)
+        # through a pinned copy: one from pageable memory would wait for the stream's queued work
+        table = _TABLES[key] = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    return table
+
+
+def _dense_row(t: torch.Tensor) -> bool:
+    """A row of t (all dims but the first) is one contiguous run of its elements."""
+    want = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != want:
+            return False
+        want *= size
+    return True
+
+
+def _word_rows(srcs: list[torch.Tensor]) -> bool:
+    """The sources' rows are contiguous runs of 32-bit words at aligned addresses, one stride."""
+    first = srcs[0]
+    size = first.element_size()
+    return (first.shape[1:].numel() * size % 4 == 0 and first.stride(0) * size % 4 == 0
+            and all(t.stride(0) == first.stride(0) and t.data_ptr() % 4 == 0 and _dense_row(t) for t in srcs))
+
+
+def gather_layers(srcs: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """out[l, i] = srcs[l][rows[i]] (zeros where rows[i] is -1) -> (L, M, *row shape) on rows'
+    device, of L sources (R_l, *row shape) of one row shape and dtype, on the device or in pinned
+    host memory; rows (M,). One launch where Triton runs (sources of whole-word, contiguous rows
+    at one stride): a recalibration's copy of every layer's float tails or recent queries."""
+    check(len(srcs) > 0, "gather_layers needs at least one source")
+    first = srcs[0]
+    check(all(t.shape[1:] == first.shape[1:] and t.dtype == first.dtype for t in srcs),
+          "gather_layers' sources must share their row shape and dtype, got "
+          f"{sorted({(tuple(t.shape[1:]), t.dtype) for t in srcs}, key=str)}")
+    check(rows.dim() == 1 and rows.dtype in INDEX_DTYPES, f"rows must be (M,) int64 (or int32), got "
+          f"{tuple(rows.shape)} {rows.dtype}")
+    dev = rows.device
+    out = torch.empty((len(srcs), rows.numel(), *first.shape[1:]), dtype=first.dtype, device=dev)
+    if rows.numel() and _word_rows(srcs) and all(device_path(t, out, rows) for t in srcs):
+        kernel_module("_swap_in_triton").gather_layers(_layer_table(srcs, dev), srcs, rows,
+                                                       out.view(len(srcs), rows.numel(), -1))
+        return out
+    idx = rows.long().clamp_min(0)
+    for layer, t in enumerate(srcs):
+        out[layer] = t.index_select(0, idx.to(t.device)).to(dev)
+    return out.masked_fill_((rows < 0).view(1, -1, *[1] * (first.dim() - 1)), 0)
 
 
 def backup_token(k: torch.Tensor, v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, start: torch.Tensor,

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in, swap_in_dequant
+from hi_sparse.kernels import PARAM_DTYPES, gather_layers, packed_width, swap_in, swap_in_dequant
 from hi_sparse.kernels.swap_in import backup_token, device_path, swap_in_dequant_pair, swap_in_pair
 
 from .host_seal import HotRows, QuantEvents, seal_graph, seal_many, seal_tails, to_device as _to_device
@@ -203,17 +203,14 @@ class HostPool:
         return self.tail_rows(slots[:, None, None], torch.arange(self.num_kv_heads, device=dev)[:, None],
                               torch.arange(self.block_size, device=dev))
 
-    def read_tails(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """The keys in float tail rows ``rows`` (:meth:`tail_block_rows`; quantized pools) -> (B,
-        Hkv, block, D) in the stored dtype on rows' device: one gather (the values ride along,
-        unread)."""
+    def read_tails(self, layers: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """The keys in float tail rows ``rows`` (:meth:`tail_block_rows`, -1 where none is read;
+        quantized pools) of each of ``layers`` -> (L, *rows.shape, D) in the stored dtype on rows'
+        device (zeros at -1): one gather of all the layers."""
         if rows.device.type == "cpu":
             self._host_visible()
-        flat, dev = rows.reshape(-1), rows.device
-        k, v = (torch.empty(flat.numel(), self.head_dim, dtype=self.dtype, device=dev) for _ in range(2))
-        store = self.layers[layer]
-        swap_in_pair(store["k_tail"], store["v_tail"], flat, k, v, torch.arange(flat.numel(), device=dev))
-        return k.view(*rows.shape, self.head_dim)
+        k = gather_layers([self.layers[layer]["k_tail"] for layer in layers], rows.reshape(-1))
+        return k.view(len(layers), *rows.shape, self.head_dim)
 
     # -- writes --------------------------------------------------------------------------------
     def backup(self, layer: int, tables: torch.Tensor, tail_units: torch.Tensor | None, start: torch.Tensor,

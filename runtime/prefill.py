@@ -56,20 +56,26 @@ class ContextReader:
 
     def tail_rows(self, meta: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         """Where :meth:`read_tails` reads the sequences ``meta`` describes from, on ``device`` (the
-        same at every layer of a step: made once for them); None for a pool without tails."""
+        same at every layer of a step: made once for them), -1 past each tail's last token (a read
+        takes none from there); None for a pool without tails."""
         if not self.host.quantized:
             return None
-        return self.host.tail_block_rows(to_device(meta[:, -3].contiguous(), device))
+        slot, full, length = to_device(meta[:, -3:].contiguous(), device).unbind(1)
+        rows = self.host.tail_block_rows(slot)                                                  # (B, Hkv, block)
+        held = torch.arange(self.block_size, device=device) < (length - full * self.block_size)[:, None]
+        return torch.where(held[:, None], rows, -1)
 
-    def read_tails(self, meta: torch.Tensor, layer: LayerRows, rows: torch.Tensor | None = None
+    def read_tails(self, meta: torch.Tensor, layers: list[LayerRows], rows: torch.Tensor | None = None
                    ) -> torch.Tensor | None:
-        """The float tails of the sequences ``meta`` describes, read now: (B, Hkv, block, D) keys
-        in the stored dtype on the layer's device, what a later :meth:`read_batch` with ``meta``
-        takes its tail positions from (a sequence's next block reuses its tail); None for a pool
-        without tails. ``rows``: :meth:`tail_rows`, made before."""
+        """The float tails of the sequences ``meta`` describes at each of ``layers`` (on one
+        device), read now in one gather: (L, B, Hkv, block, D) keys in the stored dtype there, what
+        a later :meth:`read_batch` with ``meta`` takes its tail positions from (a sequence's next
+        block reuses its tail); None for a pool without tails. ``rows``: :meth:`tail_rows`, made
+        before."""
         if not self.host.quantized:
             return None
-        return self.host.read_tails(layer.index, self.tail_rows(meta, layer.device) if rows is None else rows)
+        rows = self.tail_rows(meta, layers[0].device) if rows is None else rows
+        return self.host.read_tails([layer.index for layer in layers], rows)
 
     def read_batch(self, seqs: list[Sequence], layer: LayerRows, n: int, head: int | None = None,
                    dtype: torch.dtype = torch.float32, meta: torch.Tensor | None = None,

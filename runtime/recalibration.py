@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from easymats.catalogue import RECALIBRATION_REASONS
+from hi_sparse.kernels import gather_layers
 from hi_sparse.kernels.recent import push_recent
 
 from .host_seal import to_device
@@ -323,14 +324,9 @@ class Recalibrator:
         fit = self._fit_sequences(seqs)
         thread = background and (any(layer.device.type == "cuda" for layer in self.layers) if self.threaded is None
                                  else self.threaded)
-        shared: dict = {}
-        work = []
-        for layer in self.layers:
-            with layer.on_device():
-                inputs = self._inputs(layer, seqs, shared, tails=background)
-            if inputs is not None:
-                job.inputs.append(inputs)      # made on the current stream: kept until the commit
-                work.append((layer, inputs))
+        work = [(layer, inputs) for layer, inputs in zip(self.layers, self._inputs(seqs, tails=background))
+                if inputs is not None]
+        job.inputs.extend(inputs for _, inputs in work)      # made on the current stream: kept until the commit
         # the side streams wait for the copies just queued; the work comes after them
         streams = {layer.device: job.stream_for(layer.device) for layer, _ in work} if background else {}
         job.run(self._work(work, fit, job, streams), "thread" if thread else "slices" if background else "now")
@@ -383,40 +379,52 @@ class Recalibrator:
         stride = len(seqs) / k
         return {seqs[int(j * stride) + self._fits % int(stride)].seq_id for j in range(k)}
 
-    def _inputs(self, layer: LayerRows, seqs: list[Sequence], shared: dict | None = None,
-                tails: bool = False) -> tuple | None:
-        """What one layer's scoring reads besides the host pool, of the sequences with context and
-        queries: (those sequences, their recent queries (B, R, Hkv, G, D), queries kept (B,),
+    def _inputs(self, seqs: list[Sequence], tails: bool = False) -> list[tuple | None]:
+        """What each layer's scoring reads besides the host pool, of the sequences with context and
+        queries there: (those sequences, their recent queries (B, R, Hkv, G, D), queries kept (B,),
         visible (B, n) bool (or None: the worker makes it from the first visible positions and
-        lengths, which then follow), lengths (B,), tokens outside the window per sequence or
-        None with holes, their lengths, the reads' block tables (ContextReader.read_meta), with
-        ``tails`` their float tails read now (else None)); copies, so that later steps may change
-        the rows; None when no sequence has both. ``shared``: what the layers before made, reused
-        where this layer's sequences stand alike (the layers of a step do)."""
-        cfg, shape, i = self.cfg, self.shape, layer.index
-        todo = [s for s in seqs if s.queries_kept[i] and s.lengths[i] - s.first_token > cfg.window_size]
-        if not todo:
-            return None
-        shared = {} if shared is None else shared
-        like = (layer.device, tuple((s.row, s.queries_kept[i], s.lengths[i], s.first_token) for s in todo))
-        if shared.get("like") != like:
-            meta = self.reader.read_meta(todo, layer, shared.setdefault("tables", {}))
-            holes = [self.reader.storage.has_holes(s) for s in todo]
-            shared.update(like=like, per_seq=to_device(torch.tensor(like[1]), layer.device), meta=meta,
-                          tail_rows=self.reader.tail_rows(meta, layer.device) if tails else None, holes=any(holes),
-                          # without holes every token from the first visible one to the window is outside it
-                          n_out=[None if h else s.lengths[i] - cfg.window_size - s.first_token
-                                 for s, h in zip(todo, holes)], n_all=[s.lengths[i] for s in todo])
-        rows, kept, lengths, first = shared["per_seq"].unbind(1)
-        bank = layer.bank.t["queries"]
-        queries = bank[rows].view(len(todo), bank.shape[1], shape.num_kv_heads, shape.group_size, shape.head_dim)
-        n_all = shared["n_all"]
-        # a worker makes the visibility of contexts without holes (no bank read) from the copies
-        visible = self.reader.visible_batch(todo, layer, max(n_all)) if shared["holes"] or not tails else None
-        self.reader.host.prepare(i, layer.device)   # what a read on the device makes, made here
-        meta = shared["meta"]
-        snap = self.reader.read_tails(meta, layer, shared["tail_rows"]) if tails else None
-        return todo, queries, kept, visible, lengths, shared["n_out"], n_all, meta, snap, first
+        lengths, which then follow), lengths (B,), tokens outside the window per sequence or None
+        with holes, their lengths, the reads' block tables (ContextReader.read_meta), with
+        ``tails`` their float tails read now (else None), first visible positions (B,)); copies,
+        so that later steps may change the rows; None for a layer where no sequence has both.
+        Layers where the sequences stand alike (a step's layers do) share what is made: the block
+        tables, and one gather of all their recent queries and one of all their float tails."""
+        cfg, alike, todo = self.cfg, {}, {}
+        for layer in self.layers:
+            i = layer.index
+            todo[i] = [s for s in seqs if s.queries_kept[i] and s.lengths[i] - s.first_token > cfg.window_size]
+            if todo[i]:
+                like = (layer.device, tuple((s.row, s.queries_kept[i], s.lengths[i], s.first_token) for s in todo[i]))
+                alike.setdefault(like, []).append(layer)
+        made: dict[int, tuple] = {}
+        tables: dict = {}       # block tables by sequence id: the same at every layer
+        for (_, per_seq), group in alike.items():
+            with group[0].on_device():
+                made.update(self._alike(group, todo[group[0].index], per_seq, tables, tails))
+        return [made.get(layer.index) for layer in self.layers]
+
+    def _alike(self, group: list[LayerRows], todo: list[Sequence], per_seq: tuple, tables: dict, tails: bool
+               ) -> dict[int, tuple]:
+        """:meth:`_inputs` of layers on one device where the sequences ``todo`` stand alike
+        (``per_seq``: their bank rows, queries kept, lengths and first visible positions), by layer."""
+        cfg, shape, dev, i = self.cfg, self.shape, group[0].device, group[0].index
+        meta = self.reader.read_meta(todo, group[0], tables)
+        holes = [self.reader.storage.has_holes(s) for s in todo]
+        rows, kept, lengths, first = to_device(torch.tensor(per_seq), dev).unbind(1)
+        queries = gather_layers([layer.bank.t["queries"] for layer in group], rows)       # (L, B, R, Hq, D)
+        snaps = self.reader.read_tails(meta, group) if tails else None
+        # without holes every token from the first visible one to the window is outside it
+        n_out = [None if h else s.lengths[i] - cfg.window_size - s.first_token for s, h in zip(todo, holes)]
+        n_all = [s.lengths[i] for s in todo]
+        out = {}
+        for j, layer in enumerate(group):
+            # a worker makes the visibility of contexts without holes (no bank read) from the copies
+            visible = self.reader.visible_batch(todo, layer, max(n_all)) if any(holes) or not tails else None
+            self.reader.host.prepare(layer.index, dev)   # what a read on the device makes, made here
+            q = queries[j].view(len(todo), -1, shape.num_kv_heads, shape.group_size, shape.head_dim)
+            out[layer.index] = (todo, q, kept, visible, lengths, n_out, n_all, meta,
+                                None if snaps is None else snaps[j], first)
+        return out
 
     def _layer(self, layer: LayerRows, inputs: tuple, fit: set[int], job: "RecalibrationJob"
                ) -> tuple[torch.Tensor, torch.Tensor] | None:

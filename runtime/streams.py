@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from hi_sparse.kernels._dispatch import cuda_driver
+
 _streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _lock = threading.Lock()
 _NON_BLOCKING = 1                    # CU_STREAM_NON_BLOCKING: no implicit sync with the null stream
@@ -51,9 +53,7 @@ def first_in_line(device: torch.device) -> Iterator[None]:
     current.wait_stream(high)
 
 
-def _driver() -> ctypes.CDLL:
-    """The CUDA driver library (OSError where it cannot be loaded: not Linux, no driver)."""
-    return ctypes.CDLL("libcuda.so.1")
+_driver = cuda_driver        # the CUDA driver library (OSError where it cannot be loaded)
 
 
 def _create(index: int, high: bool) -> torch.cuda.Stream:

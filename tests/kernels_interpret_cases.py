@@ -68,6 +68,20 @@ def _swap(W: int, dtype: torch.dtype) -> None:
           "rows outside dst_rows were written")
 
 
+def _gather_layers(dtype: torch.dtype, row: tuple, every: int) -> None:
+    """gather_layers (the same rows of every layer in one launch) against indexing each source:
+    sources of different lengths, a row stride of ``every`` rows, -1 rows read as zeros."""
+    g = torch.Generator().manual_seed(3)
+    srcs = [(torch.randn(n * every, *row, generator=g) * 50).to(dtype)[::every] for n in (9, 12, 10)]
+    rows = torch.tensor([8, -1, 0, 3, 3, -1, 7])
+    out = K.gather_layers(srcs, rows)
+    _need(out.shape == (3, 7, *row) and out.dtype == dtype, f"shape {tuple(out.shape)} {out.dtype}")
+    for layer, t in enumerate(srcs):
+        want = t[rows.clamp_min(0)].clone()
+        want[rows < 0] = 0
+        _need(torch.equal(out[layer], want), f"layer {layer}'s rows differ")
+
+
 def _swap_skip(bits: int | None) -> None:
     """A source row of -1 copies nothing (fixed-width row lists of a graph-captured decode step)."""
     d, t = 16, 8
@@ -1147,6 +1161,9 @@ CASES: dict[str, Callable[[], None]] = {
     "swap_in-fp32-w60": lambda: _swap(60, torch.float32),
     "swap_in-uint8-w7": lambda: _swap(7, torch.uint8),
     "swap_in-skips-minus-one": lambda: _swap_skip(None),
+    "gather_layers-bf16-rows": lambda: _gather_layers(torch.bfloat16, (4, 6), 1),
+    "gather_layers-fp32-strided": lambda: _gather_layers(torch.float32, (5,), 2),
+    "gather_layers-uint8-torch": lambda: _gather_layers(torch.uint8, (7,), 1),
     "swap_in_dequant-skips-minus-one": lambda: _swap_skip(4),
     **{f"swap_in_dequant-{b}bit": (lambda b=b: _swap_dequant(b)) for b in (4, 5, 6, 8)},
     **{f"swap_in_dequant-{b}bit-d64": (lambda b=b: _swap_dequant(b, 64)) for b in (4, 5, 6, 8)},

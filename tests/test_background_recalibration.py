@@ -179,7 +179,7 @@ def test_a_read_from_copies_made_earlier_reads_what_was_there_then(T):
     s, rows, reader = sync.seqs[sid[0]], sync.layers[1], sync._recalibrator.reader
     want = reader.read_batch([s], rows, T)
     meta = reader.read_meta([s], rows)
-    tails = reader.read_tails(meta, rows)
+    tails = reader.read_tails(meta, [rows])[0]
     k2, v2, q2 = _data(9, seed=2)                   # 9 more: block 12 sealed and its tail reused (203)
     run_prefill(sync, sid, k2, v2, q2)
     if T == 203:                                    # the tail held 192..202 as floats

@@ -85,6 +85,29 @@ def test_swap_in_from_pinned_host(dtype, W):
         assert bool(dst[rest.cuda()].isnan().all())
 
 
+@pytest.mark.parametrize("where", ["registered", "pin_memory", "device"])
+def test_gather_layers_reads_every_layer_at_its_address(where):
+    """gather_layers on the GPU from a table of the sources' device addresses: host memory the pool
+    page-locks in place (cudaHostRegister, pinned.pin), torch's pinned allocations, and device
+    tensors (a bank's recent queries); -1 rows are zeros, every other row its layer's own."""
+    from hi_sparse.pinned import pin
+    g = torch.Generator().manual_seed(5)
+    srcs = [(torch.randn(n, 8, 128, generator=g) * 20).to(torch.bfloat16) for n in (300, 257, 512)]
+    if where == "registered":
+        for t in srcs:
+            pin(t)
+    srcs = [t.pin_memory() if where == "pin_memory" else t.cuda() if where == "device" else t for t in srcs]
+    rows = torch.tensor([256, -1, 0, 17, 255, -1, 3] * 40, device="cuda")
+    _poison_allocator()
+    out = K.gather_layers(srcs, rows)
+    torch.cuda.synchronize()
+    assert out.shape == (3, rows.numel(), 8, 128) and out.is_cuda
+    for layer, t in enumerate(srcs):
+        want = t.cuda()[rows.clamp_min(0)]
+        want[rows < 0] = 0
+        assert torch.equal(out[layer], want), layer
+
+
 def test_swap_in_device_to_device():
     src = torch.randn(500, 128, device="cuda", dtype=torch.bfloat16)
     dst = torch.full((64, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
