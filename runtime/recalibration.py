@@ -303,11 +303,20 @@ class Recalibrator:
         kv_head = head // self.shape.group_size
         n = max(s.lengths[layer.index] for s in seqs)
         keys = self.reader.read_batch(seqs, layer, n, kv_head)[:, 0]                      # (B, n, D)
-        picked = [s.selection(layer.index)[kv_head] for s in seqs]
-        selected = torch.nn.utils.rnn.pad_sequence(picked, batch_first=True, padding_value=-1)
+        selected = self._selected(layer, seqs, kv_head)
         counts = audit_hits(q[:, head], keys, self.reader.visible_batch(seqs, layer, n), selected,
                             self.cfg.audit_top_m, self.shape.scale, self.cfg.audit_measure)
         return [(lookups, hits) for lookups, hits in counts.tolist()]
+
+    def _selected(self, layer: LayerRows, seqs: list[Sequence], kv_head: int) -> torch.Tensor:
+        """(B, K) the sequences' last selections at ``layer`` and ``kv_head``, -1 padded: a view of
+        the step's (B * Hkv, K) where they were its batch in order, else one row each, padded."""
+        H, got = self.shape.num_kv_heads, [s.last_selection[layer.index] for s in seqs]
+        step = got[0][0]
+        if step.shape[0] == len(seqs) * H and all(g[0] is step and g[1] == b * H for b, g in enumerate(got)):
+            return step.view(len(seqs), H, -1)[:, kv_head]
+        picked = [s.selection(layer.index)[kv_head] for s in seqs]
+        return torch.nn.utils.rnn.pad_sequence(picked, batch_first=True, padding_value=-1)
 
     def start(self, seqs: list[Sequence], reason: str, background: bool) -> RecalibrationJob:
         """Re-score anchors from the attention mass recent queries gave, and refit each probe

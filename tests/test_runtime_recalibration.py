@@ -146,3 +146,27 @@ def test_a_large_batch_trains_the_probes_on_a_spread_of_its_sequences():
     for p in picks:
         assert [(i - 100) // 8 for i in p] == [0, 1, 2]
     assert len({tuple(p) for p in picks}) == 3
+
+
+def test_the_audit_reads_a_steps_selections_as_one_view_or_row_by_row_alike():
+    """Recalibrator._selected: sequences that were the step's batch in order read its (B * Hkv, K)
+    selection as one view; in another order (or a batch of other steps), row by row: the same
+    rows either way."""
+    from types import SimpleNamespace
+
+    from hi_sparse.recalibration import Recalibrator
+    from hi_sparse.sequences import Sequence
+    H, K, B = 3, 5, 4
+    step = torch.arange(B * H * K).view(B * H, K)
+    seqs = [Sequence(b, b, 0, -1, [9], [1], [], []) for b in range(B)]
+    for b, s in enumerate(seqs):
+        s.last_selection[0] = (step, b * H, (b + 1) * H)
+    rc = Recalibrator.__new__(Recalibrator)
+    rc.shape = SimpleNamespace(num_kv_heads=H)
+    layer = SimpleNamespace(index=0)
+    one = rc._selected(layer, seqs, 2)
+    assert one.data_ptr() == step.data_ptr() + 2 * K * step.element_size()      # a view, no copy
+    assert torch.equal(one, torch.stack([step[b * H + 2] for b in range(B)]))
+    turned = rc._selected(layer, seqs[::-1], 1)
+    assert turned.data_ptr() != step.data_ptr() + K * step.element_size()
+    assert torch.equal(turned, torch.stack([step[b * H + 1] for b in reversed(range(B))]))
