@@ -143,15 +143,9 @@ class HostPool:
 
     def bytes(self) -> tuple[int, int]:
         """(data bytes, metadata bytes) held: K/V rows and tails vs scales, zeros and bits."""
-        data = meta = 0
-        for store in self.layers:
-            for name, t in store.items():
-                n = t.numel() * t.element_size()
-                if name.endswith(("scale", "zero", "bits")):
-                    meta += n
-                else:
-                    data += n
-        return data, meta
+        sizes = [(name.endswith(("scale", "zero", "bits")), t.numel() * t.element_size())
+                 for store in self.layers for name, t in store.items()]
+        return sum(n for meta, n in sizes if not meta), sum(n for meta, n in sizes if meta)
 
     def buffers(self, layer: int) -> list[torch.Tensor]:
         """Every tensor a load or backup of the layer touches (their addresses key a captured step)."""
@@ -385,23 +379,29 @@ class HostPool:
         return sizes
 
     def load(self, layer: int, rows: torch.Tensor, tail_rows: torch.Tensor | None, dst_k: torch.Tensor,
-             dst_v: torch.Tensor, dst_rows: torch.Tensor, count: bool = True) -> torch.Tensor | None:
+             dst_v: torch.Tensor | None, dst_rows: torch.Tensor, count: bool = True) -> torch.Tensor | None:
         """Copy (dequantizing) host rows into dst (S, D) at dst_rows (M,), without a host sync.
 
         rows (M,) index the main pool, tail_rows (M,) the tail blocks (quantized pools; None
         otherwise); -1 where an entry comes from the other one, or from neither. A pool of mixed
         bit widths dequantizes once per width, each launch taking the rows of its units. Returns
         the bytes read, a 0-dim int64 tensor on rows' device; with ``count`` False None where
-        :meth:`row_bytes` lets the caller count them (a mixed pool always counts).
+        :meth:`row_bytes` lets the caller count them (a mixed pool always counts). ``dst_v`` None:
+        the keys only (a read of the context to score it), nothing counted (None).
         """
         store, D = self.layers[layer], self.head_dim
+        keys, count = dst_v is None, count and dst_v is not None
         if not self.quantized:
-            swap_in_pair(store["k"], store["v"], rows, dst_k, dst_v, dst_rows)
+            _rows_of(store["k"], store["v"], rows, dst_k, dst_v, dst_rows)
             return (rows >= 0).sum() * self._uniform_row_bytes(layer)[0] if count else None
-        swap_in_pair(store["k_tail"], store["v_tail"], tail_rows, dst_k, dst_v, dst_rows)
+        _rows_of(store["k_tail"], store["v_tail"], tail_rows, dst_k, dst_v, dst_rows)
         tail_bytes = 2 * D * store["k_tail"].element_size()
         if self.fixed_bits is not None:
             P = packed_width(D, self.fixed_bits)
+            if keys:
+                swap_in_dequant(store["k_packed"][:, :P], store["k_scale"], store["k_zero"], self.fixed_bits,
+                                self.block_size, rows, dst_k, dst_rows, LAYOUT["k"])
+                return None
             # keys and values in one launch: twice the reads in flight over PCIe, one launch less
             swap_in_dequant_pair(store["k_packed"][:, :P], store["k_scale"], store["k_zero"], LAYOUT["k"],
                                  store["v_packed"][:, :P], store["v_scale"], store["v_zero"], LAYOUT["v"],
@@ -413,7 +413,7 @@ class HostPool:
         nbytes = (tail_rows >= 0).sum() * tail_bytes
         if rows.device.type != "cuda":
             self.prepare(layer, rows.device)      # (on a GPU the caller did, outside any capture)
-        for prefix, dst in (("k", dst_k), ("v", dst_v)):
+        for prefix, dst in (("k", dst_k),) if keys else (("k", dst_k), ("v", dst_v)):
             args = (store[f"{prefix}_scale"], store[f"{prefix}_zero"])
             bits = self._unit_bits(layer, prefix, rows.device)[rows.clamp(min=0) // self.block_size].long()
             for b in self.widths:
@@ -422,12 +422,12 @@ class HostPool:
                                 torch.where(bits == b, rows, -1), dst, dst_rows, LAYOUT[prefix])
             row = self._row_bytes[rows.device][bits] + self._pair_bytes(prefix)
             nbytes = nbytes + torch.where(rows >= 0, row, 0).sum()
-        return nbytes
+        return None if keys else nbytes
 
     def read(self, layer: int, block_table: torch.Tensor, tail_slot: int | torch.Tensor,
              full_blocks: int | torch.Tensor, heads: torch.Tensor, pos: torch.Tensor,
-             dtype: torch.dtype = torch.float32,
-             device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+             values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K, V of tokens ``pos`` at ``heads`` (broadcast to a common shape S) -> two (*S, D) tensors
         on ``device`` (default: the host). block_table: (W,) on the host; or the tables (B, W) of
         B sequences, whose tokens S's first dimension indexes (B, ...), with their tail slots
@@ -436,6 +436,7 @@ class HostPool:
         ``full_blocks``: blocks of the sequence that are complete (quantized pools keep the rest
         in the tail). Used by prefill attention, the audit and recalibration. On a CUDA device
         the rows are gathered by the GPU straight from the pinned pool (no host-side gather).
+        ``values`` False: the keys only (V is None), half the reads.
         """
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:     # "cuda": the current one, by index
@@ -454,7 +455,7 @@ class HostPool:
         heads, pos = heads.reshape(tables.shape[0], -1), pos.reshape(tables.shape[0], -1)
         # read in the stored dtype (swap-in copies without converting), convert once at the end
         out_k = torch.empty(pos.numel(), self.head_dim, dtype=self.dtype, device=device)
-        out_v = torch.empty(pos.numel(), self.head_dim, dtype=self.dtype, device=device)
+        out_v = torch.empty(pos.numel(), self.head_dim, dtype=self.dtype, device=device) if values else None
         rows = self.main_rows(tables, heads, pos)
         tail = None
         if self.quantized:
@@ -463,5 +464,14 @@ class HostPool:
             rows = torch.where(in_tail, -1, rows)
         idx = torch.arange(pos.numel(), device=device)
         self.load(layer, rows.reshape(-1), tail, out_k, out_v, idx, count=False)
-        out_k, out_v = out_k.to(dtype), out_v.to(dtype)
-        return out_k.view(*shape, self.head_dim), out_v.view(*shape, self.head_dim)
+        out_k = out_k.to(dtype).view(*shape, self.head_dim)
+        return out_k, None if out_v is None else out_v.to(dtype).view(*shape, self.head_dim)
+
+
+def _rows_of(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, dst_k: torch.Tensor,
+             dst_v: torch.Tensor | None, dst_rows: torch.Tensor) -> None:
+    """Rows of K and V in one launch (swap_in_pair), or of K alone where dst_v is None."""
+    if dst_v is None:
+        swap_in(src_k, rows, dst_k, dst_rows)
+    else:
+        swap_in_pair(src_k, src_v, rows, dst_k, dst_v, dst_rows)

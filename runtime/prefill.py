@@ -114,7 +114,7 @@ class ContextReader:
         H = self.host.num_kv_heads
         heads = torch.arange(H, device=dev) if head is None else torch.full((1,), head, device=dev)
         k, _ = self.host.read(layer.index, meta[:, :W], tail, full, heads[None, :, None], pos, dtype,
-                              device=dev if dev.type == "cuda" else None)
+                              device=dev if dev.type == "cuda" else None, values=False)
         return k                       # on dev: gathered there (a GPU), or the host's rows (the CPU)
 
     def visible(self, s: Sequence, layer: LayerRows, n: int) -> torch.Tensor:

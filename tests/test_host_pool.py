@@ -33,6 +33,8 @@ def test_round_trip_across_tail_and_quantized_blocks(bits):
     for lo, hi in ((0, 3), (3, 4), (4, 13), (13, 19)):  # partial, completing, multi-block, tail
         _append(hp, table, 1, lo, k[:, lo:hi], v[:, lo:hi])
     rk, rv = hp.read(0, table, 1, 19 // BS, torch.arange(H)[:, None], torch.arange(19)[None])
+    keys, none = hp.read(0, table, 1, 19 // BS, torch.arange(H)[:, None], torch.arange(19)[None], values=False)
+    assert none is None and torch.equal(keys, rk)          # the keys alone (a context read to score it)
     if bits is None:
         assert torch.equal(rk, k) and torch.equal(rv, v)
     else:
@@ -149,6 +151,9 @@ def test_sealing_on_the_gpu_writes_what_sealing_on_the_host_writes(bits):
     for w, x in zip(want, got):
         assert (w - x.cpu()).abs().max() <= step * (k.abs().max() + v.abs().max())
         assert torch.equal(w[:, 16:], x.cpu()[:, 16:])            # the tail is exact on both
+    keys, _ = pinned.read(0, table, 1, 19 // BS, torch.arange(H)[:, None], torch.arange(19)[None], device="cuda",
+                          values=False)
+    assert torch.equal(keys, got[0])                              # the keys alone: the same launches' rows
     assert len(errors["gpu"]) == len(errors["host"]) > 0
 
 
