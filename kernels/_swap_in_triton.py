@@ -199,7 +199,7 @@ def swap_plan(both, miss, loaded, slots, pslots, head_rows, tables, seq, kv_head
 def gather_layers(table: torch.Tensor, srcs: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
     """out[l, i] = srcs[l][rows[i]] in one launch, the sources read at their device addresses in
     ``table`` (L,) int64 (swap_in.layer_table): rows of 4-byte multiples at 4-byte aligned
-    addresses, one row stride."""
+    addresses, one row stride; rows (M,) contiguous."""
     words = out.view(torch.int32)
     w = words.shape[-1]
     BLOCK_W = min(next_pow2(w), 1024)

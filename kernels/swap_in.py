@@ -167,7 +167,7 @@ def gather_layers(srcs: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     dev = rows.device
     out = torch.empty((len(srcs), rows.numel(), *first.shape[1:]), dtype=first.dtype, device=dev)
     if rows.numel() and _word_rows(srcs) and all(device_path(t, out, rows) for t in srcs):
-        kernel_module("_swap_in_triton").gather_layers(_layer_table(srcs, dev), srcs, rows,
+        kernel_module("_swap_in_triton").gather_layers(_layer_table(srcs, dev), srcs, rows.contiguous(),
                                                        out.view(len(srcs), rows.numel(), -1))
         return out
     idx = rows.long().clamp_min(0)

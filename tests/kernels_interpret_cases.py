@@ -73,7 +73,7 @@ def _gather_layers(dtype: torch.dtype, row: tuple, every: int) -> None:
     sources of different lengths, a row stride of ``every`` rows, -1 rows read as zeros."""
     g = torch.Generator().manual_seed(3)
     srcs = [(torch.randn(n * every, *row, generator=g) * 50).to(dtype)[::every] for n in (9, 12, 10)]
-    rows = torch.tensor([8, -1, 0, 3, 3, -1, 7])
+    rows = torch.tensor([[8, 1], [-1, 2], [0, 9], [3, 9], [3, 9], [-1, 9], [7, 9]])[:, 0]     # a strided column
     out = K.gather_layers(srcs, rows)
     _need(out.shape == (3, 7, *row) and out.dtype == dtype, f"shape {tuple(out.shape)} {out.dtype}")
     for layer, t in enumerate(srcs):

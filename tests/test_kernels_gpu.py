@@ -97,7 +97,8 @@ def test_gather_layers_reads_every_layer_at_its_address(where):
         for t in srcs:
             pin(t)
     srcs = [t.pin_memory() if where == "pin_memory" else t.cuda() if where == "device" else t for t in srcs]
-    rows = torch.tensor([256, -1, 0, 17, 255, -1, 3] * 40, device="cuda")
+    # a column of a (M, 4) table, as a recalibration's bank rows are: every 4th element
+    rows = torch.tensor([[r, 9999, -7, 1] for r in [256, -1, 0, 17, 255, -1, 3] * 40], device="cuda")[:, 0]
     _poison_allocator()
     out = K.gather_layers(srcs, rows)
     torch.cuda.synchronize()
