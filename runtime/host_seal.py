@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in
+from hi_sparse.kernels.swap_in import swap_in_pair
 
 from .batch_step import _cause, capture
 from .quant_policy import LAYOUT, quantize_roundtrip
@@ -77,9 +78,11 @@ def _read_tails(pool: Any, layer: int, tail_d: torch.Tensor, none_d: torch.Tenso
     slots = slots[:, :bs].reshape(-1)
     held = (slots >= 0) & (tail_d >= 0)
     pool.load(layer, none_d, torch.where(held, -1, tail_d), ko, vo, into, count=False)
-    flat = at.repeat_interleave(bs) * S + torch.where(held, slots, 0)
-    for out, src in ((ko, k_hot), (vo, v_hot)):
-        out.copy_(torch.where(held[:, None], src.reshape(-1, src.shape[-1])[flat], out))
+    flat = at.repeat_interleave(bs) * S + slots
+    # K and V in one row gather from the buffers (the pool's dtype, as the layers' shape gives
+    # both); a row of -1 keeps the tail's
+    swap_in_pair(k_hot.view(-1, k_hot.shape[-1]), v_hot.view(-1, v_hot.shape[-1]), torch.where(held, flat, -1),
+                 ko, vo, into)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -256,6 +259,8 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
     bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
     none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
+    # the writes' lists of entries to take (-1: a unit not sealed), the same at every layer: made once
+    takes = [(w, torch.where(w >= 0, torch.arange(w.numel(), device=dev), -1)) for w in (units_d, unit_rows)]
     errors: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     written = 0
@@ -266,7 +271,8 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
     for layer in range(len(pool.layers)):
         with torch.cuda.stream(streams[layer % len(streams)]):
             layer_hot = None if hot is None else (*hot[0][layer], hot[1], hot[2])
-            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors, counts, layer_hot)
+            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors, counts, layer_hot,
+                                   takes)
     for st in side:
         main.wait_stream(st)
     by_width = torch.stack(counts).view(-1, 2, len(pool.widths)).sum(0) if counts else None   # (k/v, widths)
@@ -274,10 +280,11 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
 
 
 def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
-                none_d: torch.Tensor, into: torch.Tensor, errors: list, counts: list, hot: tuple | None = None) -> int:
+                none_d: torch.Tensor, into: torch.Tensor, errors: list, counts: list, hot: tuple | None = None,
+                takes: list | None = None) -> int:
     """One layer of :func:`_graph_seal` on the current stream: each unit's error appended to
     ``errors``, and in a pool of several widths its keys' and its values' units by width to
-    ``counts``. Returns the bytes written (a pool of one width)."""
+    ``counts``; ``takes``: :func:`_write_units`'s. Returns the bytes written (a pool of one width)."""
     D, bs, dev = pool.head_dim, pool.block_size, units_d.device
     written = 0
     ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
@@ -289,11 +296,11 @@ def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tens
         at = unit_rows if layout == "token" else units_d
         if pool.fixed_bits is not None:
             packed, scale, zero, err = quantize_roundtrip(x, pool.fixed_bits, layout)
-            _write_units(pool, layer, prefix, units_d, unit_rows, at, pool.fixed_bits, packed, scale, zero, skip=True)
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, pool.fixed_bits, packed, scale, zero, True, takes)
             written += packed.numel() + 2 * scale.numel() * scale.element_size()
         else:
             bits, packed, scale, zero, err = _at_chosen_widths(pool, x, layout)
-            _write_units(pool, layer, prefix, units_d, unit_rows, at, bits, packed, scale, zero, skip=True)
+            _write_units(pool, layer, prefix, units_d, unit_rows, at, bits, packed, scale, zero, True, takes)
             counts.append(torch.stack([((bits == w) & (units_d >= 0)).sum() for w in pool.widths]))
         errors.append(err)
     return written
@@ -435,17 +442,21 @@ def _on(t: torch.Tensor, dev: torch.device, staged: dict | None) -> torch.Tensor
 
 def _write_units(pool: Any, layer: int, prefix: str, u_d: torch.Tensor, rows_d: torch.Tensor, at_d: torch.Tensor,
                  b: int | torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 skip: bool = False) -> None:
+                 skip: bool = False, takes: list | None = None) -> None:
     """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
     with the row-copy kernel, in stream order: nothing waits for the device. u_d, rows_d, at_d:
     the units, their rows and where the pairs go (rows or units), on the GPU; b: their width,
-    or each unit's (N,) on the GPU; skip: entries -1 there are not written."""
+    or each unit's (N,) on the GPU; skip: entries -1 there are not written; ``takes``: (list,
+    the entries to take of it) made before for some of those lists (a seal's layers share them)."""
     store, dev, P = pool.layers[layer], packed.device, packed.shape[-1]
 
     def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
         src2 = src.to(dst.dtype).reshape(where.numel(), -1)
-        take = torch.arange(where.numel(), device=dev)
-        swap_in(src2, torch.where(where >= 0, take, -1) if skip else take, dst.view(dst.shape[0], -1), where)
+        take = next((t for w, t in takes or () if w is where), None)
+        if take is None:
+            take = torch.arange(where.numel(), device=dev)
+            take = torch.where(where >= 0, take, -1) if skip else take
+        swap_in(src2, take, dst.view(dst.shape[0], -1), where)
 
     widths = (torch.full((u_d.numel(), 1), b, dtype=torch.uint8, device=dev) if isinstance(b, int)
               else b.to(torch.uint8).view(-1, 1))
