@@ -378,7 +378,7 @@ class HostPool:
             raise RuntimeError("a pool of mixed bit widths has no uniform row size")
         return sizes
 
-    def load(self, layer: int, rows: torch.Tensor, tail_rows: torch.Tensor | None, dst_k: torch.Tensor,
+    def load(self, layer: int, rows: torch.Tensor | None, tail_rows: torch.Tensor | None, dst_k: torch.Tensor,
              dst_v: torch.Tensor | None, dst_rows: torch.Tensor, count: bool = True) -> torch.Tensor | None:
         """Copy (dequantizing) host rows into dst (S, D) at dst_rows (M,), without a host sync.
 
@@ -387,7 +387,8 @@ class HostPool:
         bit widths dequantizes once per width, each launch taking the rows of its units. Returns
         the bytes read, a 0-dim int64 tensor on rows' device; with ``count`` False None where
         :meth:`row_bytes` lets the caller count them (a mixed pool always counts). ``dst_v`` None:
-        the keys only (a read of the context to score it), nothing counted (None).
+        the keys only (a read of the context to score it), nothing counted (None); ``rows`` None:
+        the tails' rows only (a seal's read), nothing counted.
         """
         store, D = self.layers[layer], self.head_dim
         keys, count = dst_v is None, count and dst_v is not None
@@ -395,6 +396,8 @@ class HostPool:
             _rows_of(store["k"], store["v"], rows, dst_k, dst_v, dst_rows)
             return (rows >= 0).sum() * self._uniform_row_bytes(layer)[0] if count else None
         _rows_of(store["k_tail"], store["v_tail"], tail_rows, dst_k, dst_v, dst_rows)
+        if rows is None:        # (no main-pool rows: each width's dequantization would launch over none)
+            return None
         tail_bytes = 2 * D * store["k_tail"].element_size()
         if self.fixed_bits is not None:
             P = packed_width(D, self.fixed_bits)

@@ -60,14 +60,14 @@ class HotRows:
         return tuple((t.data_ptr(), tuple(t.shape)) for layer in self.layers for t in layer)
 
 
-def _read_tails(pool: Any, layer: int, tail_d: torch.Tensor, none_d: torch.Tensor, into: torch.Tensor,
+def _read_tails(pool: Any, layer: int, tail_d: torch.Tensor, into: torch.Tensor,
                 ko: torch.Tensor, vo: torch.Tensor, hot: tuple | None) -> None:
     """The float rows ``tail_d`` of ``layer`` (units of block_size rows; -1: none) into ko / vo
     (rows ``into``: all, in order): those the layer's hot buffer holds (``hot``: its k, v and slot
     -> token table, and each unit's table row and block start) from there, the rest from the tail
     in the host pool."""
     if hot is None:
-        pool.load(layer, none_d, tail_d, ko, vo, into, count=False)
+        pool.load(layer, None, tail_d, ko, vo, into, count=False)
         return
     k_hot, v_hot, slot_token, at, start = hot
     S, bs, dev = k_hot.shape[2], pool.block_size, tail_d.device
@@ -77,7 +77,7 @@ def _read_tails(pool: Any, layer: int, tail_d: torch.Tensor, none_d: torch.Tenso
     slots.scatter_(1, torch.where(inside, offset, bs), torch.arange(S, device=dev).expand(at.numel(), S))
     slots = slots[:, :bs].reshape(-1)
     held = (slots >= 0) & (tail_d >= 0)
-    pool.load(layer, none_d, torch.where(held, -1, tail_d), ko, vo, into, count=False)
+    pool.load(layer, None, torch.where(held, -1, tail_d), ko, vo, into, count=False)
     flat = at.repeat_interleave(bs) * S + slots
     # K and V in one row gather from the buffers (the pool's dtype, as the layers' shape gives
     # both); a row of -1 keeps the tail's
@@ -132,7 +132,7 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     if not (device.type == "cuda" and pool.pin):
         pool._host_visible()
     tail_d = to_device(rows, device)
-    none_d, into = torch.full_like(tail_d, -1), torch.arange(rows.numel(), device=device)
+    into = torch.arange(rows.numel(), device=device)
     at = None if where is None else tuple(to_device(t, device) for t in where)
     staged: dict = {}
     written = 0
@@ -140,7 +140,7 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
         ko = torch.empty(rows.numel(), D, dtype=pool.dtype, device=device)
         vo = torch.empty_like(ko)
         pool.prepare(layer, device)
-        _read_tails(pool, layer, tail_d, none_d, into, ko, vo, None if at is None else (*hot.layers[layer], *at))
+        _read_tails(pool, layer, tail_d, into, ko, vo, None if at is None else (*hot.layers[layer], *at))
         k, v = ko.view(-1, bs, D), vo.view(-1, bs, D)                   # units (I*H, bs, D), as `units`
         kb, vb = pool.policy.choose(k, v)
         for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
@@ -258,7 +258,7 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
     width (a pool of several widths; else None), bytes written for N units (a pool of one width))."""
     bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
-    none_d, into = torch.full_like(tail_d, -1), torch.arange(tail_d.numel(), device=dev)
+    into = torch.arange(tail_d.numel(), device=dev)
     # the writes' lists of entries to take (-1: a unit not sealed), the same at every layer: made once
     takes = [(w, torch.where(w >= 0, torch.arange(w.numel(), device=dev), -1)) for w in (units_d, unit_rows)]
     errors: list[torch.Tensor] = []
@@ -271,8 +271,7 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
     for layer in range(len(pool.layers)):
         with torch.cuda.stream(streams[layer % len(streams)]):
             layer_hot = None if hot is None else (*hot[0][layer], hot[1], hot[2])
-            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, none_d, into, errors, counts, layer_hot,
-                                   takes)
+            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, into, errors, counts, layer_hot, takes)
     for st in side:
         main.wait_stream(st)
     by_width = torch.stack(counts).view(-1, 2, len(pool.widths)).sum(0) if counts else None   # (k/v, widths)
@@ -280,7 +279,7 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
 
 
 def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
-                none_d: torch.Tensor, into: torch.Tensor, errors: list, counts: list, hot: tuple | None = None,
+                into: torch.Tensor, errors: list, counts: list, hot: tuple | None = None,
                 takes: list | None = None) -> int:
     """One layer of :func:`_graph_seal` on the current stream: each unit's error appended to
     ``errors``, and in a pool of several widths its keys' and its values' units by width to
@@ -290,7 +289,7 @@ def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tens
     ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
     vo = torch.zeros_like(ko)
     pool.prepare(layer, dev)
-    _read_tails(pool, layer, tail_d, none_d, into, ko, vo, hot)
+    _read_tails(pool, layer, tail_d, into, ko, vo, hot)
     for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
         layout = LAYOUT[prefix]
         at = unit_rows if layout == "token" else units_d
@@ -379,7 +378,7 @@ def _units(pool: Any, layer: int, parts: list[tuple], dev: torch.device) -> tupl
         vo = torch.empty(M, D, dtype=pool.dtype, device=dev)
         tail_d = to_device(tail_rows, dev)
         pool.prepare(layer, dev)
-        pool.load(layer, torch.full_like(tail_d, -1), tail_d, ko, vo, torch.arange(M, device=dev), count=False)
+        pool.load(layer, None, tail_d, ko, vo, torch.arange(M, device=dev), count=False)
     ku, vu, at = [], [], 0
     for (units, k, v, *_), pos in zip(parts, old):
         n_old = H * pos.numel()

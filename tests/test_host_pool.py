@@ -420,8 +420,8 @@ def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(b
     tail = (hp.unit_rows(torch.tensor(slots)[:, None], torch.arange(H)[None])[..., None] + torch.arange(BS)).reshape(-1)
     unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
     errors, counts = [], []
-    ours = sum(host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.full_like(tail, -1),
-                                     torch.arange(tail.numel()), errors, counts) for layer in range(L))
+    ours = sum(host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.arange(tail.numel()), errors, counts)
+               for layer in range(L))
     assert torch.equal(torch.cat(errors).sort().values, torch.tensor(ev.errors).sort().values)
     if bits == 4:
         assert ours == written and not counts
@@ -541,7 +541,7 @@ def test_a_seal_reads_the_rows_the_hot_buffers_hold_there_and_the_rest_from_the_
     unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
     at = hot.where(H)
     for layer in range(L):
-        host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.full_like(tail, -1), torch.arange(tail.numel()),
+        host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.arange(tail.numel()),
                               [], [], (*layers[layer], *at))
     for layer in range(L):
         for name, t in pools[0].layers[layer].items():
