@@ -6,10 +6,12 @@ choice, and importing `hi_sparse.kernels` must work where Triton is not installe
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
 import os
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -59,24 +61,38 @@ def cuda_driver() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
+def driver_check(err: int, call: str, doing: str) -> None:
+    """A CUDA driver call's error as a RuntimeError that names it and what it was for."""
+    if err:
+        raise RuntimeError(f"HiSparse: {call} failed (CUDA driver error {err}) {doing}")
+
+
+@contextlib.contextmanager
+def primary_context(index: int, doing: str) -> Iterator[ctypes.CDLL]:
+    """The CUDA driver library, with device ``index``'s primary context (torch's) current on this
+    thread for the block; errors name ``doing``."""
+    cuda, dev, ctx = cuda_driver(), ctypes.c_int(), ctypes.c_void_p()
+    driver_check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet", doing)
+    driver_check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain", doing)
+    try:
+        driver_check(cuda.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent", doing)
+        try:
+            yield cuda
+        finally:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        cuda.cuDevicePrimaryCtxRelease(dev)
+
+
 def device_address(t: torch.Tensor, device: torch.device) -> int:
     """The address a kernel on ``device`` reads t at: its own, or for pinned host memory on a GPU
     the mapping the driver gives it (cuPointerGetAttribute, as Triton resolves a pinned tensor it
-    is passed), in the device's primary context, torch's."""
+    is passed)."""
     if device.type != "cuda" or t.is_cuda:
         return t.data_ptr()
     check(t.is_pinned(), "a GPU reads host memory only where it is pinned: pin the tensor (HostPool(pin=True))")
-    cuda, ctx, index = cuda_driver(), ctypes.c_void_p(), ctypes.c_int()
-    out = ctypes.c_uint64()
-    errs = [cuda.cuDeviceGet(ctypes.byref(index), device.index if device.index is not None else
-                             torch.cuda.current_device())]
-    errs.append(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), index))
-    errs.append(cuda.cuCtxPushCurrent_v2(ctx))
-    try:
-        errs.append(cuda.cuPointerGetAttribute(ctypes.byref(out), 3, ctypes.c_uint64(t.data_ptr())))  # DEVICE_POINTER
-    finally:
-        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-        cuda.cuDevicePrimaryCtxRelease(index)
-    if any(errs):
-        raise RuntimeError(f"HiSparse: the CUDA driver gave no device address for a pinned tensor (errors {errs})")
+    out, doing = ctypes.c_uint64(), "mapping a pinned tensor for the GPU"
+    with primary_context(device.index if device.index is not None else torch.cuda.current_device(), doing) as cuda:
+        driver_check(cuda.cuPointerGetAttribute(ctypes.byref(out), 3, ctypes.c_uint64(t.data_ptr())),  # DEVICE_POINTER
+                     "cuPointerGetAttribute", doing)
     return out.value

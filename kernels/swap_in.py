@@ -136,12 +136,7 @@ def _layer_table(srcs: list[torch.Tensor], device: torch.device) -> torch.Tensor
 
 def _dense_row(t: torch.Tensor) -> bool:
     """A row of t (all dims but the first) is one contiguous run of its elements."""
-    want = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != want:
-            return False
-        want *= size
-    return True
+    return t.shape[0] == 0 or t[0].is_contiguous()
 
 
 def _word_rows(srcs: list[torch.Tensor]) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hi_sparse.kernels._dispatch import cuda_driver
+from hi_sparse.kernels._dispatch import cuda_driver, driver_check, primary_context
 
 _streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _lock = threading.Lock()
@@ -53,29 +53,20 @@ def first_in_line(device: torch.device) -> Iterator[None]:
     current.wait_stream(high)
 
 
-_driver = cuda_driver        # the CUDA driver library (OSError where it cannot be loaded)
-
-
 def _create(index: int, high: bool) -> torch.cuda.Stream:
     """A new CUDA stream of its own on device ``index``; a pooled torch stream where the driver
     library cannot be loaded (not Linux)."""
     torch.cuda.init()
     try:
-        cuda = _driver()
+        cuda_driver()
     except OSError:
         return torch.cuda.Stream(index, priority=-1 if high else 0)
-    dev, ctx, raw = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
-    least, greatest = ctypes.c_int(), ctypes.c_int()
-    _check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
-    _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")  # torch's context
-    _check(cuda.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
-    try:
-        _check(cuda.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
-               "cuCtxGetStreamPriorityRange")
-        _check(cuda.cuStreamCreateWithPriority(ctypes.byref(raw), _NON_BLOCKING, greatest if high else least),
-               "cuStreamCreateWithPriority")
-    finally:
-        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    raw, least, greatest, doing = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int(), "making a side stream"
+    with primary_context(index, doing) as cuda:       # torch's context
+        driver_check(cuda.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+                     "cuCtxGetStreamPriorityRange", doing)
+        driver_check(cuda.cuStreamCreateWithPriority(ctypes.byref(raw), _NON_BLOCKING, greatest if high else least),
+                     "cuStreamCreateWithPriority", doing)
     return torch.cuda.ExternalStream(raw.value, device=torch.device("cuda", index))
 
 
@@ -85,13 +76,8 @@ def upload(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
     another thread. False where that cannot be done here (no driver library, a torch without
     ``raw_cuda_graph_exec``, a driver error): the first replay then uploads it, as before."""
     try:
-        cuda = _driver()
+        cuda = cuda_driver()
         handle = graph.raw_cuda_graph_exec()
         return cuda.cuGraphUpload(ctypes.c_void_p(handle), ctypes.c_void_p(stream.cuda_stream)) == 0
     except (OSError, AttributeError, RuntimeError, TypeError, ValueError):
         return False
-
-
-def _check(err: int, call: str) -> None:
-    if err:
-        raise RuntimeError(f"HiSparse: {call} failed (CUDA driver error {err}) making a side stream")
