@@ -4,7 +4,7 @@ against the same seal replayed from its CUDA graph (host_seal.SealGraph): host t
 device time (CUDA events), and the capture's host time once. ``--room`` pads the graph for a
 larger batch than the blocks sealed (a batch whose sequences are at different offsets).
 
-    python benchmarks/bench_seal_graph.py --batch 24 --layers 32
+    python benchmarks/bench_seal_graph.py --batch 24 --layers 32 [--group-mib 1,32,128] [--streams 1,4]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from hi_sparse import host_seal
 from hi_sparse.host_pool import HostPool
 from hi_sparse.host_seal import SealGraph
 
@@ -32,6 +33,9 @@ def main() -> int:
     ap.add_argument("--bits", default="4", help="host_kv_bits: 4, 5, 6, 8, auto or budget (seed seals op by op)")
     ap.add_argument("--streams", default="1,4", help="comma list: streams the graph spreads the layers over "
                                                      "(host_seal.SealGraph.STREAMS; the first is the default's row)")
+    ap.add_argument("--group-mib", default="32", help="comma list: MiB of float keys and values the graph seals "
+                    "together (host_seal.GROUP_BYTES; 1: a layer a group at the default shape), each with every "
+                    "--streams")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_seal_graph.py needs an NVIDIA GPU (the seal graph is CUDA only)")
@@ -65,10 +69,10 @@ def main() -> int:
           f"{torch.cuda.get_device_name()}: median of {args.repeats}")
     timed(False)                                   # warm: kernels compiled
     runs = [timed(False) for _ in range(args.repeats)]
-    print(f"  {'op by op':22s} host {statistics.median(r[0] for r in runs):8.3f} ms   "
+    print(f"  {'op by op':30s} host {statistics.median(r[0] for r in runs):8.3f} ms   "
           f"device {statistics.median(r[1] for r in runs):7.3f} ms")
-    for streams in (int(x) for x in args.streams.split(",")):
-        SealGraph.STREAMS = streams
+    for mib, streams in ((int(m), int(x)) for m in args.group_mib.split(",") for x in args.streams.split(",")):
+        host_seal.GROUP_BYTES, SealGraph.STREAMS = mib << 20, streams
         pool._seal_graphs.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -77,7 +81,8 @@ def main() -> int:
         assert "failed" not in pool._seal_graphs, "the capture failed (see the warning)"
         timed(True)
         runs = [timed(True) for _ in range(args.repeats)]
-        print(f"  {f'graph, {streams} stream(s)':22s} host {statistics.median(r[0] for r in runs):8.3f} ms   "
+        label = f"graph, {mib} MiB, {streams} stream(s)"
+        print(f"  {label:30s} host {statistics.median(r[0] for r in runs):8.3f} ms   "
               f"device {statistics.median(r[1] for r in runs):7.3f} ms   (capture: host {capture_ms:.1f} ms, once per "
               "batch size and pool layout)")
     return 0

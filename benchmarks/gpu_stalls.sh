@@ -12,8 +12,10 @@
 # torch ops (--torch-fit), and at batch 1. `... trace`: the stall profiles at batch 1 and 24 under
 # torch.profiler (--trace), 300 steps each, each stall and a median step read from the timeline
 # (step_trace.py); `trace1` / `trace24` one of them. `... changed`: the gpu tests of the code the
-# twenty-sixth session changed without a GPU (every layer's float tails and recent queries in
-# one gather at a recalibration's start, the driver library loaded in one place) and of the
+# twenty-seventh session changed (a seal graph's layers read, quantized and written in groups:
+# gather_layers with each layer's rows, scatter_layers), of the twenty-sixth's (every layer's
+# float tails and recent queries in one gather at a recalibration's start, the driver library
+# loaded in one place) and of the
 # twenty-fifth's (the pages locked ahead, the seal from the hot buffers and its graph uploaded,
 # the first launches warmed at install, captures ahead on one thread, the commit's anchors in one
 # copy).
@@ -48,7 +50,8 @@ elif [ "$part" = share ]; then
 elif [ "$part" = changed ]; then
   timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_host_pool.py tests/test_step_graph.py \
     tests/test_streams.py tests/test_host_syncs.py tests/test_background_recalibration.py \
-    "tests/test_kernels_gpu.py::test_gather_layers_reads_every_layer_at_its_address" 2>&1 \
+    "tests/test_kernels_gpu.py::test_gather_layers_reads_every_layer_at_its_address" \
+    "tests/test_kernels_gpu.py::test_scatter_layers_writes_every_layer_at_its_address" 2>&1 \
     | tee "$OUT/changed_tests.txt" | tail -15
 elif [ "$part" = trace ] || [ "$part" = trace1 ] || [ "$part" = trace24 ]; then
   # 300 steps at each batch (each class of stall comes in them): the profiler's events are read

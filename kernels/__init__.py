@@ -54,10 +54,17 @@ if not _handed_over:
         reference_quantize_blocks,
         unpack_codes,
     )
-    from .swap_in import gather_layers, reference_swap_in, reference_swap_in_dequant, swap_in, swap_in_dequant
+    from .swap_in import (
+        gather_layers,
+        reference_swap_in,
+        reference_swap_in_dequant,
+        scatter_layers,
+        swap_in,
+        swap_in_dequant,
+    )
 
     __all__ = [
-        "sparse_decode_attention", "swap_in", "swap_in_dequant", "gather_layers", "quantize_blocks",
+        "sparse_decode_attention", "swap_in", "swap_in_dequant", "gather_layers", "scatter_layers", "quantize_blocks",
         "dequantize_blocks",
         "block_bounds", "block_scores", "top_blocks", "superblock_bounds", "two_level_candidates", "two_level_least",
         "two_level_pays",

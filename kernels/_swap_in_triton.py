@@ -58,15 +58,31 @@ def _gather_rows_kernel(
 
 
 @triton.jit
-def _gather_layers_kernel(p_table, p_rows, p_out, M, W, s_src, s_out_l, s_out_m,
-                          BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Rows rows[i] (axis 0) of the source of a layer (axis 1; its address in the table, as
-    32-bit words) into out[layer, i]; a row of -1 writes zeros."""
+def _layer_rows(p_table, p_rows, s_rows_l, M, WORD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's layer (axis 1), its source or destination (the table's address, as words of
+    WORD bytes), its rows (axis 0: o_m, their mask, and the rows listed: the layer's own where
+    s_rows_l is not 0)."""
     layer = tl.program_id(1).to(tl.int64)
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    row = tl.load(p_rows + o_m, mask=m_m, other=-1).to(tl.int64)
-    src = tl.load(p_table + layer).to(tl.pointer_type(tl.int32))
+    row = tl.load(p_rows + layer * s_rows_l + o_m, mask=m_m, other=-1).to(tl.int64)
+    base = tl.load(p_table + layer)
+    if WORD == 4:
+        at = base.to(tl.pointer_type(tl.int32))
+    elif WORD == 2:
+        at = base.to(tl.pointer_type(tl.int16))
+    else:
+        at = base.to(tl.pointer_type(tl.uint8))
+    return layer, o_m, m_m, row, at
+
+
+@triton.jit
+def _gather_layers_kernel(p_table, p_rows, p_out, M, W, s_rows_l, s_src, s_out_l, s_out_m,
+                          BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows rows[i] (axis 0; the layer's own row of rows when s_rows_l is not 0) of the source of
+    a layer (axis 1; its address in the table, as 32-bit words) into out[layer, i]; a row of -1
+    writes zeros."""
+    layer, o_m, m_m, row, src = _layer_rows(p_table, p_rows, s_rows_l, M, 4, BLOCK_M)
     p_s = src + row[:, None] * s_src
     p_d = p_out + layer * s_out_l + o_m[:, None].to(tl.int64) * s_out_m
     for w0 in range(0, W, BLOCK_W):
@@ -74,6 +90,22 @@ def _gather_layers_kernel(p_table, p_rows, p_out, M, W, s_src, s_out_l, s_out_m,
         m = m_m[:, None] & (o_w < W)[None, :]
         b_x = tl.load(p_s + o_w[None, :], mask=m & (row >= 0)[:, None], other=0)
         tl.store(p_d + o_w[None, :], b_x, mask=m)
+
+
+@triton.jit
+def _scatter_layers_kernel(p_table, p_rows, p_src, M, W, s_rows_l, s_dst, s_src_l, s_src_m,
+                           WORD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """src[layer, i] into row rows[i] (axis 0; the layer's own row of rows when s_rows_l is not
+    0) of the destination of a layer (axis 1; its address in the table, as words of WORD bytes);
+    a row of -1 writes nothing."""
+    layer, o_m, m_m, row, dst = _layer_rows(p_table, p_rows, s_rows_l, M, WORD, BLOCK_M)
+    keep = m_m & (row >= 0)
+    p_d = dst + row[:, None] * s_dst
+    p_s = p_src + layer * s_src_l + o_m[:, None].to(tl.int64) * s_src_m
+    for w0 in range(0, W, BLOCK_W):
+        o_w = w0 + tl.arange(0, BLOCK_W)
+        m = keep[:, None] & (o_w < W)[None, :]
+        tl.store(p_d + o_w[None, :], tl.load(p_s + o_w[None, :], mask=m), mask=m)
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
@@ -196,15 +228,35 @@ def swap_plan(both, miss, loaded, slots, pslots, head_rows, tables, seq, kv_head
     return src, src_tail, dst
 
 
-def gather_layers(table: torch.Tensor, srcs: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
-    """out[l, i] = srcs[l][rows[i]] in one launch, the sources read at their device addresses in
-    ``table`` (L,) int64 (swap_in.layer_table): rows of 4-byte multiples at 4-byte aligned
-    addresses, one row stride; rows (M,) contiguous."""
-    words = out.view(torch.int32)
-    w = words.shape[-1]
+def _layers_blocks(w: int) -> tuple[int, int]:
     BLOCK_W = min(next_pow2(w), 1024)
-    BLOCK_M = max(1, min(32, 2048 // BLOCK_W))
+    return max(1, min(32, 2048 // BLOCK_W)), BLOCK_W
+
+
+def gather_layers(table: torch.Tensor, srcs: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> None:
+    """out[l, i] = srcs[l][rows[i]] (or rows[l, i]) in one launch, the sources read at their
+    device addresses in ``table`` (L,) int64 (swap_in._layer_table): rows of 4-byte multiples at
+    4-byte aligned addresses, one row stride; rows (M,) or (L, M), contiguous."""
+    words = out.view(torch.int32)
+    w, M = words.shape[-1], rows.shape[-1]
+    BLOCK_M, BLOCK_W = _layers_blocks(w)
     stride = srcs[0].stride(0) * srcs[0].element_size() // 4
-    _gather_layers_kernel[(triton.cdiv(rows.numel(), BLOCK_M), len(srcs))](
-        table, rows, words, rows.numel(), w, stride, words.stride(0), words.stride(1),
+    _gather_layers_kernel[(triton.cdiv(M, BLOCK_M), len(srcs))](
+        table, rows, words, M, w, M if rows.dim() == 2 else 0, stride, words.stride(0), words.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)
+
+
+_WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def scatter_layers(table: torch.Tensor, dsts: list[torch.Tensor], rows: torch.Tensor, src: torch.Tensor,
+                   word: int) -> None:
+    """dsts[l][rows[i]] = src[l, i] (rows (M,) or (L, M), contiguous; -1: none) in one launch, the
+    destinations written at their device addresses in ``table``: rows of ``word``-byte multiples
+    at ``word``-aligned addresses, one row stride; src (L, M, ...) contiguous."""
+    words = src.view(torch.uint8).view(_WORDS[word]).view(src.shape[0], src.shape[1], -1)
+    w, M = words.shape[-1], rows.shape[-1]
+    BLOCK_M, BLOCK_W = _layers_blocks(w)
+    _scatter_layers_kernel[(triton.cdiv(M, BLOCK_M), len(dsts))](
+        table, rows, words, M, w, M if rows.dim() == 2 else 0, dsts[0].stride(0) * dsts[0].element_size() // word,
+        words.stride(0), words.stride(1), WORD=word, BLOCK_M=BLOCK_M, BLOCK_W=BLOCK_W, num_warps=4)

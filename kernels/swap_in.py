@@ -4,8 +4,11 @@ On CUDA the source is pinned host memory read by the kernel over UVA (no cudaMem
 swap_in:          src (R, W), dst (S, W), src_rows / dst_rows (M,): dst[dst_rows[i]] = src[src_rows[i]]
                   (a source row of -1 copies nothing: fixed-width lists of a graph-captured step).
 swap_in_pair:     swap_in of two tensors with the same rows (a layer's K and V) in one launch.
-gather_layers:    the same rows (M,) of L tensors (every layer's float tails, or recent queries)
-                  into one (L, M, ...) tensor in one launch (a row of -1 reads zeros).
+gather_layers:    rows (M,) (or each layer's own, (L, M)) of L tensors (every layer's float tails,
+                  recent queries, or the rows a seal reads) into one (L, M, ...) tensor in one
+                  launch (a row of -1 reads zeros).
+scatter_layers:   its inverse: rows of one (L, M, ...) tensor into L tensors in one launch (a
+                  seal's writes of every layer's units into the pool; a row of -1 writes none).
 backup_token:     a decode token's K and V rows into the host pool, their pool rows computed in the
                   launch (CUDA or the interpreter only: HostPool.backup is the reference).
 swap_in_dequant:  packed (R, P) uint8 rows of `bits`-bit codes (one row = one token's D values,
@@ -18,6 +21,9 @@ swap_in_dequant_pair: swap_in_dequant of a layer's K and V (each its own layout)
                   in one launch where both read whole words (4 / 8 bits, D % 8 == 0).
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -117,20 +123,42 @@ def swap_in_pair(src_a: torch.Tensor, src_b: torch.Tensor, src_rows: torch.Tenso
     reference_swap_in(src_b, src_rows, dst_b, dst_rows)
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}     # gather_layers' address tables by (device, the sources' addresses)
+_TABLES: dict[tuple, torch.Tensor] = {}     # the layers' address tables by (device, their addresses)
+_KEPT: list[dict[tuple, torch.Tensor]] = []   # those of the tables_kept() blocks open
 
 
-def _layer_table(srcs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """(L,) int64 on ``device``: where a kernel there reads each source, made once per set of
-    addresses (a host pool grows in place: its layers keep theirs)."""
-    key = (device, *(t.data_ptr() for t in srcs))
+@contextmanager
+def tables_kept() -> Iterator[dict[tuple, torch.Tensor]]:
+    """Every address table :func:`gather_layers` and :func:`scatter_layers` use in the block (on
+    any thread), by key: a CUDA graph that calls them reads its tables at each replay, and its
+    owner keeps them (the cache below drops tables). Make them before a capture, in the block (a
+    run outside the capture): none is made while a stream captures."""
+    used: dict[tuple, torch.Tensor] = {}
+    _KEPT.append(used)
+    try:
+        yield used
+    finally:
+        _KEPT.remove(used)
+
+
+def _layer_table(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """(L,) int64 on ``device``: where a kernel there reads or writes each tensor, made once per
+    set of addresses (a host pool grows in place: its layers keep theirs)."""
+    key = (device, *(t.data_ptr() for t in ts))
     table = _TABLES.get(key)
+    for used in _KEPT:
+        table = used.get(key, table)
     if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a layers' address table is made outside a CUDA graph capture: run the "
+                               "captured code once before it (host_seal.SealGraph does)")
         if len(_TABLES) >= 64:
             _TABLES.clear()
-        table = torch.tensor([device_address(t, device) for t in srcs], dtype=torch.int64)
+        table = torch.tensor([device_address(t, device) for t in ts], dtype=torch.int64)
         # through a pinned copy: one from pageable memory would wait for the stream's queued work
         table = _TABLES[key] = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    for used in _KEPT:
+        used[key] = table
     return table
 
 
@@ -139,36 +167,80 @@ def _dense_row(t: torch.Tensor) -> bool:
     return t.shape[0] == 0 or t[0].is_contiguous()
 
 
+def _word(ts: list[torch.Tensor], row_bytes: int) -> int:
+    """The widest word (4, 2 or 1 bytes) the tensors' rows of ``row_bytes`` move in: whole words
+    at aligned addresses, one row stride, each row one contiguous run; 0 where they are not alike."""
+    first = ts[0]
+    if not all(t.stride(0) == first.stride(0) and _dense_row(t) for t in ts):
+        return 0
+    stride = first.stride(0) * first.element_size()
+    return next(w for w in (4, 2, 1)
+                if row_bytes % w == 0 and stride % w == 0 and all(t.data_ptr() % w == 0 for t in ts))
+
+
 def _word_rows(srcs: list[torch.Tensor]) -> bool:
     """The sources' rows are contiguous runs of 32-bit words at aligned addresses, one stride."""
-    first = srcs[0]
-    size = first.element_size()
-    return (first.shape[1:].numel() * size % 4 == 0 and first.stride(0) * size % 4 == 0
-            and all(t.stride(0) == first.stride(0) and t.data_ptr() % 4 == 0 and _dense_row(t) for t in srcs))
+    return _word(srcs, srcs[0].shape[1:].numel() * srcs[0].element_size()) == 4
+
+
+def _layer_rows(rows: torch.Tensor, layers: int, name: str) -> None:
+    check(rows.dtype in INDEX_DTYPES and (rows.dim() == 1 or (rows.dim() == 2 and rows.shape[0] == layers)),
+          f"{name}' rows must be (M,) or ({layers}, M) int64 (or int32), got {tuple(rows.shape)} {rows.dtype}")
+
+
+def _alike(ts: list[torch.Tensor], name: str) -> None:
+    check(len(ts) > 0, f"{name} needs at least one layer")
+    first = ts[0]
+    check(all(t.shape[1:] == first.shape[1:] and t.dtype == first.dtype for t in ts),
+          f"{name}' layers must share their row shape and dtype, got "
+          f"{sorted({(tuple(t.shape[1:]), t.dtype) for t in ts}, key=str)}")
 
 
 def gather_layers(srcs: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """out[l, i] = srcs[l][rows[i]] (zeros where rows[i] is -1) -> (L, M, *row shape) on rows'
+    """out[l, i] = srcs[l][rows[i]] (zeros where the row is -1) -> (L, M, *row shape) on rows'
     device, of L sources (R_l, *row shape) of one row shape and dtype, on the device or in pinned
-    host memory; rows (M,). One launch where Triton runs (sources of whole-word, contiguous rows
-    at one stride): a recalibration's copy of every layer's float tails or recent queries."""
-    check(len(srcs) > 0, "gather_layers needs at least one source")
-    first = srcs[0]
-    check(all(t.shape[1:] == first.shape[1:] and t.dtype == first.dtype for t in srcs),
-          "gather_layers' sources must share their row shape and dtype, got "
-          f"{sorted({(tuple(t.shape[1:]), t.dtype) for t in srcs}, key=str)}")
-    check(rows.dim() == 1 and rows.dtype in INDEX_DTYPES, f"rows must be (M,) int64 (or int32), got "
-          f"{tuple(rows.shape)} {rows.dtype}")
-    dev = rows.device
-    out = torch.empty((len(srcs), rows.numel(), *first.shape[1:]), dtype=first.dtype, device=dev)
-    if rows.numel() and _word_rows(srcs) and all(device_path(t, out, rows) for t in srcs):
+    host memory; rows (M,), or (L, M): each layer's own. One launch where Triton runs (sources of
+    whole-word, contiguous rows at one stride): a recalibration's copy of every layer's float
+    tails or recent queries, a seal's read of its layers' rows."""
+    _alike(srcs, "gather_layers")
+    _layer_rows(rows, len(srcs), "gather_layers")
+    first, M, dev = srcs[0], rows.shape[-1], rows.device
+    out = torch.empty((len(srcs), M, *first.shape[1:]), dtype=first.dtype, device=dev)
+    if M and _word_rows(srcs) and all(device_path(t, out, rows) for t in srcs):
         kernel_module("_swap_in_triton").gather_layers(_layer_table(srcs, dev), srcs, rows.contiguous(),
-                                                       out.view(len(srcs), rows.numel(), -1))
+                                                       out.view(len(srcs), M, -1))
         return out
-    idx = rows.long().clamp_min(0)
+    idx = rows.long().clamp_min(0).expand(len(srcs), M)
     for layer, t in enumerate(srcs):
-        out[layer] = t.index_select(0, idx.to(t.device)).to(dev)
-    return out.masked_fill_((rows < 0).view(1, -1, *[1] * (first.dim() - 1)), 0)
+        out[layer] = t.index_select(0, idx[layer].to(t.device)).to(dev)
+    return out.masked_fill_((rows < 0).view(-1, M, *[1] * (first.dim() - 1)), 0)
+
+
+def scatter_layers(src: torch.Tensor, dsts: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """dsts[l][rows[i]] = src[l, i] in place (a row of -1 writes nothing): L destinations (R_l,
+    *row shape) of one row shape and dtype, on the device or in pinned host memory, src (L, M, *row
+    shape) on the device; rows (M,), or (L, M): each layer's own. One launch where Triton runs
+    (destinations at one row stride, each row contiguous): a seal's writes of its layers' units
+    into the host pool."""
+    _alike(dsts, "scatter_layers")
+    _layer_rows(rows, len(dsts), "scatter_layers")
+    first, L, M = dsts[0], len(dsts), rows.shape[-1]
+    check(tuple(src.shape) == (L, M, *first.shape[1:]) and src.dtype == first.dtype,
+          f"scatter_layers' src must be ({L}, {M}, *{tuple(first.shape[1:])}) {first.dtype}, got "
+          f"{tuple(src.shape)} {src.dtype}")
+    if M == 0:
+        return
+    flat = src.reshape(L, M, -1).contiguous()
+    word = _word(dsts, flat.shape[-1] * flat.element_size())
+    if word and all(device_path(flat, t, rows) for t in dsts):
+        kernel_module("_swap_in_triton").scatter_layers(_layer_table(dsts, src.device), dsts, rows.contiguous(),
+                                                        flat, word)
+        return
+    rows = rows.expand(L, M)
+    for layer, t in enumerate(dsts):
+        r = rows[layer]
+        take = torch.where(r >= 0, torch.arange(M, device=r.device), -1)
+        swap_in(flat[layer], take, t.view(t.shape[0], -1), r)
 
 
 def backup_token(k: torch.Tensor, v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, start: torch.Tensor,

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from hi_sparse.kernels import PARAM_DTYPES, packed_width, swap_in
-from hi_sparse.kernels.swap_in import swap_in_pair
+from hi_sparse.kernels import PARAM_DTYPES, gather_layers, packed_width, scatter_layers
+from hi_sparse.kernels.swap_in import tables_kept
 
 from .batch_step import _cause, capture
 from .quant_policy import LAYOUT, quantize_roundtrip
@@ -60,29 +60,30 @@ class HotRows:
         return tuple((t.data_ptr(), tuple(t.shape)) for layer in self.layers for t in layer)
 
 
-def _read_tails(pool: Any, layer: int, tail_d: torch.Tensor, into: torch.Tensor,
-                ko: torch.Tensor, vo: torch.Tensor, hot: tuple | None) -> None:
-    """The float rows ``tail_d`` of ``layer`` (units of block_size rows; -1: none) into ko / vo
-    (rows ``into``: all, in order): those the layer's hot buffer holds (``hot``: its k, v and slot
-    -> token table, and each unit's table row and block start) from there, the rest from the tail
-    in the host pool."""
+def _read_group(pool: Any, layers: list[int], tail_d: torch.Tensor, hot: tuple | None) -> torch.Tensor:
+    """The float rows ``tail_d`` (M,) (units of block_size rows; -1: none, zeros) of each of
+    ``layers``: (2, G, M, D), keys then values, in the pool's dtype. Those a layer's hot buffer
+    holds (``hot``: each layer's k, v and slot -> token table, each unit's table row and block
+    start) are read there, the rest from the tails in the host pool; one gather of the tables, one
+    of the tails and one of the buffers for every layer."""
+    G, bs, dev = len(layers), pool.block_size, tail_d.device
+    tails = [pool.layers[layer][f"{p}_tail"] for p in "kv" for layer in layers]
     if hot is None:
-        pool.load(layer, None, tail_d, ko, vo, into, count=False)
-        return
-    k_hot, v_hot, slot_token, at, start = hot
-    S, bs, dev = k_hot.shape[2], pool.block_size, tail_d.device
-    offset = slot_token[at, :S] - start[:, None]                  # (U, S): each slot's token in the block
-    inside = (offset >= 0) & (offset < bs)
-    slots = torch.full((at.numel(), bs + 1), -1, dtype=torch.int64, device=dev)      # column bs: the rest
-    slots.scatter_(1, torch.where(inside, offset, bs), torch.arange(S, device=dev).expand(at.numel(), S))
-    slots = slots[:, :bs].reshape(-1)
-    held = (slots >= 0) & (tail_d >= 0)
-    pool.load(layer, None, torch.where(held, -1, tail_d), ko, vo, into, count=False)
-    flat = at.repeat_interleave(bs) * S + slots
-    # K and V in one row gather from the buffers (the pool's dtype, as the layers' shape gives
-    # both); a row of -1 keeps the tail's
-    swap_in_pair(k_hot.view(-1, k_hot.shape[-1]), v_hot.view(-1, v_hot.shape[-1]), torch.where(held, flat, -1),
-                 ko, vo, into)
+        return gather_layers(tails, tail_d).view(2, G, tail_d.numel(), -1)
+    bufs, at, start = hot
+    S = bufs[0][0].shape[2]
+    offset = gather_layers([slot_token for *_, slot_token in bufs], at)[..., :S] - start[:, None]   # (G, U, S)
+    inside = (offset >= 0) & (offset < bs)                        # each slot's token in the unit's block
+    slots = torch.full((G, at.numel(), bs + 1), -1, dtype=torch.int64, device=dev)      # column bs: the rest
+    slots.scatter_(2, torch.where(inside, offset, bs), torch.arange(S, device=dev).expand(offset.shape))
+    slots = slots[..., :bs].reshape(G, -1)                        # (G, M): each row's slot, or -1
+    held = ((slots >= 0) & (tail_d >= 0)).repeat(2, 1)            # (2G, M): keys', then values'
+    flat = (at.repeat_interleave(bs) * S + slots).repeat(2, 1)
+    kv = gather_layers(tails, torch.where(held, -1, tail_d))
+    # K and V in one row gather from the buffers (the pool's dtype, as the layers' shape gives both)
+    from_hot = gather_layers([buf[i].view(-1, buf[i].shape[-1]) for i in (0, 1) for buf in bufs],
+                             torch.where(held, flat, -1))
+    return torch.where(held[..., None], from_hot, kv, out=kv).view(2, G, tail_d.numel(), -1)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -132,16 +133,13 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     if not (device.type == "cuda" and pool.pin):
         pool._host_visible()
     tail_d = to_device(rows, device)
-    into = torch.arange(rows.numel(), device=device)
     at = None if where is None else tuple(to_device(t, device) for t in where)
     staged: dict = {}
     written = 0
     for layer in range(len(pool.layers)):
-        ko = torch.empty(rows.numel(), D, dtype=pool.dtype, device=device)
-        vo = torch.empty_like(ko)
         pool.prepare(layer, device)
-        _read_tails(pool, layer, tail_d, into, ko, vo, None if at is None else (*hot.layers[layer], *at))
-        k, v = ko.view(-1, bs, D), vo.view(-1, bs, D)                   # units (I*H, bs, D), as `units`
+        kv = _read_group(pool, [layer], tail_d, None if at is None else ([hot.layers[layer]], *at))
+        k, v = kv[0, 0].view(-1, bs, D), kv[1, 0].view(-1, bs, D)       # units (I*H, bs, D), as `units`
         kb, vb = pool.policy.choose(k, v)
         for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
             written += store_units(pool, layer, prefix, units, x, bits, events, staged)
@@ -184,12 +182,19 @@ class SealGraph:
         # with hot buffers: each unit's slot table row and block start (0 for padding: reads none)
         self.at = None if hot is None else torch.zeros(2, n, dtype=torch.int64, device=device)
         self.streams = [own_stream(device, f"seal {i}") for i in range(1, self.STREAMS)]
-        # uploaded now, as it is captured with a step, not at its first completed block (whose
-        # seal's launch took 7.0 ms of host time there on the H100 against 3.7 ms later)
-        self.graph, (self.errors, self.counts, self.written) = capture(
-            lambda: _graph_seal(pool, self.tail, self.units, self.streams,
-                                None if hot is None else (hot.layers, *self.at)), torch.cuda.graph_pool_handle(),
-            replayed_later=True)
+        layers = None if hot is None else hot.layers
+        with tables_kept() as self.tables:
+            # run once first, sealing nothing (every unit -1): the layers' address tables its
+            # gathers and writes read are made (kept here), and their kernels compiled, outside
+            # the capture
+            _graph_seal(pool, torch.full_like(self.tail, -1), torch.full_like(self.units, -1), self.streams,
+                        None if hot is None else (layers, *self.at))
+            # uploaded now, as it is captured with a step, not at its first completed block (whose
+            # seal's launch took 7.0 ms of host time there on the H100 against 3.7 ms later)
+            self.graph, (self.errors, self.counts, self.written) = capture(
+                lambda: _graph_seal(pool, self.tail, self.units, self.streams,
+                                    None if hot is None else (layers, *self.at)), torch.cuda.graph_pool_handle(),
+                replayed_later=True)
 
     @classmethod
     def of(cls, pool: Any, graphs: dict, n: int, device: torch.device, hot: HotRows | None = None
@@ -249,18 +254,32 @@ def unit_bytes(pool: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def seal_groups(pool: Any, rows: int) -> list[list[int]]:
+    """The layers a seal graph seals together, ``rows`` rows each: groups of about
+    :data:`GROUP_BYTES` of float keys and values."""
+    each = 2 * rows * pool.head_dim * pool.dtype.itemsize
+    n, size = len(pool.layers), max(1, GROUP_BYTES // max(each, 1))
+    return [list(range(first, min(first + size, n))) for first in range(0, n, size)]
+
+
+# A seal graph reads, quantizes and writes the units of a group of layers of about this many bytes
+# of float keys and values at once (one gather, one quantization per width, one write of each of
+# the pool's tensors), not layer by layer: ~60 kernels a layer made a graph of ~2,000 nodes at 32
+# layers, whose launch took 3-6 ms of host time at batch 24 on the H100, and as long on the device
+# (~5 us a small kernel). The group's temporaries (a few times this) live in the graph's pool.
+GROUP_BYTES = 32 << 20
+
+
 def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: list[torch.cuda.Stream],
                 hot: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """The device work of :func:`seal_tails`, indices on the device: units (N,) and their tail
-    rows (N * block_size,), -1 for none; layers spread over the current stream and ``side``
-    streams (forked from it and joined back); ``hot``: (HotRows's layers, each unit's slot table
-    row and block start on the device). Returns (each unit's relative error (2 * layers, N), the units by
-    width (a pool of several widths; else None), bytes written for N units (a pool of one width))."""
+    rows (N * block_size,), -1 for none; groups of layers (:func:`seal_groups`) spread over the
+    current stream and ``side`` streams (forked from it and joined back); ``hot``: (HotRows's
+    layers, each unit's slot table row and block start on the device). Returns (each unit's
+    relative error (2 * layers, N), the units by width (a pool of several widths; else None),
+    bytes written for N units (a pool of one width))."""
     bs, dev = pool.block_size, units_d.device
     unit_rows = torch.where(units_d[:, None] >= 0, units_d[:, None] * bs + torch.arange(bs, device=dev), -1).reshape(-1)
-    into = torch.arange(tail_d.numel(), device=dev)
-    # the writes' lists of entries to take (-1: a unit not sealed), the same at every layer: made once
-    takes = [(w, torch.where(w >= 0, torch.arange(w.numel(), device=dev), -1)) for w in (units_d, unit_rows)]
     errors: list[torch.Tensor] = []
     counts: list[torch.Tensor] = []
     written = 0
@@ -268,40 +287,39 @@ def _graph_seal(pool: Any, tail_d: torch.Tensor, units_d: torch.Tensor, side: li
     streams = [main, *side]
     for st in side:
         st.wait_stream(main)
-    for layer in range(len(pool.layers)):
-        with torch.cuda.stream(streams[layer % len(streams)]):
-            layer_hot = None if hot is None else (*hot[0][layer], hot[1], hot[2])
-            written += _seal_layer(pool, layer, tail_d, units_d, unit_rows, into, errors, counts, layer_hot, takes)
+    for i, layers in enumerate(seal_groups(pool, tail_d.numel())):
+        with torch.cuda.stream(streams[i % len(streams)]):
+            group_hot = None if hot is None else ([hot[0][layer] for layer in layers], hot[1], hot[2])
+            written += _seal_group(pool, layers, tail_d, units_d, unit_rows, errors, counts, group_hot)
     for st in side:
         main.wait_stream(st)
     by_width = torch.stack(counts).view(-1, 2, len(pool.widths)).sum(0) if counts else None   # (k/v, widths)
-    return torch.stack(errors), by_width, written
+    return torch.cat(errors), by_width, written
 
 
-def _seal_layer(pool: Any, layer: int, tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
-                into: torch.Tensor, errors: list, counts: list, hot: tuple | None = None,
-                takes: list | None = None) -> int:
-    """One layer of :func:`_graph_seal` on the current stream: each unit's error appended to
-    ``errors``, and in a pool of several widths its keys' and its values' units by width to
-    ``counts``; ``takes``: :func:`_write_units`'s. Returns the bytes written (a pool of one width)."""
-    D, bs, dev = pool.head_dim, pool.block_size, units_d.device
+def _seal_group(pool: Any, layers: list[int], tail_d: torch.Tensor, units_d: torch.Tensor, unit_rows: torch.Tensor,
+                errors: list, counts: list, hot: tuple | None = None) -> int:
+    """The seal of ``layers`` (:func:`_graph_seal`'s indices) on the current stream, their units
+    quantized together: each unit's error appended to ``errors`` ((G, N) for keys, then for
+    values), and in a pool of several widths the group's keys' and its values' units by width to
+    ``counts``; ``hot``: the layers' hot buffers (:func:`_read_group`). Returns the bytes written
+    (a pool of one width)."""
+    D, bs, dev, G = pool.head_dim, pool.block_size, units_d.device, len(layers)
     written = 0
-    ko = torch.zeros(tail_d.numel(), D, dtype=pool.dtype, device=dev)      # padding stays 0
-    vo = torch.zeros_like(ko)
-    pool.prepare(layer, dev)
-    _read_tails(pool, layer, tail_d, into, ko, vo, hot)
-    for x, prefix in ((ko.view(-1, bs, D), "k"), (vo.view(-1, bs, D), "v")):
+    for layer in layers:
+        pool.prepare(layer, dev)
+    kv = _read_group(pool, layers, tail_d, hot)
+    for x, prefix in ((kv[0].reshape(-1, bs, D), "k"), (kv[1].reshape(-1, bs, D), "v")):   # (G * N, bs, D)
         layout = LAYOUT[prefix]
-        at = unit_rows if layout == "token" else units_d
         if pool.fixed_bits is not None:
+            bits: int | torch.Tensor = pool.fixed_bits
             packed, scale, zero, err = quantize_roundtrip(x, pool.fixed_bits, layout)
-            _write_units(pool, layer, prefix, units_d, unit_rows, at, pool.fixed_bits, packed, scale, zero, True, takes)
             written += packed.numel() + 2 * scale.numel() * scale.element_size()
         else:
             bits, packed, scale, zero, err = _at_chosen_widths(pool, x, layout)
-            _write_units(pool, layer, prefix, units_d, unit_rows, at, bits, packed, scale, zero, True, takes)
-            counts.append(torch.stack([((bits == w) & (units_d >= 0)).sum() for w in pool.widths]))
-        errors.append(err)
+            counts.append(torch.stack([((bits.view(G, -1) == w) & (units_d >= 0)).sum() for w in pool.widths]))
+        _write_units(pool, layers, prefix, units_d, unit_rows, bits, packed, scale, zero)
+        errors.append(err.view(G, -1))
     return written
 
 
@@ -410,7 +428,7 @@ def store_units(pool: Any, layer: int, prefix: str, units: torch.Tensor, x: torc
         # channel pairs (N, D) go to the units' entries, token pairs (N, T) to the rows'
         at = rows if LAYOUT[prefix] == "token" else u
         if gpu:
-            _write_units(pool, layer, prefix, *(_on(t, x.device, staged) for t in (u, rows, at)), b, *out[:3])
+            _write_units(pool, [layer], prefix, *(_on(t, x.device, staged) for t in (u, rows)), b, *out[:3])
             events.pending.append(out[3])
         else:
             packed, scale, zero, err = (t.cpu() for t in out)
@@ -439,31 +457,24 @@ def _on(t: torch.Tensor, dev: torch.device, staged: dict | None) -> torch.Tensor
     return staged[key]
 
 
-def _write_units(pool: Any, layer: int, prefix: str, u_d: torch.Tensor, rows_d: torch.Tensor, at_d: torch.Tensor,
-                 b: int | torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 skip: bool = False, takes: list | None = None) -> None:
-    """Write quantized units from the GPU into the pinned pool (and the bits' device mirror)
-    with the row-copy kernel, in stream order: nothing waits for the device. u_d, rows_d, at_d:
-    the units, their rows and where the pairs go (rows or units), on the GPU; b: their width,
-    or each unit's (N,) on the GPU; skip: entries -1 there are not written; ``takes``: (list,
-    the entries to take of it) made before for some of those lists (a seal's layers share them)."""
-    store, dev, P = pool.layers[layer], packed.device, packed.shape[-1]
-
-    def put(src: torch.Tensor, dst: torch.Tensor, where: torch.Tensor) -> None:
-        src2 = src.to(dst.dtype).reshape(where.numel(), -1)
-        take = next((t for w, t in takes or () if w is where), None)
-        if take is None:
-            take = torch.arange(where.numel(), device=dev)
-            take = torch.where(where >= 0, take, -1) if skip else take
-        swap_in(src2, take, dst.view(dst.shape[0], -1), where)
-
-    widths = (torch.full((u_d.numel(), 1), b, dtype=torch.uint8, device=dev) if isinstance(b, int)
-              else b.to(torch.uint8).view(-1, 1))
+def _write_units(pool: Any, layers: list[int], prefix: str, u_d: torch.Tensor, rows_d: torch.Tensor,
+                 b: int | torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    """Write quantized units of ``layers`` (each layer's units u_d (N,) and their rows_d (N *
+    block_size,) on the device, -1: none; packed, scale and zero of the G * N units, layer by layer)
+    into the pinned pool and the bits' device mirror, one row-copy kernel per tensor for every
+    layer, in stream order: nothing waits for the device. b: their width, or each unit's (G * N,)
+    on the device."""
+    G, N, dev, P = len(layers), u_d.numel(), packed.device, packed.shape[-1]
+    stores = [pool.layers[layer] for layer in layers]
+    at_d = rows_d if LAYOUT[prefix] == "token" else u_d        # where the scale / zero pairs go
+    widths = (torch.full((G, N), b, dtype=torch.uint8, device=dev) if isinstance(b, int)
+              else b.to(torch.uint8).view(G, N))
     for src, name, where in ((packed, "packed", rows_d), (scale, "scale", at_d), (zero, "zero", at_d),
                              (widths, "bits", u_d)):
-        put(src, store[f"{prefix}_{name}"][:, :P] if name == "packed" else store[f"{prefix}_{name}"], where)
-    mirror = pool._bits_on.get((layer, prefix))
-    if mirror is not None and skip:
-        put(widths, mirror, u_d)
-    elif mirror is not None:
-        mirror[u_d] = b
+        dsts = [store[f"{prefix}_{name}"][:, :P] if name == "packed" else store[f"{prefix}_{name}"] for store in stores]
+        scatter_layers(src.to(dsts[0].dtype).reshape(G, where.numel(), *dsts[0].shape[1:]), dsts, where)
+    mirrors = [pool._bits_on.get((layer, prefix)) for layer in layers]
+    have = [i for i, mirror in enumerate(mirrors) if mirror is not None]
+    if have:
+        on = [mirrors[i] for i in have]
+        scatter_layers((widths[have] if len(have) < G else widths).to(on[0].dtype), on, u_d)

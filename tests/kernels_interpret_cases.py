@@ -82,6 +82,38 @@ def _gather_layers(dtype: torch.dtype, row: tuple, every: int) -> None:
         _need(torch.equal(out[layer], want), f"layer {layer}'s rows differ")
 
 
+def _gather_layers_own_rows() -> None:
+    """gather_layers with each layer's own rows (L, M): layer l reads rows[l]; -1 reads zeros."""
+    g = torch.Generator().manual_seed(4)
+    srcs = [torch.randn(n, 6, generator=g) for n in (9, 12, 10)]
+    rows = torch.tensor([[8, -1, 0, 3], [11, 2, -1, 2], [-1, -1, 9, 0]])
+    out = K.gather_layers(srcs, rows)
+    for layer, t in enumerate(srcs):
+        want = t[rows[layer].clamp_min(0)].clone()
+        want[rows[layer] < 0] = 0
+        _need(torch.equal(out[layer], want), f"layer {layer}'s rows differ")
+
+
+def _scatter_layers(dtype: torch.dtype, row: tuple, own: bool, column: bool) -> None:
+    """scatter_layers (rows of one (L, M, ...) tensor into L tensors in one launch) against
+    writing each layer's rows: rows shared (M,) or each layer's own (L, M), -1 rows writing
+    nothing; ``column``: destinations that are a column slice of wider rows (a pool's packed rows
+    at a narrower width), whose other columns stay."""
+    g = torch.Generator().manual_seed(5)
+    wide = (row[0] + 4, *row[1:]) if column else row
+    dsts = [(torch.randn(n, *wide, generator=g) * 50).to(dtype) for n in (9, 12, 10)]
+    before = [t.clone() for t in dsts]
+    views = [t[:, :row[0]] if column else t for t in dsts]
+    rows = torch.tensor([[8, -1, 0, 3], [11, 2, -1, 5], [-1, 4, 9, 1]]) if own else torch.tensor([8, -1, 0, 3])
+    src = (torch.randn(3, 4, *row, generator=g) * 50).to(dtype)
+    K.scatter_layers(src, views, rows)
+    for layer, t in enumerate(dsts):
+        r = rows[layer] if own else rows
+        want = before[layer].clone()
+        want[r[r >= 0], :row[0]] = src[layer][r >= 0]
+        _need(torch.equal(t, want), f"layer {layer} differs")
+
+
 def _swap_skip(bits: int | None) -> None:
     """A source row of -1 copies nothing (fixed-width row lists of a graph-captured decode step)."""
     d, t = 16, 8
@@ -1164,6 +1196,11 @@ CASES: dict[str, Callable[[], None]] = {
     "gather_layers-bf16-rows": lambda: _gather_layers(torch.bfloat16, (4, 6), 1),
     "gather_layers-fp32-strided": lambda: _gather_layers(torch.float32, (5,), 2),
     "gather_layers-uint8-torch": lambda: _gather_layers(torch.uint8, (7,), 1),
+    "gather_layers-own-rows": _gather_layers_own_rows,
+    "scatter_layers-uint8-words-column": lambda: _scatter_layers(torch.uint8, (8,), False, True),
+    "scatter_layers-fp16-halves-own": lambda: _scatter_layers(torch.float16, (1,), True, False),
+    "scatter_layers-uint8-bytes-own": lambda: _scatter_layers(torch.uint8, (1,), True, False),
+    "scatter_layers-bf16-rows": lambda: _scatter_layers(torch.bfloat16, (4, 6), False, False),
     "swap_in_dequant-skips-minus-one": lambda: _swap_skip(4),
     **{f"swap_in_dequant-{b}bit": (lambda b=b: _swap_dequant(b)) for b in (4, 5, 6, 8)},
     **{f"swap_in_dequant-{b}bit-d64": (lambda b=b: _swap_dequant(b, 64)) for b in (4, 5, 6, 8)},

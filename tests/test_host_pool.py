@@ -237,14 +237,13 @@ def test_the_device_indices_of_a_seal_are_staged_once_for_every_layer():
             for prefix in ("k", "v"):
                 x = torch.randn(4, BS, D, generator=g)
                 packed, scale, zero, _ = quantize_roundtrip(x, 4, LAYOUT[prefix])
-                at = rows if LAYOUT[prefix] == "token" else u
                 for hp, how in zip(pools, (None, staged)):
-                    on = [host_seal._on(t, torch.device("cpu"), how) for t in (u, rows, at)]
-                    host_seal._write_units(hp, layer, prefix, *on, 4, packed, scale, zero)
+                    on = [host_seal._on(t, torch.device("cpu"), how) for t in (u, rows)]
+                    host_seal._write_units(hp, [layer], prefix, *on, 4, packed, scale, zero)
     finally:
         host_seal.to_device = real
     assert len(staged) == 2                                       # rows and units, whatever the layout
-    assert len(copies) == 2 * 2 * 3 + 2                           # 3 a call without, 2 once with
+    assert len(copies) == 2 * 2 * 2 + 2                           # 2 a call without, 2 once with
     for layer in range(2):
         for name, t in pools[0].layers[layer].items():
             assert torch.equal(t, pools[1].layers[layer][name]), (layer, name)
@@ -396,11 +395,14 @@ def test_pending_errors_are_counted_as_observing_each_one_counts():
     assert got.counts == want.counts and got.sum == pytest.approx(want.sum) and dec._pending_errors == []
 
 
+@pytest.mark.parametrize("groups", [[[0], [1]], [[0, 1]]], ids=["layer-by-layer", "layers-together"])
 @pytest.mark.parametrize("bits", [4, "auto", "budget"])
-def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(bits):
-    """The body a seal graph records (host_seal._seal_layer: indices on the device, every width
-    chosen there, each unit quantized at every width and its own kept, units counted by width),
-    run eagerly on the CPU: the same pool bytes, errors and units by width as seal_tails op by op."""
+def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(bits, groups):
+    """The body a seal graph records (host_seal._seal_group: indices on the device, a group of
+    layers read, quantized and written together, every width chosen there, each unit quantized at
+    every width and its own kept, units counted by width), run eagerly on the CPU, one layer a
+    group and both layers in one: the same pool bytes, errors and units by width as seal_tails op
+    by op."""
     from hi_sparse import host_seal
 
     g = torch.Generator().manual_seed(4)
@@ -420,9 +422,8 @@ def test_the_graph_seals_layer_arithmetic_writes_what_the_op_by_op_seal_writes(b
     tail = (hp.unit_rows(torch.tensor(slots)[:, None], torch.arange(H)[None])[..., None] + torch.arange(BS)).reshape(-1)
     unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
     errors, counts = [], []
-    ours = sum(host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.arange(tail.numel()), errors, counts)
-               for layer in range(L))
-    assert torch.equal(torch.cat(errors).sort().values, torch.tensor(ev.errors).sort().values)
+    ours = sum(host_seal._seal_group(hp, layers, tail, units, unit_rows, errors, counts) for layers in groups)
+    assert torch.equal(torch.cat(errors).flatten().sort().values, torch.tensor(ev.errors).sort().values)
     if bits == 4:
         assert ours == written and not counts
     else:
@@ -500,7 +501,8 @@ def test_a_seal_reads_the_rows_the_hot_buffers_hold_there_and_the_rest_from_the_
     """host_seal.HotRows: a row a layer's hot buffer holds (at whatever slot its slot -> token
     table says) is read there, the others from the float tail. Blocks whose held rows have garbage in their
     tails seal to what true tails seal to: op by op (seal_tails) and in the body a seal graph
-    records (_seal_layer), both run here on the CPU."""
+    records (_seal_group: layer 0 alone, then both layers together, in another order), both run
+    here on the CPU."""
     from hi_sparse import host_seal
 
     g = torch.Generator().manual_seed(7)
@@ -540,9 +542,8 @@ def test_a_seal_reads_the_rows_the_hot_buffers_hold_there_and_the_rest_from_the_
     tail = (hp.unit_rows(torch.tensor(slots)[:, None], torch.arange(H)[None])[..., None] + torch.arange(BS)).reshape(-1)
     unit_rows = (units[:, None] * BS + torch.arange(BS)).reshape(-1)
     at = hot.where(H)
-    for layer in range(L):
-        host_seal._seal_layer(hp, layer, tail, units, unit_rows, torch.arange(tail.numel()),
-                              [], [], (*layers[layer], *at))
+    host_seal._seal_group(hp, [0], tail, units, unit_rows, [], [], ([layers[0]], *at))
+    host_seal._seal_group(hp, [1, 0], tail, units, unit_rows, [], [], ([layers[1], layers[0]], *at))
     for layer in range(L):
         for name, t in pools[0].layers[layer].items():
             if not name.endswith("_tail"):                       # (the tails differ: garbage where held)

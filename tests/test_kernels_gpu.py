@@ -109,6 +109,39 @@ def test_gather_layers_reads_every_layer_at_its_address(where):
         assert torch.equal(out[layer], want), layer
 
 
+@pytest.mark.parametrize("where", ["registered", "pin_memory", "device"])
+def test_scatter_layers_writes_every_layer_at_its_address(where):
+    """scatter_layers on the GPU into a table of the destinations' device addresses (a seal's
+    writes of its layers' units into the pool: host memory page-locked in place, torch's pinned
+    allocations, or the bits' device mirrors): packed rows as a column slice of wider rows, 2-byte
+    and 1-byte rows, each layer's own rows or shared ones; a row of -1 writes nothing."""
+    from hi_sparse.pinned import pin
+    g = torch.Generator().manual_seed(6)
+    for row, dtype, own in (((64,), torch.uint8, False), ((), torch.float16, True), ((), torch.uint8, True)):
+        wide = (row[0] + 32,) if row else ()
+        dsts = [(torch.randn(n, *wide, generator=g) * 50).to(dtype) for n in (300, 257, 512)]
+        if where == "registered":
+            for t in dsts:
+                pin(t)
+        dsts = [t.pin_memory() if where == "pin_memory" else t.cuda() if where == "device" else t for t in dsts]
+        before = [t.cpu() for t in dsts]
+        views = [t[:, :row[0]] if row else t for t in dsts]
+        shared = torch.tensor([256, -1, 0, 17, 255, -1, 3, 100, 42, 7, 200])      # each row once
+        rows = torch.stack([shared, shared.roll(1), shared.roll(2)]) if own else shared
+        src = (torch.randn(3, shared.numel(), *row, generator=g) * 50).to(dtype)
+        _poison_allocator()
+        K.scatter_layers(src.cuda(), views, rows.cuda())
+        torch.cuda.synchronize()
+        for layer, t in enumerate(dsts):
+            r = rows[layer] if own else rows
+            want = before[layer].clone()
+            if row:
+                want[r[r >= 0], :row[0]] = src[layer][r >= 0]
+            else:
+                want[r[r >= 0]] = src[layer][r >= 0]
+            assert torch.equal(t.cpu(), want), (row, dtype, layer)
+
+
 def test_swap_in_device_to_device():
     src = torch.randn(500, 128, device="cuda", dtype=torch.bfloat16)
     dst = torch.full((64, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
