@@ -27,10 +27,13 @@ from .config import QUANT_BITS as BITS  # the widths the catalogue counts blocks
 HIST_BINS = 32
 
 
-def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
-    """||x - x_hat|| / ||x|| per unit. x, x_hat: (N, T, D) -> (N,) fp32."""
-    num = (x.float() - x_hat.float()).flatten(1).norm(dim=1)
-    den = x.float().flatten(1).norm(dim=1).clamp_min(1e-12)
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+    """||x - x_hat|| / ||x|| per unit. x, x_hat: (N, T, D) -> (N,) fp32. ``reuse``: x_hat is an
+    fp32 temporary of the caller's, overwritten with the difference (a seal's quantization of a
+    group of layers makes ~40 MB of them a width: no second copy, and x is read in its own dtype)."""
+    diff = x_hat.sub_(x) if reuse and x_hat.dtype == torch.float32 else x_hat.float() - x.float()
+    num = torch.linalg.vector_norm(diff.flatten(1), dim=1)
+    den = torch.linalg.vector_norm(x.flatten(1), dim=1, dtype=torch.float32).clamp_min(1e-12)
     return num / den
 
 
@@ -46,7 +49,7 @@ def quantize_roundtrip(x: torch.Tensor, bits: int,
     error (N,) of each unit: the per-block error the catalogue's histogram counts)."""
     packed, scale, zero = quantize_blocks(x, bits, layout)
     x_hat = dequantize_blocks(packed, scale, zero, bits, x.shape[-1], dtype=torch.float32, layout=layout)
-    return packed, scale, zero, relative_error(x, x_hat)
+    return packed, scale, zero, relative_error(x, x_hat, reuse=True)
 
 
 def peak_separation(x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +135,7 @@ class ErrorBudgetPolicy:
         sync (a CUDA graph of the seal holds it)."""
         chosen = torch.full((x.shape[0],), self.widths[-1], dtype=torch.int64, device=x.device)
         for b in reversed(self.widths[:-1]):       # the narrowest within the budget wins
-            err = relative_error(x, fake_quantize_blocks(x, b, layout))
+            err = relative_error(x, fake_quantize_blocks(x, b, layout), reuse=True)
             chosen = torch.where(err <= self.budget, b, chosen)
         return chosen
 
