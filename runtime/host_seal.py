@@ -160,8 +160,8 @@ def seal_graph(pool: Any, graphs: dict | None, n: int, device: torch.device,
 class SealGraph:
     """:func:`seal_tails` of up to N units (a pinned pool on a GPU whose widths are chosen there)
     as one CUDA graph: the tail rows gathered, widths chosen, quantized and written at every
-    layer. Op by op that is ~80 launches a layer, ~250 ms of host time a step at 32 layers;
-    replayed, two index copies and one launch. A pool of several widths quantizes every unit at
+    layer, a group of layers at a time (:func:`seal_groups`). Op by op that is ~80 launches a
+    layer, ~250 ms of host time a step at 32 layers; replayed, two index copies and one launch. A pool of several widths quantizes every unit at
     each width and keeps its chosen one (its counts by width read back at the step's end).
     Fewer units are padded with -1 (no row read or written; their errors dropped). Captured
     (recorded, not run) once per N (the engine does it as it captures a batch's step); kept while
@@ -171,8 +171,8 @@ class SealGraph:
     warning, once)."""
 
     KEEP = 4                                 # graphs kept (batch sizes), each with its memory pool
-    # the layers' seals are independent: spread over this many streams in the graph, their small
-    # writes to the pinned pool (latency-bound) overlap (bench_seal_graph.py --streams)
+    # the groups' seals are independent: spread over this many streams in the graph, their
+    # writes to the pinned pool overlap (bench_seal_graph.py --streams)
     STREAMS = 4
 
     def __init__(self, key: tuple, pool: Any, n: int, device: torch.device, hot: HotRows | None = None) -> None:
