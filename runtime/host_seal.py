@@ -161,14 +161,14 @@ class SealGraph:
     """:func:`seal_tails` of up to N units (a pinned pool on a GPU whose widths are chosen there)
     as one CUDA graph: the tail rows gathered, widths chosen, quantized and written at every
     layer, a group of layers at a time (:func:`seal_groups`). Op by op that is ~80 launches a
-    layer, ~250 ms of host time a step at 32 layers; replayed, two index copies and one launch. A pool of several widths quantizes every unit at
-    each width and keeps its chosen one (its counts by width read back at the step's end).
-    Fewer units are padded with -1 (no row read or written; their errors dropped). Captured
-    (recorded, not run) once per N (the engine does it as it captures a batch's step); kept while
-    the pool's buffers stay where they are and for the last few N (a pool that outgrew its space
-    moved them: captured again; its kernels read and write the pool by address and row, never by
-    its size, so one grown in place keeps it). A capture that fails leaves the seal op by op (a
-    warning, once)."""
+    layer, ~250 ms of host time a step at 32 layers; replayed, two index copies and one launch.
+    A pool of several widths quantizes every unit at each width and keeps its chosen one (its
+    counts by width read back at the step's end). Fewer units are padded with -1 (no row read or
+    written; their errors dropped). Captured (recorded, not run) once per N (the engine does it
+    as it captures a batch's step); kept while the pool's buffers stay where they are and for the
+    last few N (a pool that outgrew its space moved them: captured again; its kernels read and
+    write the pool by address and row, never by its size, so one grown in place keeps it). A
+    capture that fails leaves the seal op by op (a warning, once)."""
 
     KEEP = 4                                 # graphs kept (batch sizes), each with its memory pool
     # the groups' seals are independent: spread over this many streams in the graph, their
