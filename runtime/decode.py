@@ -41,7 +41,7 @@ from .key_bounds import bucket, key_blocks  # noqa: F401 (bucket re-exported)
 from .layers import KVShape, LayerRows
 from .metrics import DEVICE_COUNTERS, RuntimeMetrics
 from .recalibration import remember_queries
-from .row_bank import copies_together, staged_view
+from .row_bank import staged_view
 from .selection import bound_scores, candidate_blocks, select
 from .sequences import Sequence, SequenceTable
 from .storage import Storage
@@ -428,10 +428,8 @@ class Decoder:
         starts = [s.lengths[0] for s in seqs]
         L, n_max = len(self.layers), max(starts) + 1
         clocks = []
-        with copies_together():          # (a key's change: every layer's growths, one copy a kind)
-            for rows in self.layers:
-                rows.make_room(n_max, self.cfg)
         for rows in self.layers:
+            rows.make_room(n_max, self.cfg)
             self.host.prepare(rows.index, rows.device)
             rows.hot.room_for(ticks(inserted=1) + self._attend_ticks)   # both: else the append's may pass the attend's
             clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))

@@ -45,7 +45,7 @@ from hi_sparse.kernels.lru import (
     reference_install_slots,
 )
 
-from .row_bank import copy_prefix, in_staged_view
+from .row_bank import in_staged_view
 
 STAMP = torch.int32
 STAMP_MAX = torch.iinfo(STAMP).max
@@ -171,7 +171,7 @@ class HotBufferBank:
         if staged:
             self._staged_map = have
             return
-        copy_prefix(have, self._token_slot_s, 1)
+        have[:, :1 + cap] = self._token_slot_s
         self._token_slot_s = have
 
     def copy_row(self, src: int, dst: int, count: int = 1) -> None:

@@ -16,9 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hi_sparse.kernels import gather_layers, scatter_layers
-from hi_sparse.kernels._dispatch import use_triton
-
 _VIEW = threading.local()
 
 
@@ -36,52 +33,6 @@ def staged_view() -> Iterator[None]:
 
 def in_staged_view() -> bool:
     return getattr(_VIEW, "staged", False)
-
-
-@contextlib.contextmanager
-def copies_together() -> Iterator[None]:
-    """In this thread, the copies growths make (:meth:`RowBank.grow`, a hot buffer's token map:
-    :func:`copy_prefix`) wait for the block's end and are made there together: on a GPU, the
-    copies of one shape for every layer in one gather and one write (kernels.gather_layers,
-    scatter_layers). A step key's change grows ~7 tensors a layer; at 32 layers their ~224 copies
-    took ~6 ms of host launches in the step's preparation on the H100."""
-    pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-    _VIEW.copies = pending
-    try:
-        yield
-    finally:
-        _VIEW.copies = None
-        _copy_all(pending)
-
-
-def copy_prefix(new: torch.Tensor, old: torch.Tensor, axis: int) -> None:
-    """Copy ``old`` into the leading part of contiguous ``new`` along ``axis`` (the other dims
-    alike), now or at the end of a :func:`copies_together` block."""
-    pending = getattr(_VIEW, "copies", None)
-    if pending is None:
-        new.narrow(axis, 0, old.shape[axis]).copy_(old)
-    else:
-        pending.append((new, old, axis))
-
-
-def _copy_all(pending: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
-    """:func:`copy_prefix`'s copies, as rows (those of the dims before ``axis``) of a prefix of
-    each row: the copies of one layout together where Triton runs (rows of whole words)."""
-    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for new, old, axis in pending:
-        if old.numel() == 0:
-            continue
-        rows = old.shape[:axis].numel()
-        src, dst = old.reshape(rows, -1), new.view(rows, -1)[:, :old[(0,) * axis].numel()]
-        together = use_triton(src) and src.shape[1] * src.element_size() % 4 == 0
-        key = (src.device, src.dtype, tuple(src.shape), tuple(dst.stride())) if together else len(groups)
-        groups.setdefault(key, []).append((dst, src))
-    for pairs in groups.values():
-        if len(pairs) == 1:
-            pairs[0][0].copy_(pairs[0][1])
-            continue
-        rows = torch.arange(pairs[0][1].shape[0], device=pairs[0][1].device)
-        scatter_layers(gather_layers([src for _, src in pairs], rows), [dst for dst, _ in pairs], rows)
 
 
 @dataclass
@@ -143,10 +94,11 @@ class RowBank:
             return
         staged = self._staged.pop(name, None)
         k = self._kinds[name]
+        old = k.shape[dim]
         k.shape[dim] = size
         new = staged if staged is not None and tuple(staged.shape) == shape else \
             torch.full(shape, k.fill, dtype=k.dtype, device=self.device)
-        copy_prefix(new, self._t[name], dim + 1)
+        new.narrow(dim + 1, 0, old).copy_(self._t[name])
         self._t[name] = new
 
     def stage(self, name: str, dim: int, size: int) -> None:

@@ -114,58 +114,6 @@ def _scatter_layers(dtype: torch.dtype, row: tuple, own: bool, column: bool) -> 
         _need(torch.equal(t, want), f"layer {layer} differs")
 
 
-def _copies_together() -> None:
-    """row_bank.copies_together: the growths of three layers' banks (bounds, a per-block float
-    and bool kind) and token maps, their copies made at the block's end a kind for every layer
-    in one gather and one write, hold what growths copied one by one hold."""
-    from hi_sparse.row_bank import RowBank, copies_together, copy_prefix
-
-    g = torch.Generator().manual_seed(8)
-
-    def banks() -> tuple[list[RowBank], list[torch.Tensor]]:
-        made = []
-        for _ in range(3):
-            bank = RowBank("cpu")
-            bank.add("kmin", (2, 0, 6), torch.bfloat16, float("inf"))
-            bank.add("importance", (0,), torch.float32, 0.0)
-            bank.add("holes", (0,), torch.bool, False)
-            bank.grow_rows(3)
-            bank.grow("kmin", 1, 4)
-            bank.grow("importance", 0, 4)
-            bank.grow("holes", 0, 8)
-            made.append(bank)
-        return made, [torch.full((6, 5), -1, dtype=torch.int64) for _ in range(3)]
-
-    one, maps_one = banks()
-    both, maps_both = banks()
-    for a, b, m, n in zip(one, both, maps_one, maps_both):
-        for name, t in a.t.items():
-            x = torch.randn(t.shape, generator=g) > 0 if t.dtype == torch.bool else torch.randn(t.shape, generator=g)
-            t.copy_(x)
-            b.t[name].copy_(x)
-        m.copy_(torch.randint(-1, 9, m.shape, generator=g))
-        n.copy_(m)
-
-    def grown(made: list[RowBank], maps: list[torch.Tensor]) -> list[torch.Tensor]:
-        out = []
-        for bank, old in zip(made, maps):
-            bank.grow("kmin", 1, 7)
-            bank.grow("importance", 0, 12)
-            bank.grow("holes", 0, 16)
-            new = torch.full((6, 9), -1, dtype=torch.int64)
-            copy_prefix(new, old, 1)
-            out.append(new)
-        return out
-
-    want = grown(one, maps_one)
-    with copies_together():
-        got = grown(both, maps_both)
-    for a, b in zip(one, both):
-        for name, t in a.t.items():
-            _need(torch.equal(t, b.t[name]), f"{name} differs")
-    _need(all(torch.equal(a, b) for a, b in zip(want, got)), "a token map differs")
-
-
 def _swap_skip(bits: int | None) -> None:
     """A source row of -1 copies nothing (fixed-width row lists of a graph-captured decode step)."""
     d, t = 16, 8
@@ -1249,7 +1197,6 @@ CASES: dict[str, Callable[[], None]] = {
     "gather_layers-fp32-strided": lambda: _gather_layers(torch.float32, (5,), 2),
     "gather_layers-uint8-torch": lambda: _gather_layers(torch.uint8, (7,), 1),
     "gather_layers-own-rows": _gather_layers_own_rows,
-    "row_bank-copies-together": _copies_together,
     "scatter_layers-uint8-words-column": lambda: _scatter_layers(torch.uint8, (8,), False, True),
     "scatter_layers-fp16-halves-own": lambda: _scatter_layers(torch.float16, (1,), True, False),
     "scatter_layers-uint8-bytes-own": lambda: _scatter_layers(torch.uint8, (1,), True, False),
