@@ -136,13 +136,14 @@ def seal_tails(pool: Any, items: list[tuple[int, int]], device: torch.device, gr
     at = None if where is None else tuple(to_device(t, device) for t in where)
     staged: dict = {}
     written = 0
-    for layer in range(len(pool.layers)):
-        pool.prepare(layer, device)
-        kv = _read_group(pool, [layer], tail_d, None if at is None else ([hot.layers[layer]], *at))
-        k, v = kv[0, 0].view(-1, bs, D), kv[1, 0].view(-1, bs, D)       # units (I*H, bs, D), as `units`
-        kb, vb = pool.policy.choose(k, v)
-        for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
-            written += store_units(pool, layer, prefix, units, x, bits, events, staged)
+    for layers in seal_groups(pool, rows.numel()):     # (read as the graph does: few address tables)
+        kv = _read_group(pool, layers, tail_d, None if at is None else ([hot.layers[i] for i in layers], *at))
+        for j, layer in enumerate(layers):
+            pool.prepare(layer, device)
+            k, v = kv[0, j].view(-1, bs, D), kv[1, j].view(-1, bs, D)    # units (I*H, bs, D), as `units`
+            kb, vb = pool.policy.choose(k, v)
+            for x, bits, prefix in ((k, kb, "k"), (v, vb, "v")):
+                written += store_units(pool, layer, prefix, units, x, bits, events, staged)
     return written, events
 
 
@@ -459,11 +460,10 @@ def _on(t: torch.Tensor, dev: torch.device, staged: dict | None) -> torch.Tensor
 
 def _write_units(pool: Any, layers: list[int], prefix: str, u_d: torch.Tensor, rows_d: torch.Tensor,
                  b: int | torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-    """Write quantized units of ``layers`` (each layer's units u_d (N,) and their rows_d (N *
-    block_size,) on the device, -1: none; packed, scale and zero of the G * N units, layer by layer)
-    into the pinned pool and the bits' device mirror, one row-copy kernel per tensor for every
-    layer, in stream order: nothing waits for the device. b: their width, or each unit's (G * N,)
-    on the device."""
+    """Write quantized units of ``layers`` (each layer's units u_d (N,) and rows_d (N * block_size,)
+    on the device, -1: none; packed, scale and zero of the G * N units, layer by layer) into the
+    pinned pool and the bits' device mirror, one row-copy kernel a tensor for every layer, in
+    stream order (nothing waits for the device). b: their width, or each unit's (G * N,)."""
     G, N, dev, P = len(layers), u_d.numel(), packed.device, packed.shape[-1]
     stores = [pool.layers[layer] for layer in layers]
     at_d = rows_d if LAYOUT[prefix] == "token" else u_d        # where the scale / zero pairs go
