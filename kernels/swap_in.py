@@ -232,7 +232,8 @@ def scatter_layers(src: torch.Tensor, dsts: list[torch.Tensor], rows: torch.Tens
         return
     flat = src.reshape(L, M, -1).contiguous()
     word = _word(dsts, flat.shape[-1] * flat.element_size())
-    if word and all(device_path(flat, t, rows) for t in dsts):
+    # (one layer: swap_in's launch, without an address table to make for its destination)
+    if word and L > 1 and all(device_path(flat, t, rows) for t in dsts):
         kernel_module("_swap_in_triton").scatter_layers(_layer_table(dsts, src.device), dsts, rows.contiguous(),
                                                         flat, word)
         return
