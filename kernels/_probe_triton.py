@@ -71,7 +71,9 @@ def pin_one(k, pos, w1, b1, w2, b2, consts, anchor_p, anchors) -> None:
     )
 
 
-@triton.jit
+# the row counts vary by recalibration: one compiled kernel for all (Triton would specialize each
+# on being 1 or a multiple of 16), which the engine loads once at install (step_graph)
+@triton.jit(do_not_specialize=["N", "ROWS", "T", "ITEMS"])
 def _fit_grads_kernel(
     p_x, p_y, p_wn, p_w1, p_c1, p_w2, p_c2, p_g, p_z, N, D, HID, ROWS, T, G, ITEMS,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_Z: tl.constexpr,

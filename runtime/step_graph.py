@@ -47,6 +47,7 @@ import torch
 
 from . import hf_attention, hf_compat
 from .batch_step import _cause, ahead_thread, capture, private_random_state, warm_blas
+from .probe import ImportanceProbe, fit_params
 from .recalibration import audit_hits
 from .row_bank import staged_view
 from .streams import first_in_line
@@ -332,6 +333,11 @@ def warm_first_launches(engine: Any, device: torch.device) -> None:
         for dtype in (torch.float32, torch.int64):     # the probes' parameters; the anchors (and scores)
             a = torch.zeros(4, dtype=dtype, device=device)
             torch._foreach_copy_([a], [a + 1])
+        # a probe fit's kernels (its Triton kernel with and without the logits, Adam's foreach ops):
+        # else a recalibration's worker meets them first and loads them holding the GIL, beside a
+        # step (the first fit's step took 18-30x the median at batch 1 on the H100)
+        rows = torch.zeros(16, D, device=device), torch.zeros(16, device=device)
+        fit_params([ImportanceProbe(D).to(device)], [rows], steps=2)
 
 
 def install(binding: Any, base_model: torch.nn.Module) -> StepGraphs:

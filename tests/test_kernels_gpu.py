@@ -470,3 +470,29 @@ def test_fit_grads_match_the_torch_ops(P, N, D, HID):
         _, cpu_loss = fit_params(probes, data, steps=30)
         _, gpu_loss = fit_params([p.cuda() for p in probes], [(k.cuda(), t.cuda()) for k, t in data], steps=30)
     assert gpu_loss.cpu() == pytest.approx(cpu_loss, rel=1e-2)
+
+
+def test_the_fit_kernel_is_one_compile_for_every_row_count():
+    """The fit kernel does not specialize on its row counts, which vary by recalibration (1, a
+    multiple of 16 or not): the one kernel the engine loads at install (step_graph.warm_first_launches)
+    serves every fit, and none is loaded beside a step. Each count's gradients still match."""
+    from hi_sparse.kernels import _probe_triton
+    from hi_sparse.kernels.probe import fit_grads, reference_fit_grads
+
+    def kernels() -> int:
+        return len(_probe_triton._fit_grads_kernel.device_caches[torch.cuda.current_device()][0])
+
+    P, D, HID = 3, 128, 64
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(P, D, HID, generator=g) * D ** -0.5, torch.randn(P, HID, generator=g) * 0.1,
+              torch.randn(P, HID, generator=g) * HID ** -0.5, torch.randn(P, generator=g) * 0.1]
+    loaded = None
+    for N in (16, 1, 37, 1000, 4096, 20000):
+        x = torch.randn(P, N, D, generator=g).half().float()
+        y, wn = torch.rand(P, N, generator=g), torch.rand(P, N, generator=g) / N
+        for want_z in (False, True):
+            got, _ = fit_grads(*(t.cuda() for t in (x, y, wn, *params)), want_z=want_z)
+        loaded = kernels() if loaded is None else loaded
+        assert kernels() == loaded, f"{N} rows compiled a kernel of their own"
+        for a, b in zip(got, reference_fit_grads(x, y, wn, *params)[0]):
+            assert _rel(a.cpu(), b) < 1e-2
