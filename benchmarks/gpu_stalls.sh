@@ -12,13 +12,17 @@
 # torch ops (--torch-fit), and at batch 1. `... trace`: the stall profiles at batch 1 and 24 under
 # torch.profiler (--trace), 300 steps each, each stall and a median step read from the timeline
 # (step_trace.py); `trace1` / `trace24` one of them. `... changed`: the gpu tests of the code the
-# twenty-seventh session changed (a seal graph's layers read, quantized and written in groups:
-# gather_layers with each layer's rows, scatter_layers), of the twenty-sixth's (every layer's
+# twenty-eighth session changed (the worker's fit paced, the fit kernel one compile for every
+# row count, loaded at install), of the twenty-seventh's (a seal graph's layers read, quantized and
+# written in groups: gather_layers with each layer's rows, scatter_layers), of the twenty-sixth's (every layer's
 # float tails and recent queries in one gather at a recalibration's start, the driver library
 # loaded in one place) and of the
 # twenty-fifth's (the pages locked ahead, the seal from the hot buffers and its graph uploaded,
 # the first launches warmed at install, captures ahead on one thread, the commit's anchors in one
 # copy).
+# `... pace`: the stall profile at batch 24 with the worker's fit unpaced and at most 2, 4 and 8
+# iterations a step (--fit-per-step; recal_job.FIT_PER_STEP), or PACE_K="8 0 8x1 0x1" (Kx1:
+# at batch 1), one after the other.
 # `... share`: a step's stand-in beside the fit at shares of the SMs (bench_fit.py --shares), and
 # the stall profile at batch 24 with the fit on half and a quarter of them.
 # Carry .whl and .device.
@@ -41,6 +45,13 @@ elif [ "$part" = fit ]; then
     timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps $(($1 == 1 ? 600 : 300)) ${2:-} 2>&1 \
       | tee "$OUT/stalls_fit_b${run// /}.txt" | tail -25
   done
+elif [ "$part" = pace ]; then
+  run=0
+  for k in ${PACE_K:-0 2 4 8}; do
+    b=${k#*x}; b=${b:-24}; [ "$b" = "$k" ] && b=24; k=${k%x*}; run=$((run + 1))
+    timeout 150 $PY benchmarks/stall_profile.py --batch $b --prompt 1000 --steps 300 --fit-per-step $k 2>&1 \
+      | tee "$OUT/stalls_pace_b${b}_${k}_$run.txt" | grep -v "^  position" | tail -3
+  done
 elif [ "$part" = share ]; then
   timeout 200 $PY benchmarks/bench_fit.py --rows 16384 --shares 0.25,0.5,0.75 2>&1 | tee "$OUT/bench_fit_share.txt"
   for share in 0.5 0.25; do
@@ -51,7 +62,9 @@ elif [ "$part" = changed ]; then
   timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_host_pool.py tests/test_step_graph.py \
     tests/test_streams.py tests/test_host_syncs.py tests/test_background_recalibration.py \
     "tests/test_kernels_gpu.py::test_gather_layers_reads_every_layer_at_its_address" \
-    "tests/test_kernels_gpu.py::test_scatter_layers_writes_every_layer_at_its_address" 2>&1 \
+    "tests/test_kernels_gpu.py::test_scatter_layers_writes_every_layer_at_its_address" \
+    "tests/test_kernels_gpu.py::test_the_fit_kernel_is_one_compile_for_every_row_count" \
+    "tests/test_kernels_gpu.py::test_fit_grads_match_the_torch_ops" 2>&1 \
     | tee "$OUT/changed_tests.txt" | tail -15
 elif [ "$part" = trace ] || [ "$part" = trace1 ] || [ "$part" = trace24 ]; then
   # 300 steps at each batch (each class of stall comes in them): the profiler's events are read

@@ -11,7 +11,7 @@ stall and a median step are read from its timeline (step_trace.py): where the st
 its time, other threads' CUDA calls, the GPU's kernels and busy time.
 
     python benchmarks/stall_profile.py --batch 1 --prompt 1000 --steps 800 [--slices] [--no-warm-blas]
-        [--torch-fit] [--trace stalls.json.gz]
+        [--torch-fit] [--fit-per-step K] [--trace stalls.json.gz]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from decode_run import LLAMA_32_LAYERS, decode, host_bits, random_llama
 from step_trace import StepTrace
 
 import hi_sparse as hs
-from hi_sparse import pinned, probe, recalibration, step_graph
+from hi_sparse import pinned, probe, recal_job, recalibration, step_graph
 from hi_sparse.kernels.probe import reference_fit_grads
 from hi_sparse.recal_job import RecalibrationJob
 
@@ -47,6 +47,8 @@ def main() -> int:
                     help="a background recalibration's work in slices after each step, not on a worker thread")
     ap.add_argument("--torch-fit", action="store_true",
                     help="the probes' fit gradients as torch ops, not the Triton kernel (kernels/probe.py)")
+    ap.add_argument("--fit-per-step", type=int, default=None,
+                    help="a worker's fit iterations for each step end, at most (recal_job.FIT_PER_STEP; 0: unpaced)")
     ap.add_argument("--lock-duty", type=float, default=None,
                     help="the share of its time the pages' lock ahead registers (pinned.LOCK_DUTY; 1: no pauses)")
     ap.add_argument("--lock-chunk-mb", type=float, default=None,
@@ -63,6 +65,8 @@ def main() -> int:
     step_graph.WARM_BLAS = not args.no_warm_blas        # read at install
     if args.torch_fit:
         probe.fit_grads = reference_fit_grads
+    if args.fit_per_step is not None:
+        recal_job.FIT_PER_STEP = args.fit_per_step or None
     if args.fit_share is not None:
         from hi_sparse.kernels import _probe_triton
         _probe_triton.FIT_SM_SHARE = args.fit_share
@@ -117,6 +121,7 @@ def main() -> int:
           f"recalibration {'in slices' if args.slices else 'on a worker'}"
           f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}"
           f"{', the fit as torch ops' if args.torch_fit else ''}"
+          f", the worker's fit {f'{recal_job.FIT_PER_STEP} iterations a step' if recal_job.FIT_PER_STEP else 'unpaced'}"
           f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}"
           f", pages locked ahead in {pinned.LOCK_CHUNK / 2**20:g} MiB chunks at a duty of {pinned.LOCK_DUTY:g}: "
           f"median step {med:.2f} ms", flush=True)

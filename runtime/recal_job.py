@@ -29,6 +29,15 @@ from .host_seal import to_device
 from .probe import write_params
 from .streams import own_stream
 
+# a worker's fit iterations for each step end, at most (None: as fast as it can queue them), so
+# no step carries much of the fit's GPU time: unpaced, the ~100 iterations of a fit at batch 24
+# (~0.5 ms of GPU each) ran beside two to four steps, each 1.5-2.6x the median on H100s. At 8 the
+# fit of 32 layers still ends inside WORKER_LAG's 32 steps, so its job lands on the same step
+# (docs/BENCHMARKS.md, twenty-eighth session). A job that must be committed now (wait) runs the
+# rest at once.
+FIT_PER_STEP: int | None = 8
+TICK_WAIT = 0.05    # seconds a paced worker waits for a step end before it goes on as if one came
+
 
 class RecalibrationJob:
     """A recalibration's results (anchors per sequence and layer, fitted probe parameters) until
@@ -52,6 +61,9 @@ class RecalibrationJob:
         self._error: BaseException | None = None
         self.threaded = False           # its work runs (or ran) on a worker thread
         self.reading = True             # its work left reads the host pool (a layer's scoring)
+        self.ticks = 0                  # step ends seen (advance): a paced worker's allowance
+        self._tick = threading.Event()  # set at a step end, and to hurry a paced worker (wait)
+        self._hurry = False             # a paced worker runs the rest at once
         self.due = 0                    # the decode step from whose end it may be committed (the engine's)
 
     def stream_for(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -83,8 +95,26 @@ class RecalibrationJob:
             self._launched()
             return
         self.threaded = True
-        self._worker = threading.Thread(target=self._to_the_end, name="hisparse-recalibration")
+        self._worker = threading.Thread(target=self._on_worker, args=(FIT_PER_STEP,), name="hisparse-recalibration")
         self._worker.start()
+
+    def _on_worker(self, per_step: int | None) -> None:
+        """The worker: the scoring at once, then, with ``per_step``, the fit's iterations at most that
+        many for each step end (:meth:`advance`) since it began, one more step's worth after
+        TICK_WAIT without one (a decode that paused); all at once when :meth:`wait` hurries it."""
+        ran, since = 0, None           # fit iterations run; the step ends seen when the fit began
+        while per_step is not None and self._slices is not None and not self._hurry:
+            if not self.reading:
+                since = self.ticks if since is None else since
+                if ran >= per_step * (self.ticks - since + 1):
+                    self._tick.clear()     # then tested again: a step end in between set it
+                    spent = ran >= per_step * (self.ticks - since + 1) and not self._hurry
+                    if spent and not self._tick.wait(TICK_WAIT):
+                        since -= 1
+                    continue
+                ran += 1
+            self._to_the_end(0.0)          # one slice: a layer's scoring, or a fit iteration
+        self._to_the_end()
 
     def _to_the_end(self, seconds: float = math.inf, steps_left: int | None = None) -> None:
         """Run the work's slices until it ends, or while ``seconds`` are not spent: at least one,
@@ -131,6 +161,9 @@ class RecalibrationJob:
         ``steps_left`` calls remain before it is due, unless a worker does it."""
         if self._worker is None:
             self._to_the_end(seconds, steps_left)
+        else:
+            self.ticks += 1
+            self._tick.set()
 
     def release(self, seq_ids: set[int]) -> bool:
         """Before the blocks of sequences ``seq_ids`` are freed: a job in slices runs those that read
@@ -166,6 +199,8 @@ class RecalibrationJob:
         raised here. False (nothing to write) for a job whose slices an interrupt (Ctrl-C) broke
         off: that was raised where it happened."""
         if self._worker is not None:
+            self._hurry = True
+            self._tick.set()
             self._worker.join()
             self._worker = None
         self._to_the_end()

@@ -316,6 +316,61 @@ def test_a_worker_s_result_lands_on_a_step_fixed_by_the_lag_not_by_the_timing(la
     assert bg.stats.recalibrations["schedule"] == 1
 
 
+def _until(cond, seconds: float = 30.0) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "the worker never got there"
+        time.sleep(0.005)
+
+
+def test_a_paced_worker_runs_its_fit_a_few_iterations_a_step_and_the_rest_at_the_commit(monkeypatch):
+    """recal_job.FIT_PER_STEP: a worker's fit runs at most that many iterations for each step end
+    (advance marks one), so the steps it overlaps each carry a few; a commit that cannot wait runs
+    the rest at once, and the result is the one at once."""
+    from hi_sparse import recal_job
+    monkeypatch.setattr(recal_job, "FIT_PER_STEP", 2)
+    monkeypatch.setattr(recal_job, "TICK_WAIT", 60.0)
+    sync, bg = _engines()
+    k, v, q = _data(203)
+    ids = [e.add_sequences(1) for e in (sync, bg)]
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)
+    bg._recalibrator.threaded = True
+    bg._launch_deferred()
+    job = bg._recal_job
+    _until(lambda: not job.reading and job.left is not None)
+    time.sleep(0.2)
+    left = job.left
+    assert job._worker.is_alive() and left > 10                     # two iterations, then it waits
+    for n in (1, 2):
+        job.advance(0.0)                                            # a step ended
+        _until(lambda: job.left == left - 2 * n)
+        time.sleep(0.2)
+        assert job.left == left - 2 * n
+    assert bg.settle_recalibration() and bg.stats.recalibrations["schedule"] == 1
+    assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+
+
+def test_a_paced_worker_goes_on_when_no_step_comes(monkeypatch):
+    """A decode that pauses (no step ends) does not hold a paced fit back for ever: after TICK_WAIT
+    without one the worker runs another step's worth, so the job finishes and lands unasked."""
+    from hi_sparse import recal_job
+    monkeypatch.setattr(recal_job, "FIT_PER_STEP", 8)
+    monkeypatch.setattr(recal_job, "TICK_WAIT", 0.01)
+    sync, bg = _engines()
+    k, v, q = _data(203)
+    ids = [e.add_sequences(1) for e in (sync, bg)]
+    for e, i in zip((sync, bg), ids):
+        run_prefill(e, i, k, v, q)
+    bg._recalibrator.threaded = True
+    bg._launch_deferred()
+    job = bg._recal_job
+    _until(job.ready)
+    assert job.ticks == 0 and not job._hurry
+    assert bg.settle_recalibration() and bg.stats.recalibrations["schedule"] == 1
+    assert _same(_state(bg, ids[1][0]), _state(sync, ids[0][0]))
+
+
 def test_a_bad_lag_is_refused_with_the_fix():
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="recalibration_lag must be None or a number of decode steps >= 0"):
