@@ -41,7 +41,7 @@ from .key_bounds import bucket, key_blocks  # noqa: F401 (bucket re-exported)
 from .layers import KVShape, LayerRows
 from .metrics import DEVICE_COUNTERS, RuntimeMetrics
 from .recalibration import remember_queries
-from .row_bank import staged_view
+from .row_bank import fills_together, staged_view
 from .selection import bound_scores, candidate_blocks, select
 from .sequences import Sequence, SequenceTable
 from .storage import Storage
@@ -405,8 +405,9 @@ class Decoder:
             starts = [p + d for p in plan.starts]
             shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
             if shape != plan.shapes:
-                for rows in self.layers:
-                    rows.make_room(max(starts) + 1, self.cfg, staged=True)
+                with fills_together():               # (their fills: a few launches, not one a tensor)
+                    for rows in self.layers:
+                        rows.make_room(max(starts) + 1, self.cfg, staged=True)
                 with staged_view():
                     shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
                     keys = tuple(self.body_key(rows) for rows in self.layers)

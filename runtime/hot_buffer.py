@@ -45,7 +45,7 @@ from hi_sparse.kernels.lru import (
     reference_install_slots,
 )
 
-from .row_bank import in_staged_view
+from .row_bank import full, in_staged_view
 
 STAMP = torch.int32
 STAMP_MAX = torch.iinfo(STAMP).max
@@ -167,7 +167,8 @@ class HotBufferBank:
         shape = (self._token_slot_s.shape[0], 1 + width)
         have, self._staged_map = self._staged_map, None
         if have is None or tuple(have.shape) != shape:
-            have = torch.full(shape, -1, dtype=torch.int64, device=self.device)
+            make = full if staged else torch.full      # (row_bank.full: its fill may come later)
+            have = make(shape, -1, dtype=torch.int64, device=self.device)
         if staged:
             self._staged_map = have
             return

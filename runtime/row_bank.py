@@ -35,6 +35,48 @@ def in_staged_view() -> bool:
     return getattr(_VIEW, "staged", False)
 
 
+@contextlib.contextmanager
+def fills_together() -> Iterator[None]:
+    """In this thread, the tensors :func:`full` makes are filled at the end, a few launches for all
+    (one or two per device, dtype and value), not one each: staging every layer's banks for a key
+    captured ahead made ~225 tensors in a step at 32 layers (5.8 ms of its host time under the
+    profiler on an H100)."""
+    outer = getattr(_VIEW, "fills", None)
+    _VIEW.fills = [] if outer is None else outer
+    try:
+        yield
+    finally:
+        if outer is None:
+            pending, _VIEW.fills = _VIEW.fills, None
+            _fill_all(pending)
+
+
+def full(shape: tuple[int, ...], fill, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.full``, its fill deferred inside :func:`fills_together`: for a tensor nothing reads or
+    writes until then (a staged one)."""
+    pending = getattr(_VIEW, "fills", None)
+    if pending is None:
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype, device=device)
+    pending.append((t, fill))
+    return t
+
+
+def _fill_all(pending: list[tuple[torch.Tensor, object]]) -> None:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t, fill in pending:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype, fill), []).append(t)
+    for (_, dtype, fill), ts in groups.items():
+        if dtype == torch.bool and fill:
+            for t in ts:
+                t.fill_(True)
+            continue
+        torch._foreach_zero_(ts)
+        if fill:
+            torch._foreach_add_(ts, fill)
+
+
 @dataclass
 class _Kind:
     shape: list[int]
@@ -110,7 +152,7 @@ class RowBank:
         if shape is None or (have is not None and tuple(have.shape) == shape):
             return
         k = self._kinds[name]
-        self._staged[name] = torch.full(shape, k.fill, dtype=k.dtype, device=self.device)
+        self._staged[name] = full(shape, k.fill, dtype=k.dtype, device=self.device)
 
     def reset(self, row: int) -> None:
         """Fill one row (a new sequence takes it)."""

@@ -86,3 +86,31 @@ def test_a_staged_growth_is_seen_in_a_staged_view_only_and_taken_by_the_growth()
     bank.stage("bounds", 1, 20)
     bank.grow_rows(3)
     assert not bank._staged
+
+
+def test_fills_together_make_what_torch_full_makes_in_a_few_ops():
+    """row_bank.full inside fills_together (a capture ahead's staging of every layer's banks):
+    each tensor holds what torch.full gives it, once the outermost context ends; the fills are a
+    few ops for all (by dtype and value), not one a tensor; outside, full fills at once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hi_sparse.row_bank import fills_together, full
+
+    kinds = [((3, 0, 4), float("inf"), torch.float32), ((3, 5), float("-inf"), torch.bfloat16),
+             ((3, 2, 4), -1, torch.int64), ((3, 7), 0.0, torch.float32), ((3, 6), False, torch.bool),
+             ((3, 6), True, torch.bool), ((3, 9), -1.0, torch.float32), ((3, 4), 2, torch.int32)]
+    made = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with fills_together():
+            for _ in range(32):                                     # a layer's kinds, 32 layers
+                with fills_together():                              # (inner: filled at the outer end)
+                    made += [(full(shape, fill, dtype=dtype, device="cpu"), fill) for shape, fill, dtype in kinds]
+    for t, fill in made:
+        want = torch.full(t.shape, fill, dtype=t.dtype)
+        assert t.dtype == want.dtype and torch.equal(t, want), (t.dtype, fill)
+    ops = [e.key for e in prof.key_averages() if "fill" in e.key or "_foreach" in e.key]
+    calls = sum(e.count for e in prof.key_averages() if e.key in ("aten::fill_", "aten::_foreach_zero_",
+                                                                  "aten::_foreach_add_"))
+    assert calls <= 2 * len(kinds) + 32, (calls, ops)               # 32 for the 32 True bool tensors
+    t = full((2, 3), 5, dtype=torch.int64, device="cpu")
+    assert torch.equal(t, torch.full((2, 3), 5))
