@@ -323,13 +323,12 @@ def _until(cond, seconds: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def test_a_paced_worker_runs_its_fit_a_few_iterations_a_step_and_the_rest_at_the_commit(monkeypatch):
-    """recal_job.FIT_PER_STEP: a worker's fit runs at most that many iterations for each step end
-    (advance marks one), so the steps it overlaps each carry a few; a commit that cannot wait runs
-    the rest at once, and the result is the one at once."""
+def _on_a_paced_worker(monkeypatch, per_step: int, tick_wait: float):
+    """A background job launched on a worker whose fit is paced (recal_job.FIT_PER_STEP), beside
+    the same recalibration at once: (sync engine, background engine, their ids, the job)."""
     from hi_sparse import recal_job
-    monkeypatch.setattr(recal_job, "FIT_PER_STEP", 2)
-    monkeypatch.setattr(recal_job, "TICK_WAIT", 60.0)
+    monkeypatch.setattr(recal_job, "FIT_PER_STEP", per_step)
+    monkeypatch.setattr(recal_job, "TICK_WAIT", tick_wait)
     sync, bg = _engines()
     k, v, q = _data(203)
     ids = [e.add_sequences(1) for e in (sync, bg)]
@@ -338,6 +337,14 @@ def test_a_paced_worker_runs_its_fit_a_few_iterations_a_step_and_the_rest_at_the
     bg._recalibrator.threaded = True
     bg._launch_deferred()
     job = bg._recal_job
+    return sync, bg, ids, job
+
+
+def test_a_paced_worker_runs_its_fit_a_few_iterations_a_step_and_the_rest_at_the_commit(monkeypatch):
+    """recal_job.FIT_PER_STEP: a worker's fit runs at most that many iterations for each step end
+    (advance marks one), so the steps it overlaps each carry a few; a commit that cannot wait runs
+    the rest at once, and the result is the one at once."""
+    sync, bg, ids, job = _on_a_paced_worker(monkeypatch, 2, 60.0)
     _until(lambda: not job.reading and job.left is not None)
     time.sleep(0.2)
     left = job.left
@@ -354,17 +361,7 @@ def test_a_paced_worker_runs_its_fit_a_few_iterations_a_step_and_the_rest_at_the
 def test_a_paced_worker_goes_on_when_no_step_comes(monkeypatch):
     """A decode that pauses (no step ends) does not hold a paced fit back for ever: after TICK_WAIT
     without one the worker runs another step's worth, so the job finishes and lands unasked."""
-    from hi_sparse import recal_job
-    monkeypatch.setattr(recal_job, "FIT_PER_STEP", 8)
-    monkeypatch.setattr(recal_job, "TICK_WAIT", 0.01)
-    sync, bg = _engines()
-    k, v, q = _data(203)
-    ids = [e.add_sequences(1) for e in (sync, bg)]
-    for e, i in zip((sync, bg), ids):
-        run_prefill(e, i, k, v, q)
-    bg._recalibrator.threaded = True
-    bg._launch_deferred()
-    job = bg._recal_job
+    sync, bg, ids, job = _on_a_paced_worker(monkeypatch, 8, 0.01)
     _until(job.ready)
     assert job.ticks == 0 and not job._hurry
     assert bg.settle_recalibration() and bg.stats.recalibrations["schedule"] == 1
