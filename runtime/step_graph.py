@@ -335,7 +335,8 @@ def warm_first_launches(engine: Any, device: torch.device) -> None:
             torch._foreach_copy_([a], [a + 1])
         # a probe fit's kernels (its Triton kernel with and without the logits, Adam's foreach ops):
         # else a recalibration's worker meets them first and loads them holding the GIL, beside a
-        # step (the first fit's step took 18-30x the median at batch 1 on the H100)
+        # step (the first fit's step took 18-30x the median at batch 1 on an H100; with this it
+        # still took up to 9.8x there, the capture ahead beside it: docs/BENCHMARKS.md)
         rows = torch.zeros(16, D, device=device), torch.zeros(16, device=device)
         fit_params([ImportanceProbe(D).to(device)], [rows], steps=2)
 
