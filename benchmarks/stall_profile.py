@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import time
 
 import torch
@@ -58,6 +59,9 @@ def main() -> int:
                          "default: all)")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="Python's GIL switch interval in seconds (sys.setswitchinterval; default 0.005): how long a "
+                         "thread that wants the GIL waits before asking the one holding it to let go")
     ap.add_argument("--trace", metavar="FILE.json.gz",
                     help="profile the decode (torch.profiler) and read each stall and a median step from its timeline; "
                          "their windows' events written to FILE")
@@ -70,6 +74,8 @@ def main() -> int:
     if args.fit_share is not None:
         from hi_sparse.kernels import _probe_triton
         _probe_triton.FIT_SM_SHARE = args.fit_share
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.lock_duty is not None:
         pinned.LOCK_DUTY = args.lock_duty
     if args.lock_chunk_mb is not None:
@@ -123,8 +129,12 @@ def main() -> int:
           f"{', the fit as torch ops' if args.torch_fit else ''}"
           f", the worker's fit {f'{recal_job.FIT_PER_STEP} iterations a step' if recal_job.FIT_PER_STEP else 'unpaced'}"
           f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}"
+          f"{f', a GIL switch interval of {sys.getswitchinterval() * 1e3:g} ms' if args.switch_interval else ''}"
           f", pages locked ahead in {pinned.LOCK_CHUNK / 2**20:g} MiB chunks at a duty of {pinned.LOCK_DUTY:g}: "
           f"median step {med:.2f} ms", flush=True)
+    # left out of the stalls: a new batch's first step runs eagerly and its second captures its graph
+    print("the first steps (eager, then the capture, with whatever starts there): "
+          + ", ".join(f"{pos} {t:.1f} ms" for pos, t, _ in times[:2]), flush=True)
     picks = {}
     for i, (pos, t, did) in enumerate(times):
         if i >= 2 and t > args.over * med:

@@ -113,6 +113,7 @@ class StepGraphs:
                        "ahead": 0, "ahead_failed": 0}
         self.capture_errors: collections.deque[str] = collections.deque(maxlen=8)
         self.ahead = True          # capture a coming key's graph on another thread (AHEAD_TOKENS)
+        self.ahead_at: collections.deque[int] = collections.deque(maxlen=8)   # the steps that began one (the last few)
         if self.graphs and WARM_BLAS:
             warm_blas(next(iter(devices)))
             warm_first_launches(engine, next(iter(devices)))
@@ -206,14 +207,17 @@ class StepGraphs:
             whole["warm"] = key
             if not first:
                 try:
-                    return self._capture(plan, call, tensors, key, cache)
+                    out = self._capture(plan, call, tensors, key, cache)
                 except RuntimeError as exc:
                     self.counts["capture_retried"] += 1
                     self.capture_errors.append(_cause(exc))
+                else:
+                    self._look_ahead(plan, key, call, cache)
+                    return out
             self.counts["eager"] += 1
             return self.original(**call)
         try:
-            return self._capture(plan, call, tensors, key, cache)
+            out = self._capture(plan, call, tensors, key, cache)
         except RuntimeError as exc:
             warnings.warn(f"HiSparse: CUDA graph capture of the whole decode step failed ({_cause(exc)}); the "
                           "model decodes layer by layer from now on (set decode_graphs=True to silence this)",
@@ -221,6 +225,10 @@ class StepGraphs:
             self.graphs = False
             self.counts["eager"] += 1
             return self.original(**call)
+        # a key change soon after a new batch (its prompt ended within AHEAD_TOKENS of a bucket):
+        # its staging (~230 tensors at 32 layers) on this step, a capture's already, not the next
+        self._look_ahead(plan, key, call, cache)
+        return out
 
     def _capture(self, plan: Any, call: dict, tensors: dict, key: tuple, cache: Any) -> Any:
         """The forward captured under ``key`` and replayed once (this step's result)."""
@@ -251,13 +259,14 @@ class StepGraphs:
             self.capture_errors.append(f"ahead: {_cause(ahead.error)}" if ahead.error else "ahead: no graph")
             whole["ahead_failed"] = key
             return None
+        _retire(whole.get("graph"))
         whole["graph"], whole["warm"] = ahead.have, key
         self.binding.engine.ready_seal(plan)
         self.counts["ahead"] += 1
         return ahead.have
 
     def _look_ahead(self, plan: Any, key: tuple, call: dict, cache: Any) -> None:
-        """After a replayed step: when the batch's key will change within AHEAD_TOKENS tokens (its
+        """After a replayed or captured step: when the batch's key will change within AHEAD_TOKENS tokens (its
         longest sequence enters another bucket), capture that step's graph now on another thread,
         while this key replays (on the H200 a capture took 80-90 ms of host time at 32 layers, ~25
         steps). Looked for once per selection block; one at a time."""
@@ -279,6 +288,7 @@ class StepGraphs:
         args = (ahead, hf_attention.current(), {**call, **inputs, self.cache_kwarg: standin}, inputs,
                 torch.is_inference_mode_enabled())
         whole["ahead"] = ahead
+        self.ahead_at.append(max(plan.starts))
         with private_random_state(self.binding.engine.layers[0].device):
             ahead.done = ahead_thread().submit(self._capture_ahead, *args)
             ahead.begun.wait()       # (well under a millisecond) the caller samples only after it
@@ -313,6 +323,14 @@ class StepGraphs:
         for name in have.cache_fields:
             out[name] = cache
         return out
+
+
+def _retire(have: WholeStep | None) -> None:
+    """Destroy a replaced key's graph on the capture-ahead thread, not in the step that replaced it
+    (cudaGraphExecDestroy took 1.2-1.3 ms of the key change's step on an H100). Its last replay
+    was waited for: that step's token was read before the next one planned."""
+    if have is not None:
+        ahead_thread().submit(have.graph.reset)
 
 
 def warm_first_launches(engine: Any, device: torch.device) -> None:

@@ -14,6 +14,7 @@ from test_integration import make_pair, prompt
 
 import hi_sparse as hs
 from hi_sparse import step_graph
+from hi_sparse.batch_step import ahead_thread
 from hi_sparse.decode import attend_blocks, bucket
 from hi_sparse.integration import binding_of
 from hi_sparse.kernels import two_level_pays
@@ -458,6 +459,29 @@ def test_a_coming_key_is_captured_ahead_and_decodes_like_no_graphs():
                                min_new_tokens=1000, max_new_tokens=1000)
     assert out.shape[1] == 600 + 1000
     assert step_graph.of(sampled).counts["ahead"] == 2, step_graph.of(sampled).counts
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_key_change_soon_after_the_prompt_is_foreseen_at_the_capture_and_the_old_graph_goes(monkeypatch):
+    """A prompt of 1,000 tokens: its batch's key changes at 1,024, within AHEAD_TOKENS of its
+    first captured step (1,001). That step, a capture's already, also stages the coming key and
+    begins its capture ahead, not the replayed step after it (on an H100 the staging of 32 layers'
+    ~230 tensors made that one 2.4-3.5x the median). At the key change the replaced graph is
+    destroyed on the capture-ahead thread (batch_step.ahead_thread), not in the step: replaying it
+    then fails. The tokens equal those decoded without graphs."""
+    retired, retire = [], step_graph._retire
+    monkeypatch.setattr(step_graph, "_retire", lambda have: (retired.append(have), retire(have)))
+    model, _ = _graphed_like_eager("test-ahead-soon", torch.float32, 2048, dict(AHEAD, recalibration_lag=2),
+                                   1000, 40, 1e-4)
+    graphs = step_graph.of(model)
+    assert list(graphs.ahead_at)[:1] == [1001] and graphs.counts["captured"] == 1, (graphs.ahead_at, graphs.counts)
+    assert graphs.counts["ahead"] == 1 and graphs.counts["ahead_failed"] == 0, graphs.counts
+    # the graph of the key before 1,024 (kept here, dropped by the runtime), once the thread is done
+    assert len(retired) == 1 and retired[0] is not None
+    ahead_thread().submit(lambda: None).result()
+    with pytest.raises(RuntimeError):
+        retired[0].graph.replay()
 
 
 @pytest.mark.gpu
