@@ -12,7 +12,8 @@
 # torch ops (--torch-fit), and at batch 1. `... trace`: the stall profiles at batch 1 and 24 under
 # torch.profiler (--trace), 300 steps each, each stall and a median step read from the timeline
 # (step_trace.py); `trace1` / `trace24` one of them. `... changed`: the gpu tests of the code the
-# twenty-eighth session changed (the worker's fit paced, the fit kernel one compile for every
+# twenty-ninth session changed (a key change looked ahead at a new batch's capture, the replaced
+# graph reset off the step: test_step_graph), of the twenty-eighth's (the worker's fit paced, the fit kernel one compile for every
 # row count, loaded at install), of the twenty-seventh's (a seal graph's layers read, quantized and
 # written in groups: gather_layers with each layer's rows, scatter_layers), of the twenty-sixth's (every layer's
 # float tails and recent queries in one gather at a recalibration's start, the driver library
