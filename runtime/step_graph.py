@@ -327,8 +327,9 @@ class StepGraphs:
 
 def _retire(have: WholeStep | None) -> None:
     """Destroy a replaced key's graph on the capture-ahead thread, not in the step that replaced it
-    (cudaGraphExecDestroy took 1.2-1.3 ms of the key change's step on an H100). Its last replay
-    was waited for: that step's token was read before the next one planned."""
+    (cudaGraphExecDestroy took 1.2-1.3 ms of the key change's step on an H100), between that
+    thread's captures. As when the step dropped it: a replay still running completes (CUDA frees
+    an executable graph in flight at its end), and its private pool is no other graph's."""
     if have is not None:
         ahead_thread().submit(have.graph.reset)
 
