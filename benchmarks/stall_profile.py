@@ -29,6 +29,7 @@ from step_trace import StepTrace
 
 import hi_sparse as hs
 from hi_sparse import pinned, probe, recal_job, recalibration, step_graph
+from hi_sparse.host_pool import HostPool
 from hi_sparse.kernels.probe import reference_fit_grads
 from hi_sparse.recal_job import RecalibrationJob
 
@@ -57,6 +58,11 @@ def main() -> int:
     ap.add_argument("--fit-share", type=float, default=None,
                     help="the share of the SMs the probes' fit kernel may hold (kernels/_probe_triton.py FIT_SM_SHARE; "
                          "default: all)")
+    ap.add_argument("--no-copy-graph", action="store_true",
+                    help="make a key change's growth copies one by one, not in the graph captured ahead "
+                         "(step_graph._capture_copies)")
+    ap.add_argument("--no-lock-ahead", action="store_true",
+                    help="lock no pool pages ahead of a growth (HostPool.lock_ahead): the growth locks its own")
     ap.add_argument("--no-priority", action="store_true",
                     help="replay steps on the current stream, not the high-priority one (step_graph.PRIORITY)")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -80,6 +86,12 @@ def main() -> int:
         pinned.LOCK_DUTY = args.lock_duty
     if args.lock_chunk_mb is not None:
         pinned.LOCK_CHUNK = int(args.lock_chunk_mb * 2**20)
+    copies: list = []
+    capture_copies = step_graph._capture_copies
+    step_graph._capture_copies = (lambda c: None) if args.no_copy_graph else \
+        (lambda c: (copies.append(c) if c is not None and c.copies else None, capture_copies(c)))
+    if args.no_lock_ahead:
+        HostPool.lock_ahead = lambda self, blocks: None
     model, dev = random_llama(**LLAMA_32_LAYERS)
     block = 64
     hs.enable_hisparse_kv_cache(model, name="stalls", max_seq_len=args.max_seq_len, block_size=block, window_size=64,
@@ -126,6 +138,8 @@ def main() -> int:
           f"{'no ' if args.no_ahead else ''}capture ahead, {'default' if args.no_priority else 'high'} priority, "
           f"recalibration {'in slices' if args.slices else 'on a worker'}"
           f"{', no cuBLAS warm-up' if args.no_warm_blas else ''}"
+          f"{', growth copies one by one' if args.no_copy_graph else ''}"
+          f"{', no pages locked ahead' if args.no_lock_ahead else ''}"
           f"{', the fit as torch ops' if args.torch_fit else ''}"
           f", the worker's fit {f'{recal_job.FIT_PER_STEP} iterations a step' if recal_job.FIT_PER_STEP else 'unpaced'}"
           f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}"
@@ -151,6 +165,8 @@ def main() -> int:
           f"{args.batch / med * 1e3:.0f} at the median")
     if trace is not None:
         report_trace(trace, picks, times, med, args.trace)
+    print(f"growths' copies captured ahead in a graph: {sum(c.graph is not None or c.replayed for c in copies)} "
+          f"of {len(copies)} staged, {sum(c.replayed for c in copies)} replayed at their growth")
     for why in graphs.capture_errors:
         print(f"a failed capture: {why}")
     for part, spent in timers.calls.items():

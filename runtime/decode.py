@@ -41,7 +41,7 @@ from .key_bounds import bucket, key_blocks  # noqa: F401 (bucket re-exported)
 from .layers import KVShape, LayerRows
 from .metrics import DEVICE_COUNTERS, RuntimeMetrics
 from .recalibration import remember_queries
-from .row_bank import fills_together, staged_view
+from .row_bank import GrowthCopies, fills_together, growth_copies, staged_view
 from .selection import bound_scores, candidate_blocks, select
 from .sequences import Sequence, SequenceTable
 from .storage import Storage
@@ -161,6 +161,7 @@ class StepPlan:
     tokens: list = field(default_factory=list)  # per layer: the selection (attend_body's second output)
     q: list = field(default_factory=list)       # per layer: the query (the audit reads it after the step)
     seals: list = field(default_factory=list)   # (sequence, first position) of blocks its tokens complete
+    copies: GrowthCopies | None = None          # a later step's (Decoder.later): its growths' copies
 
 
 @dataclass
@@ -191,6 +192,7 @@ class Decoder:
         self._pending_counts: list = []                     # QuantEvents.pending_counts, likewise
         self._local = threading.local()     # .plan: the step whose host side ran up front (per thread)
         self.ahead_used = 0                                 # planned steps whose prepare ran early
+        self.copies_ahead: GrowthCopies | None = None       # the staged growths' copies (later())
         width = cfg.top_k + cfg.global_tokens                # select's token width
         self._attend_ticks = ticks(selected=width, prefetched=cfg.prefetch_blocks * shape.block_size)
 
@@ -405,14 +407,16 @@ class Decoder:
             starts = [p + d for p in plan.starts]
             shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
             if shape != plan.shapes:
-                with fills_together():               # (their fills: a few launches, not one a tensor)
+                copies = self.copies_ahead = GrowthCopies()
+                with fills_together(), copies.recording():   # (their fills: a few launches, not one a tensor)
                     for rows in self.layers:
                         rows.make_room(max(starts) + 1, self.cfg, staged=True)
                 with staged_view():
                     shape = self._attend_shapes(self.layers[0], plan.batch, plan.seqs, [p + 1 for p in starts])
                     keys = tuple(self.body_key(rows) for rows in self.layers)
                 L = len(self.layers)
-                return StepPlan(plan.seqs, plan.batch, starts, shape, (shape, keys), [None] * L, [None] * L)
+                return StepPlan(plan.seqs, plan.batch, starts, shape, (shape, keys), [None] * L, [None] * L,
+                                copies=copies)
             d += ps
         return None
 
@@ -429,8 +433,11 @@ class Decoder:
         starts = [s.lengths[0] for s in seqs]
         L, n_max = len(self.layers), max(starts) + 1
         clocks = []
+        with growth_copies(self.copies_ahead) as grown:     # one graph's replay, when staged ahead
+            for rows in self.layers:
+                rows.make_room(n_max, self.cfg)
+        self.copies_ahead = None if grown else self.copies_ahead     # (spent, or its staging gone)
         for rows in self.layers:
-            rows.make_room(n_max, self.cfg)
             self.host.prepare(rows.index, rows.device)
             rows.hot.room_for(ticks(inserted=1) + self._attend_ticks)   # both: else the append's may pass the attend's
             clocks.append((rows.hot.reserve(ticks(inserted=1)), rows.hot.reserve(self._attend_ticks)))

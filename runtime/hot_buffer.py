@@ -45,7 +45,7 @@ from hi_sparse.kernels.lru import (
     reference_install_slots,
 )
 
-from .row_bank import full, in_staged_view
+from .row_bank import copy_in, full, in_staged_view, note_staged
 
 STAMP = torch.int32
 STAMP_MAX = torch.iinfo(STAMP).max
@@ -171,8 +171,9 @@ class HotBufferBank:
             have = make(shape, -1, dtype=torch.int64, device=self.device)
         if staged:
             self._staged_map = have
+            note_staged(have, self._token_slot_s, 1)
             return
-        have[:, :1 + cap] = self._token_slot_s
+        copy_in(have, self._token_slot_s, 1)
         self._token_slot_s = have
 
     def copy_row(self, src: int, dst: int, count: int = 1) -> None:

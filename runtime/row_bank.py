@@ -77,6 +77,84 @@ def _fill_all(pending: list[tuple[torch.Tensor, object]]) -> None:
             torch._foreach_add_(ts, fill)
 
 
+class GrowthCopies:
+    """The copies a growth staged ahead (:meth:`RowBank.stage`, a hot buffer's staged token map)
+    makes when it comes: each old tensor's contents into the start of its staged tensor, recorded
+    at the staging (:meth:`recording`) as (staged tensor, old tensor, dim). ``graph``: those copies
+    captured in one CUDA graph, off the step's thread (step_graph.py), which
+    :func:`growth_copies` replays for them at the growth: at 32 layers ~250 copy launches, ~2 ms
+    of the key change's step. ``retire``: called with the graph once replayed (its teardown off
+    the step's thread). ``replayed``: whether it was."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.graph = None
+        self.retire = None
+        self.replayed = False
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """In this thread, stagings note the copies their growths will make here."""
+        _VIEW.staging = self.copies
+        try:
+            yield
+        finally:
+            _VIEW.staging = None
+
+    def run(self) -> None:
+        """The copies, one launch each (what the graph records)."""
+        for dst, src, dim in self.copies:
+            _copy_in(dst, src, dim)
+
+    def matches(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]]) -> bool:
+        """Whether ``copies`` are the recorded ones: the same tensors (not only addresses: a freed
+        one's may be reused) in the same order."""
+        return len(copies) == len(self.copies) and all(
+            d is d0 and s is s0 and n == n0 for (d, s, n), (d0, s0, n0) in zip(copies, self.copies))
+
+
+def note_staged(dst: torch.Tensor, src: torch.Tensor, dim: int) -> None:
+    """A staging's copy to come (:class:`GrowthCopies`): ``src`` into the start of ``dst`` along ``dim``."""
+    noted = getattr(_VIEW, "staging", None)
+    if noted is not None:
+        noted.append((dst, src, dim))
+
+
+def copy_in(dst: torch.Tensor, src: torch.Tensor, dim: int) -> None:
+    """A growth's copy of the old contents ``src`` into the start of its new tensor ``dst`` along
+    ``dim``: now, or at the end of a :func:`growth_copies` block, with the others."""
+    pending = getattr(_VIEW, "copies", None)
+    if pending is None:
+        _copy_in(dst, src, dim)
+    else:
+        pending.append((dst, src, dim))
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor, dim: int) -> None:
+    dst.narrow(dim, 0, src.shape[dim]).copy_(src)
+
+
+@contextlib.contextmanager
+def growth_copies(ahead: GrowthCopies | None) -> Iterator[list]:
+    """In this thread, the growths' copies (:func:`copy_in`) wait for the block's end (nothing in
+    it may read or write the grown tensors), where ``ahead``'s graph replays them in one launch if
+    they are exactly the ones it recorded, else they run one by one. Yields the block's copies."""
+    _VIEW.copies = done = []
+    try:
+        yield done
+    finally:
+        _VIEW.copies = None
+        if ahead is not None and ahead.graph is not None and done and ahead.matches(done):
+            ahead.graph.replay()
+            ahead.replayed = True
+            if ahead.retire is not None:
+                ahead.retire(ahead.graph)
+            ahead.graph = None
+        else:
+            for dst, src, dim in done:
+                _copy_in(dst, src, dim)
+
+
 @dataclass
 class _Kind:
     shape: list[int]
@@ -136,23 +214,25 @@ class RowBank:
             return
         staged = self._staged.pop(name, None)
         k = self._kinds[name]
-        old = k.shape[dim]
         k.shape[dim] = size
         new = staged if staged is not None and tuple(staged.shape) == shape else \
             torch.full(shape, k.fill, dtype=k.dtype, device=self.device)
-        new.narrow(dim + 1, 0, old).copy_(self._t[name])
+        copy_in(new, self._t[name], dim + 1)
         self._t[name] = new
 
     def stage(self, name: str, dim: int, size: int) -> None:
         """Make, now, the tensor a later :meth:`grow` of ``name`` to ``size`` will take: filled,
-        the contents copied at that grow (they change until then), seen before it only in a
-        :func:`staged_view`. Kept if staged already at that size."""
+        the contents copied at that grow (they change until then: that copy noted for a
+        :class:`GrowthCopies` recording), seen before it only in a :func:`staged_view`. Kept if
+        staged already at that size."""
         shape = self._grown(name, dim, size)
-        have = self._staged.get(name)
-        if shape is None or (have is not None and tuple(have.shape) == shape):
+        if shape is None:
             return
-        k = self._kinds[name]
-        self._staged[name] = full(shape, k.fill, dtype=k.dtype, device=self.device)
+        have = self._staged.get(name)
+        if have is None or tuple(have.shape) != shape:
+            k = self._kinds[name]
+            have = self._staged[name] = full(shape, k.fill, dtype=k.dtype, device=self.device)
+        note_staged(have, self._t[name], dim + 1)
 
     def reset(self, row: int) -> None:
         """Fill one row (a new sequence takes it)."""

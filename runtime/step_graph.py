@@ -49,7 +49,7 @@ from . import hf_attention, hf_compat
 from .batch_step import _cause, ahead_thread, capture, private_random_state, warm_blas
 from .probe import ImportanceProbe, fit_params
 from .recalibration import audit_hits
-from .row_bank import staged_view
+from .row_bank import GrowthCopies, staged_view
 from .streams import first_in_line
 
 AHEAD_TOKENS = 256   # a key change this close is captured ahead, on another thread
@@ -307,6 +307,7 @@ class StepGraphs:
                                             begun=ahead.begun.set)
                 finally:
                     hf_attention.pop(ctx)
+                _capture_copies(ahead.plan.copies)
             ahead.have = WholeStep(ahead.key, graph, inputs, output, list(ahead.plan.tokens), list(ahead.plan.q))
         except Exception as exc:       # noqa: BLE001 - any failure: the key is captured when it comes
             ahead.error = exc
@@ -323,6 +324,19 @@ class StepGraphs:
         for name in have.cache_fields:
             out[name] = cache
         return out
+
+
+def _capture_copies(copies: GrowthCopies | None) -> None:
+    """The staged growths' copies of a key captured ahead in one graph (row_bank.GrowthCopies), on
+    the capture-ahead thread after its step's capture; a failure leaves them to run one by one."""
+    if copies is None or not copies.copies:
+        return
+    try:
+        # (as a capture ahead: its thread's stream, the random state untouched, the graph uploaded)
+        copies.graph, _ = capture(copies.run, torch.cuda.graph_pool_handle(), begun=lambda: None)
+    except RuntimeError:
+        return
+    copies.retire = lambda graph: ahead_thread().submit(graph.reset)
 
 
 def _retire(have: WholeStep | None) -> None:

@@ -114,3 +114,61 @@ def test_fills_together_make_what_torch_full_makes_in_a_few_ops():
     assert calls <= 2 * len(kinds) + 32, (calls, ops)               # 32 for the 32 True bool tensors
     t = full((2, 3), 5, dtype=torch.int64, device="cpu")
     assert torch.equal(t, torch.full((2, 3), 5))
+
+
+class _Replays:
+    """Stands in for the CUDA graph of a GrowthCopies (a CPU has none): what a replay does, the
+    recorded copies, run when replayed; ``count`` the replays."""
+
+    def __init__(self, copies) -> None:
+        self.copies, self.count = copies, 0
+
+    def replay(self) -> None:
+        self.count += 1
+        self.copies.run()
+
+
+def test_a_staged_growths_copies_are_recorded_and_made_in_one_replay_when_the_growth_is_the_staged_one():
+    """Stagings inside GrowthCopies.recording() note the copies their growths will make (a bank's
+    kinds, a hot buffer's token map); growths inside growth_copies() defer theirs to the block's
+    end, where the recorded ones are made by one replay of the graph (here a stand-in) with the
+    contents as they are then, and no copy is made twice; growths that are not the recorded ones
+    (new rows dropped the staging) copy one by one. Outside a block a growth copies at once."""
+    from hi_sparse.hot_buffer import HotBufferBank
+    from hi_sparse.row_bank import GrowthCopies, growth_copies
+
+    def make():
+        bank, hot = _bank(), HotBufferBank(2, 4, rows=2, token_capacity=8)
+        bank.grow("bounds", 1, 2)
+        copies = GrowthCopies()
+        with copies.recording():
+            bank.stage("bounds", 1, 6)
+            hot.ensure_tokens(100, align=lambda n: 160, staged=True)
+        bank.stage("anchors", 1, 8)                              # not recorded: outside recording()
+        bank.t["bounds"][0, :, :2] = 3.0                         # written after the staging
+        hot.token_slot_s[:, 3] = 1
+        return bank, hot, copies
+
+    bank, hot, copies = make()
+    assert [(d.shape, s.shape, n) for d, s, n in copies.copies] == [
+        ((2, 2, 6, 3), (2, 2, 2, 3), 2), ((4, 161), (4, 65), 1)]
+    copies.graph = stand_in = _Replays(copies)
+    with growth_copies(copies) as grown:
+        bank.grow("bounds", 1, 6)
+        hot.ensure_tokens(100, align=lambda n: 160)
+        assert not bool((bank.t["bounds"][0, :, :2] == 3.0).any())    # deferred to the block's end
+    assert len(grown) == 2 and stand_in.count == 1 and copies.replayed and copies.graph is None
+    assert bool((bank.t["bounds"][0, :, :2] == 3.0).all()) and bool((bank.t["bounds"][:, :, 2:] == float("inf")).all())
+    assert bool((hot.token_slot_s[:, 3] == 1).all()) and bool((hot.token_slot_s[:, 65:] == -1).all())
+
+    bank, hot, copies = make()
+    copies.graph = stand_in = _Replays(copies)
+    bank.grow_rows(3)                                           # drops the staged bounds: a growth of its own
+    with growth_copies(copies):
+        bank.grow("bounds", 1, 6)
+        hot.ensure_tokens(100, align=lambda n: 160)
+    assert stand_in.count == 0 and not copies.replayed
+    assert bool((bank.t["bounds"][0, :, :2] == 3.0).all()) and bool((hot.token_slot_s[:, 3] == 1).all())
+
+    bank.grow("bounds", 1, 12)                                  # outside a block: at once
+    assert bank.t["bounds"].shape[2] == 12 and bool((bank.t["bounds"][0, :, :2] == 3.0).all())

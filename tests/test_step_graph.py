@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 from test_integration import make_pair, prompt
+from test_row_bank import _Replays
 
 import hi_sparse as hs
 from hi_sparse import step_graph
@@ -125,6 +126,7 @@ def test_buffers_grow_only_where_the_key_changes_anyway():
     rows = engine.layers[0]
     seen: list = []
     foreseen: dict = {}
+    copies: dict = {}
     run = graphs._run
 
     def record(plan, call, cache):
@@ -132,6 +134,9 @@ def test_buffers_grow_only_where_the_key_changes_anyway():
         later = engine.plan_later(plan, step_graph.AHEAD_TOKENS)     # as a capture ahead plans it
         if later is not None:
             foreseen.setdefault(later.starts[0], later.key)
+            if later.copies.copies:          # the graph of its growth's copies, as one captured ahead
+                later.copies.graph = _Replays(later.copies)
+                copies.setdefault(later.starts[0], []).append(later.copies)
         return run(plan, call, cache)
 
     graphs._run = record
@@ -142,6 +147,10 @@ def test_buffers_grow_only_where_the_key_changes_anyway():
     # each new key was foreseen 256 tokens ahead, the buffers it grows included (staged then)
     keys = {p: k for p, _, k, _ in seen}
     assert sorted(foreseen) == [1024, 1536] and all(foreseen[p] == keys[p] for p in foreseen), sorted(foreseen)
+    # the growth at 1,024 made exactly the copies its last staging recorded (every layer's bank kinds
+    # and token map), in one replay; the one at 1,536 grows nothing
+    assert sorted(copies) == [1024] and [c.replayed for c in copies[1024]] == [False] * (len(copies[1024]) - 1) + [True]
+    assert len(copies[1024][-1].copies) == 7 * len(engine.layers) and copies[1024][-1].graph is None
     hs.disable_hisparse_kv_cache(model)
 
 
@@ -469,9 +478,13 @@ def test_a_key_change_soon_after_the_prompt_is_foreseen_at_the_capture_and_the_o
     begins its capture ahead, not the replayed step after it (on an H100 the staging of 32 layers'
     ~230 tensors made that one 2.4-3.5x the median). At the key change the replaced graph is
     destroyed on the capture-ahead thread (batch_step.ahead_thread), not in the step: replaying it
-    then fails. The tokens equal those decoded without graphs."""
+    then fails. The growth's copies at the key change (every layer's bank kinds and token map)
+    were captured ahead in one graph there too, and replayed in one launch. The tokens equal those
+    decoded without graphs."""
     retired, retire = [], step_graph._retire
     monkeypatch.setattr(step_graph, "_retire", lambda have: (retired.append(have), retire(have)))
+    copies, capture_copies = [], step_graph._capture_copies
+    monkeypatch.setattr(step_graph, "_capture_copies", lambda c: (copies.append(c), capture_copies(c)))
     model, _ = _graphed_like_eager("test-ahead-soon", torch.float32, 2048, dict(AHEAD, recalibration_lag=2),
                                    1000, 40, 1e-4)
     graphs = step_graph.of(model)
@@ -482,6 +495,8 @@ def test_a_key_change_soon_after_the_prompt_is_foreseen_at_the_capture_and_the_o
     ahead_thread().submit(lambda: None).result()
     with pytest.raises(RuntimeError):
         retired[0].graph.replay()
+    assert len(copies) == 1 and len(copies[0].copies) == 7 * len(binding_of(model).engine.layers)
+    assert copies[0].replayed and copies[0].graph is None
 
 
 @pytest.mark.gpu
