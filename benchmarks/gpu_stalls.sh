@@ -26,6 +26,10 @@
 # at batch 1), one after the other.
 # `... share`: a step's stand-in beside the fit at shares of the SMs (bench_fit.py --shares), and
 # the stall profile at batch 24 with the fit on half and a quarter of them.
+# `... copies`: the gpu tests of the thirtieth session's change (a key change's growth copies in one
+# graph captured ahead: test_step_graph, test_hot_buffer, test_row_bank), then the stall profile
+# at batch 1 and 24 with the copies' graph and without it (--no-copy-graph), alternating, and
+# with no pages locked ahead (--no-lock-ahead), 300 steps each.
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -58,6 +62,14 @@ elif [ "$part" = share ]; then
   for share in 0.5 0.25; do
     timeout 170 $PY benchmarks/stall_profile.py --batch 24 --prompt 1000 --steps 300 --fit-share $share 2>&1 \
       | tee "$OUT/stalls_share_b24_$share.txt" | tail -25
+  done
+elif [ "$part" = copies ]; then
+  timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_step_graph.py tests/test_hot_buffer.py \
+    tests/test_row_bank.py 2>&1 | tee "$OUT/copies_tests.txt" | tail -8
+  for run in "1" "1 --no-copy-graph" "24" "24 --no-copy-graph" "1 --no-lock-ahead" "24 --no-lock-ahead"; do
+    set -- $run
+    timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps 300 ${2:-} 2>&1 \
+      | tee "$OUT/stalls_copies_b${run// /}.txt" | grep -v "^  position 1[1-9]" | tail -14
   done
 elif [ "$part" = changed ]; then
   timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_host_pool.py tests/test_step_graph.py \
