@@ -4,6 +4,7 @@ and restored after it (bench_prefill.py, stall_profile.py)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -25,10 +26,13 @@ class CallTimers:
         return {label: sum(times) for label, times in self.calls.items() if times}
 
     @contextlib.contextmanager
-    def wrap(self, obj, name: str, label: str, sync: Callable[[], None] | None = None) -> Iterator[None]:
+    def wrap(self, obj, name: str, label: str, sync: Callable[[], None] | None = None,
+             elsewhere: str | None = None) -> Iterator[None]:
         """``obj.name`` timed under ``label`` until the context ends (``sync``: called before each
-        call's end is read, to count the device work it queued)."""
+        call's end is read, to count the device work it queued; ``elsewhere``: the label of calls
+        from another thread than the one that entered the context)."""
         fn = getattr(obj, name)
+        here = threading.get_ident()
 
         def timed(*a, **kw):
             t0 = time.perf_counter()
@@ -37,7 +41,7 @@ class CallTimers:
             finally:
                 if sync is not None:
                     sync()
-                self._note(label, t0)
+                self._note(label if elsewhere is None or threading.get_ident() == here else elsewhere, t0)
         with self._replaced(obj, name, timed):
             yield
 

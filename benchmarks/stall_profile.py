@@ -144,7 +144,8 @@ def main() -> int:
           f", the worker's fit {f'{recal_job.FIT_PER_STEP} iterations a step' if recal_job.FIT_PER_STEP else 'unpaced'}"
           f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}"
           f"{f', a GIL switch interval of {sys.getswitchinterval() * 1e3:g} ms' if args.switch_interval else ''}"
-          f", pages locked ahead in {pinned.LOCK_CHUNK / 2**20:g} MiB chunks at a duty of {pinned.LOCK_DUTY:g}: "
+          f"{'' if args.no_lock_ahead else f', pages locked ahead in {pinned.LOCK_CHUNK / 2**20:g} MiB chunks'}"
+          f"{'' if args.no_lock_ahead else f' at a duty of {pinned.LOCK_DUTY:g}'}: "
           f"median step {med:.2f} ms", flush=True)
     # left out of the stalls: a new batch's first step runs eagerly and its second captures its graph
     print("the first steps (eager, then the capture, with whatever starts there): "
@@ -210,7 +211,9 @@ def by_cause(stalls: list, med: float) -> list[tuple[str, tuple[int, float]]]:
 WHILE = {"  its scoring of one layer (worker or slice)": "its scoring",
          "  an iteration of its probes' fit (worker or slice)": "its fit",
          "a whole-step capture (either thread)": "a capture",
-         "  page-locking a tensor's pages (the step, or the thread ahead)": "page-locking"}
+         "  page-locking a tensor's pages (the step, or the thread ahead)": "page-locking",
+         "    a registration on the step's thread (cudaHostRegister)": "registering pages itself",
+         "    a registration on the lock-ahead thread (cudaHostRegister)": "pages registered ahead"}
 
 
 def timed_parts(engine, timers: CallTimers) -> list:
@@ -225,6 +228,8 @@ def timed_parts(engine, timers: CallTimers) -> list:
             timers.wrap_slices(recalibration, "fit_iterations", "  an iteration of its probes' fit (worker or slice)"),
             timers.wrap(engine.host, "grow", "the host pool's growth (in the step)"),
             timers.wrap(pinned.Space, "lock_to", "  page-locking a tensor's pages (the step, or the thread ahead)"),
+            timers.wrap(pinned, "_register", "    a registration on the step's thread (cudaHostRegister)",
+                        elsewhere="    a registration on the lock-ahead thread (cudaHostRegister)"),
             timers.wrap(engine, "settle_recalibration", "settling a recalibration (commit, waits)"),
             timers.wrap(step_graph, "capture", "a whole-step capture (either thread)"),
             timers.wrap(torch.cuda.CUDAGraph, "capture_end", "  ending a capture (the graph instantiated)")]
