@@ -9,14 +9,14 @@ offset: the one place that formula lives); a quantization *unit* is one (block, 
 - quantized: ``k_packed``, ``v_packed`` (R, P_max) uint8 (a unit at b bits uses the first
   ceil(D*b/8) bytes of its rows), bits per unit (uint8), and fp16 scale / zero points in the
   layouts of ``quant_policy.LAYOUT``: keys one pair per channel of a unit (``k_scale`` (U, D)),
-  values one per token (``v_scale`` (R,)). A block is
-  quantized when it fills (:meth:`HostPool.seal`); until then its tokens live in the sequence's
-  float *tail* block (``k_tail``/``v_tail``, the same formula with the tail slot as the block).
+  values one per token (``v_scale`` (R,)). A block is quantized when it fills
+  (:meth:`HostPool.seal`); until then its tokens live in the sequence's float *tail* block
+  (``k_tail``/``v_tail``, the same formula with the tail slot as the block).
 
-Host memory is pinned when the compute device is CUDA: the swap-in kernel reads it, and the
-backup of new tokens writes it, over UVA, in stream order and without a host sync. Each tensor
-lives in a reserved address range it grows in place (:class:`Space`): a growing pool keeps its
-addresses, which a captured decode step holds, until it outgrows the reservation.
+Host memory is pinned when the compute device is CUDA: the swap-in kernel reads it, and the backup
+of new tokens writes it, over UVA, in stream order and without a host sync. Each tensor lives in a
+reserved address range it grows in place (:class:`Space`): a growing pool keeps its addresses,
+which a captured decode step holds, until it outgrows the reservation.
 """
 
 from __future__ import annotations
@@ -130,15 +130,15 @@ class HostPool:
 
     def lock_ahead(self, blocks: int) -> None:
         """Page-lock, on a thread, the pages a growth to ``blocks`` blocks will take in place
-        (pinned.lock_ahead): that growth, in a decode step, then has none to lock. ``locking``:
-        the last such job (a pinned.LockJob), which replaces the one before (a growth since has
-        taken that one's pages)."""
+        (pinned.lock_ahead), and make its views there (Space.make_ready): that growth, in a
+        decode step, then has none to lock or make. ``locking``: the last such job (a
+        pinned.LockJob), which replaces the one before (a growth since has taken that one's pages)."""
         if not self.pin or blocks <= self.num_blocks:
             return
         spec = self._spec(blocks, self.num_tail)
-        sizes = {name: math.prod(shape) * dt.itemsize for name, (shape, dt) in spec.items()}
-        todo = [(space, sizes[name]) for spaces in self._spaces for name, space in spaces.items()
-                if space is not None and space.holds(sizes[name])]
+        todo = [(space, n) for store, spaces in zip(self.layers, self._spaces) for name, space in spaces.items()
+                if space is not None and tuple(store[name].shape) != spec[name][0]   # (what the growth changes)
+                and space.holds(n := space.expect(*spec[name]))]
         self.locking = lock_ahead(todo, torch.device("cuda", torch.cuda.current_device()), replaces=self.locking)
 
     def bytes(self) -> tuple[int, int]:

@@ -470,9 +470,10 @@ def test_a_pool_grows_in_place_until_it_outgrows_its_reserved_space(bits, monkey
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("bits", [None, 4])
 def test_the_next_growth_finds_its_pages_locked_ahead(bits, monkeypatch):
-    """HostPool.lock_ahead page-locks, on a thread, what a growth to n blocks takes in place: that
-    growth (in a decode step) registers nothing; one past n registers only the rest. Every page a
-    view covers is locked (the GPU reads it over UVA)."""
+    """HostPool.lock_ahead page-locks, on a thread, what a growth to n blocks takes in place, and
+    makes its views there: that growth (in a decode step) registers nothing and takes those views;
+    one past n registers only the rest. Every page a view covers is locked (the GPU reads it over
+    UVA)."""
     calls = []
     real = pinned._register
     monkeypatch.setattr(pinned, "_register", lambda ptr, size: (calls.append(size), real(ptr, size)))
@@ -483,8 +484,11 @@ def test_the_next_growth_finds_its_pages_locked_ahead(bits, monkeypatch):
     hp.locking.result()
     ahead = len(calls) - made
     assert ahead >= 4                                        # every layer's K and V rows at least
+    ready = {(i, name): space.ready[2] for i, spaces in enumerate(hp._spaces) for name, space in spaces.items()
+             if space is not None and space.ready is not None}
     hp.grow(blocks=80)
     assert len(calls) == made + ahead                        # nothing left to lock in the step
+    assert len(ready) >= 4 and all(hp.layers[i][name] is t for (i, name), t in ready.items())
     hp.grow(blocks=2000)                                     # past what was locked ahead (whole pages)
     assert len(calls) > made + ahead
     for spaces, store in zip(hp._spaces, hp.layers):

@@ -70,6 +70,39 @@ def test_a_job_locks_its_pages_a_chunk_at_a_time_in_order(registered, monkeypatc
         _forget(a, b)
 
 
+def test_a_job_makes_the_view_its_growth_will_take_once_its_pages_are_locked(registered, monkeypatch):
+    """Space.expect names the view a growth will take; the job that locks its pages makes it then
+    (make_ready), and the growth's view() takes that tensor, registering nothing and making no
+    view in the step. A space the job was stopped in gets none; a view of another shape is made
+    as before."""
+    monkeypatch.setattr(pinned, "LOCK_CHUNK", MB)
+    monkeypatch.setattr(pinned, "LOCK_DUTY", 1.0)
+    a, b, c = _space(8 * MB), _space(8 * MB), _space(8 * MB)
+    try:
+        old = a.view((MB // 4,), torch.float32)                  # what the pool holds now: 1 MB
+        old[:] = 7.0
+        pinned.lock_ahead([(a, a.expect((3 * MB // 8, 2), torch.float32)), (b, MB)], CPU).result(10)
+        assert b.ready is None                                    # none expected there
+        shape, dtype, made = a.ready
+        assert (shape, dtype, a.locked) == ((3 * MB // 8, 2), torch.float32, 3 * MB)
+        calls = len(registered.calls)
+        grown = a.view((3 * MB // 8, 2), torch.float32)
+        assert grown is made and a.ready is None and len(registered.calls) == calls
+        assert grown.data_ptr() == old.data_ptr() and bool((grown.view(-1)[:MB // 4] == 7.0).all())
+
+        gate = registered.gate = threading.Event()               # a job stopped in its first chunk
+        job = pinned.lock_ahead([(c, c.expect((MB,), torch.float32))], CPU)
+        time.sleep(0.05)
+        job.stop()
+        gate.set()
+        job.result(10)
+        assert c.ready is None and c.locked == MB
+        other = c.view((MB // 2,), torch.float32)                 # another view: made (and locked) as before
+        assert other.shape == (MB // 2,) and c.locked == 2 * MB
+    finally:
+        _forget(a, b, c)
+
+
 def test_the_locker_waits_between_chunks_so_the_steps_get_the_driver(registered, monkeypatch):
     """Each registration is followed by a pause of (1 / LOCK_DUTY - 1) times its length: the
     decode step's CUDA calls, which wait for a registration, wait for one chunk at most."""
