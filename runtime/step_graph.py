@@ -333,10 +333,11 @@ def _capture_copies(copies: GrowthCopies | None) -> None:
         return
     try:
         # (as a capture ahead: its thread's stream, the random state untouched, the graph uploaded)
-        copies.graph, _ = capture(copies.run, torch.cuda.graph_pool_handle(), begun=lambda: None)
+        graph, _ = capture(copies.run, torch.cuda.graph_pool_handle(), begun=lambda: None)
     except RuntimeError:
         return
     copies.retire = lambda graph: ahead_thread().submit(graph.reset)
+    copies.graph = graph                     # last: the steps' thread may take it from now on
 
 
 def _retire(have: WholeStep | None) -> None:
