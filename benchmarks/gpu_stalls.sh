@@ -26,10 +26,12 @@
 # at batch 1), one after the other.
 # `... share`: a step's stand-in beside the fit at shares of the SMs (bench_fit.py --shares), and
 # the stall profile at batch 24 with the fit on half and a quarter of them.
-# `... copies`: the gpu tests of the thirtieth session's change (a key change's growth copies in one
-# graph captured ahead: test_step_graph, test_hot_buffer, test_row_bank), then the stall profile
+# `... copies`: the gpu tests of the thirtieth session's changes (a key change's growth copies in one
+# graph captured ahead, a growth's views made by the lock-ahead job: test_step_graph,
+# test_hot_buffer, test_row_bank, test_host_pool, test_pinned), then the stall profile
 # at batch 1 and 24 with the copies' graph and without it (--no-copy-graph), alternating, and
-# with no pages locked ahead (--no-lock-ahead), 300 steps each.
+# with no pages locked ahead (--no-lock-ahead), 300 steps each; then at batch 1 with a GIL switch
+# interval of 0.5 ms (does the lock-ahead job wait for the GIL behind the capture ahead?).
 # Carry .whl and .device.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -65,11 +67,12 @@ elif [ "$part" = share ]; then
   done
 elif [ "$part" = copies ]; then
   timeout 200 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_step_graph.py tests/test_hot_buffer.py \
-    tests/test_row_bank.py 2>&1 | tee "$OUT/copies_tests.txt" | tail -8
-  for run in "1" "1 --no-copy-graph" "24" "24 --no-copy-graph" "1 --no-lock-ahead" "24 --no-lock-ahead"; do
+    tests/test_row_bank.py tests/test_host_pool.py tests/test_pinned.py 2>&1 | tee "$OUT/copies_tests.txt" | tail -8
+  for run in "1" "1 --no-copy-graph" "24" "24 --no-copy-graph" "1 --no-lock-ahead" "24 --no-lock-ahead" \
+             "1 --switch-interval 0.0005"; do
     set -- $run
-    timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps 300 ${2:-} 2>&1 \
-      | tee "$OUT/stalls_copies_b${run// /}.txt" | grep -v "^  position 1[1-9]" | tail -14
+    timeout 150 $PY benchmarks/stall_profile.py --batch $1 --prompt 1000 --steps 300 "${@:2}" 2>&1 \
+      | tee "$OUT/stalls_copies_b${run// /}.txt" | grep -v "^  position 1[1-9]" | tail -16
   done
 elif [ "$part" = changed ]; then
   timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_host_pool.py tests/test_step_graph.py \
