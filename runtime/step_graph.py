@@ -328,13 +328,14 @@ class StepGraphs:
 
 def _capture_copies(copies: GrowthCopies | None) -> None:
     """The staged growths' copies of a key captured ahead in one graph (row_bank.GrowthCopies), on
-    the capture-ahead thread after its step's capture; a failure leaves them to run one by one."""
+    the capture-ahead thread after its step's capture; any failure leaves them to run one by one
+    (and the step's graph captured)."""
     if copies is None or not copies.copies:
         return
     try:
         # (as a capture ahead: its thread's stream, the random state untouched, the graph uploaded)
         graph, _ = capture(copies.run, torch.cuda.graph_pool_handle(), begun=lambda: None)
-    except RuntimeError:
+    except Exception:          # noqa: BLE001 - the copies then run one by one
         return
     copies.retire = lambda graph: ahead_thread().submit(graph.reset)
     copies.graph = graph                     # last: the steps' thread may take it from now on
