@@ -82,13 +82,13 @@ class HostPool:
 
     def _moves(self, blocks: int, tails: int) -> bool:
         """Whether growing to ``blocks`` and ``tails`` moves a tensor in use (outgrows its space)."""
-        spec = self._spec(blocks, tails)
+        need = {name: (shp, math.prod(shp) * dt.itemsize) for name, (shp, dt) in self._spec(blocks, tails).items()}
         for store, spaces in zip(self.layers, self._spaces):
             for name, t in store.items():
-                shape, dt = spec[name]
-                if t.numel() and tuple(t.shape) != shape:
+                shape, n = need[name]
+                if t.shape != shape and t.numel():
                     space = spaces.get(name)
-                    if space is None or not space.holds(math.prod(shape) * dt.itemsize):
+                    if space is None or not space.holds(n):
                         return True
         return False
 
