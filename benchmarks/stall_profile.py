@@ -144,9 +144,9 @@ def main() -> int:
           f", the worker's fit {f'{recal_job.FIT_PER_STEP} iterations a step' if recal_job.FIT_PER_STEP else 'unpaced'}"
           f"{f', the fit on {args.fit_share} of the SMs' if args.fit_share is not None else ''}"
           f"{f', a GIL switch interval of {sys.getswitchinterval() * 1e3:g} ms' if args.switch_interval else ''}"
-          f"{'' if args.no_lock_ahead else f', pages locked ahead in {pinned.LOCK_CHUNK / 2**20:g} MiB chunks'}"
-          f"{'' if args.no_lock_ahead else f' at a duty of {pinned.LOCK_DUTY:g}'}: "
-          f"median step {med:.2f} ms", flush=True)
+          + ("" if args.no_lock_ahead else
+             f", pages locked ahead in {pinned.LOCK_CHUNK / 2**20:g} MiB chunks at a duty of {pinned.LOCK_DUTY:g}")
+          + f": median step {med:.2f} ms", flush=True)
     # left out of the stalls: a new batch's first step runs eagerly and its second captures its graph
     print("the first steps (eager, then the capture, with whatever starts there): "
           + ", ".join(f"{pos} {t:.1f} ms" for pos, t, _ in times[:2]), flush=True)

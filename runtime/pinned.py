@@ -60,7 +60,7 @@ class Space:
         self.size = len(mm)                                     # bytes reserved (a growth asks often)
         self.pin, self.locked, self.ranges = pin, 0, []
         self._lock = threading.Lock()                           # the steps' thread and lock_ahead's
-        self.coming: tuple | None = None    # (shape, dtype): the view the growth locked ahead for takes
+        self.coming: tuple | None = None    # (shape, dtype, bytes): the view the growth locked ahead for takes
         self.ready: tuple | None = None     # (shape, dtype, that view), made once its pages are locked
         if pin:
             weakref.finalize(mm, _unpin_all, self.ranges)       # when the last view is gone
@@ -95,8 +95,8 @@ class Space:
 
     def expect(self, shape: tuple, dtype: torch.dtype) -> int:
         """A growth will take the view of ``shape`` (:meth:`make_ready`); its bytes."""
-        self.coming = (tuple(shape), dtype)
-        return math.prod(shape) * dtype.itemsize
+        self.coming = (tuple(shape), dtype, math.prod(shape) * dtype.itemsize)
+        return self.coming[2]
 
     def make_ready(self) -> None:
         """Make the view a growth will take (``coming``, as :func:`lock_ahead`'s caller set it)
@@ -104,10 +104,9 @@ class Space:
         a growth's ~256 views took ~1 ms of the step's host time)."""
         if self.coming is None:
             return
-        shape, dtype = self.coming
-        n = math.prod(shape) * dtype.itemsize
+        shape, dtype, n = self.coming
         if self._chunk(n, None)[0] <= self.locked:
-            self.ready = (tuple(shape), dtype, self.base[:n].view(dtype).view(shape))
+            self.ready = (shape, dtype, self.base[:n].view(dtype).view(shape))
 
     def lock_to(self, nbytes: int, most: int | None = None) -> bool:
         """Page-lock the space's first ``nbytes`` (whole pages, within the space) if not yet, at

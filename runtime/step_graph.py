@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from . import hf_attention, hf_compat
-from .batch_step import _cause, ahead_thread, capture, private_random_state, warm_blas
+from .batch_step import _cause, ahead_thread, capture, private_random_state, reset_off_step, warm_blas
 from .probe import ImportanceProbe, fit_params
 from .recalibration import audit_hits
 from .row_bank import GrowthCopies, staged_view
@@ -337,17 +337,15 @@ def _capture_copies(copies: GrowthCopies | None) -> None:
         graph, _ = capture(copies.run, torch.cuda.graph_pool_handle(), begun=lambda: None)
     except Exception:          # noqa: BLE001 - the copies then run one by one
         return
-    copies.retire = lambda graph: ahead_thread().submit(graph.reset)
+    copies.retire = reset_off_step
     copies.graph = graph                     # last: the steps' thread may take it from now on
 
 
 def _retire(have: WholeStep | None) -> None:
-    """Destroy a replaced key's graph on the capture-ahead thread, not in the step that replaced it
-    (cudaGraphExecDestroy took 1.2-1.3 ms of the key change's step on an H100), between that
-    thread's captures. As when the step dropped it: a replay still running completes (CUDA frees
-    an executable graph in flight at its end), and its private pool is no other graph's."""
+    """Destroy a replaced key's graph off the step that replaced it (batch_step.reset_off_step);
+    its private pool is no other graph's."""
     if have is not None:
-        ahead_thread().submit(have.graph.reset)
+        reset_off_step(have.graph)
 
 
 def warm_first_launches(engine: Any, device: torch.device) -> None:
